@@ -1,0 +1,3 @@
+from lmc.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""Exit codes and the errors that carry them. Every user-facing error is one line."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_INVALID_INPUT = 1  # spec, checkpoint, artifact, request
+EXIT_USAGE = 2
+EXIT_NO_PLAN = 3
+EXIT_INTERNAL = 70
+
+
+class LmcError(Exception):
+    """An error meant for the user: one line, and the exit code it maps to."""
+
+    exit_code = EXIT_INVALID_INPUT
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class SpecError(LmcError):
+    """The spec is invalid: the message names the file, the key path and, where known, the line."""
+
+
+class CheckpointError(LmcError):
+    """The checkpoint is missing, corrupt or disagrees with its config."""
+
+
+class ArtifactError(LmcError):
+    """The artifact is missing a file, or a file was altered."""
+
+
+class MissingDependencyError(LmcError):
+    """An optional dependency (the Neuron SDK, deepspeed, CUDA) is absent: says what to install."""
+
+
+class UsageError(LmcError):
+    exit_code = EXIT_USAGE
+
+
+class NoFeasiblePlanError(LmcError):
+    """Nothing fits: the message has the numbers and the nearest feasible options."""
+
+    exit_code = EXIT_NO_PLAN
+
+    def __init__(self, message: str, details: list[str] | None = None):
+        super().__init__(message)
+        self.details = details or []
+
+
+class InternalError(LmcError):
+    """A broken invariant inside lmc, not the user's fault."""
+
+    exit_code = EXIT_INTERNAL
+
+    def __init__(self, message: str):
+        super().__init__(f"INTERNAL ERROR: {message} (this is a bug in lmc; please report it)")

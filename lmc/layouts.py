@@ -1,0 +1,151 @@
+"""Tensor-parallel layouts: how each family's checkpoint tensors split across TP ranks.
+
+Shared by the build (which writes one safetensors file per rank) and the runtime (which rebuilds
+each rank's modules from its file). Pure: names and shapes in, slices out; no torch.
+
+Kinds:
+  column      split dim 0 (output features; weight and bias) in equal contiguous parts.
+  kv_column   column over key/value heads, each head kept whole; when TP exceeds the kv heads,
+              each head is replicated on TP/kv_heads consecutive ranks (GQA/MQA).
+  row         split dim 1 (input features); a bias is replicated and added once after all-reduce.
+  vocab       split dim 0 of the LM head (and its bias) when the vocabulary divides by TP, else replicate.
+  heads_dim1  split dim 1 (T5 relative attention bias: [buckets, heads]).
+  replicate   whole on every rank (embeddings, norms, routers, buffers).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["column", "kv_column", "row", "vocab", "heads_dim1", "replicate"]
+
+_LLAMA = [
+    (r"\.self_attn\.q_proj\.(weight|bias)$", "column"),
+    (r"\.self_attn\.[kv]_proj\.(weight|bias)$", "kv_column"),
+    (r"\.self_attn\.o_proj\.weight$", "row"),
+    (r"\.mlp\.(gate_proj|up_proj)\.weight$", "column"),
+    (r"\.mlp\.down_proj\.weight$", "row"),
+    (r"\.block_sparse_moe\.experts\.\d+\.(w1|w3)\.weight$", "column"),
+    (r"\.block_sparse_moe\.experts\.\d+\.w2\.weight$", "row"),
+    (r"^lm_head\.weight$", "vocab"),
+]
+
+LAYOUTS: dict[str, list[tuple[str, Kind]]] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "mixtral": _LLAMA,
+    "qwen2": _LLAMA,
+    "gptj": [
+        (r"\.attn\.[qkv]_proj\.weight$", "column"),
+        (r"\.attn\.out_proj\.weight$", "row"),
+        (r"\.mlp\.fc_in\.(weight|bias)$", "column"),
+        (r"\.mlp\.fc_out\.weight$", "row"),
+        (r"^lm_head\.(weight|bias)$", "vocab"),
+    ],
+    "gpt_neox": [
+        # The fused QKV is laid out head-major ([heads, 3, head_dim]): contiguous parts keep heads whole.
+        (r"\.attention\.query_key_value\.(weight|bias)$", "column"),
+        (r"\.attention\.dense\.weight$", "row"),
+        (r"\.mlp\.dense_h_to_4h\.(weight|bias)$", "column"),
+        (r"\.mlp\.dense_4h_to_h\.weight$", "row"),
+        (r"^embed_out\.weight$", "vocab"),
+    ],
+    "opt": [
+        (r"\.self_attn\.[qkv]_proj\.(weight|bias)$", "column"),
+        (r"\.self_attn\.out_proj\.weight$", "row"),
+        (r"\.fc1\.(weight|bias)$", "column"),
+        (r"\.fc2\.weight$", "row"),
+        (r"^lm_head\.weight$", "vocab"),
+    ],
+    "bloom": [
+        # Fused QKV, head-major ([heads, 3, head_dim]).
+        (r"\.self_attention\.query_key_value\.(weight|bias)$", "column"),
+        (r"\.self_attention\.dense\.weight$", "row"),
+        (r"\.mlp\.dense_h_to_4h\.(weight|bias)$", "column"),
+        (r"\.mlp\.dense_4h_to_h\.weight$", "row"),
+        (r"^lm_head\.weight$", "vocab"),
+    ],
+    "t5": [
+        (r"\.(SelfAttention|EncDecAttention)\.[qkv]\.weight$", "column"),
+        (r"\.(SelfAttention|EncDecAttention)\.o\.weight$", "row"),
+        (r"\.SelfAttention\.relative_attention_bias\.weight$", "heads_dim1"),
+        (r"\.DenseReluDense\.(wi|wi_0|wi_1)\.weight$", "column"),
+        (r"\.DenseReluDense\.wo\.weight$", "row"),
+        (r"^lm_head\.weight$", "vocab"),
+    ],
+}
+
+_COMPILED = {family: [(re.compile(p), kind) for p, kind in rules] for family, rules in LAYOUTS.items()}
+
+
+@dataclass(frozen=True)
+class Split:
+    """The part of a tensor one rank holds: `dim` None means the whole tensor."""
+
+    dim: int | None
+    start: int = 0
+    stop: int = 0
+
+
+def kind_of(family: str, name: str) -> Kind:
+    """The layout kind of checkpoint tensor `name` for `family`."""
+    try:
+        rules = _COMPILED[family]
+    except KeyError:
+        raise ValueError(f"no tensor-parallel layout for family {family!r}") from None
+    for pattern, kind in rules:
+        if pattern.search(name):
+            return kind
+    return "replicate"
+
+
+def rank_split(family: str, name: str, shape: tuple[int, ...], rank: int, tp: int, head_dim: int | None = None,
+               kv_heads: int | None = None) -> Split:
+    """Which slice of tensor `name` (of `shape`) rank `rank` of `tp` holds.
+
+    `head_dim` and `kv_heads` are needed for kv_column tensors. Raises ValueError when the tensor
+    does not divide (the planner rejects such TP degrees before any build).
+    """
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} outside tensor-parallel degree {tp}")
+    kind = kind_of(family, name)
+    if tp == 1 or kind == "replicate" or (kind == "row" and len(shape) < 2):
+        return Split(None)
+    if kind == "vocab":
+        return _even(name, shape, 0, rank, tp) if shape[0] % tp == 0 else Split(None)
+    if kind == "kv_column":
+        if head_dim is None or kv_heads is None:
+            raise ValueError(f"{name}: kv_column split needs head_dim and kv_heads")
+        if shape[0] != kv_heads * head_dim:
+            raise ValueError(f"{name}: dim 0 is {shape[0]}, expected kv_heads·head_dim = {kv_heads}·{head_dim}")
+        if kv_heads % tp == 0:
+            return _even(name, shape, 0, rank, tp)
+        if tp % kv_heads == 0:
+            head = rank * kv_heads // tp
+            return Split(0, head * head_dim, (head + 1) * head_dim)
+        raise ValueError(f"{name}: {kv_heads} kv heads neither divide nor are divided by TP {tp}")
+    dim = {"column": 0, "row": 1, "heads_dim1": 1}[kind]
+    return _even(name, shape, dim, rank, tp)
+
+
+def _even(name: str, shape: tuple[int, ...], dim: int, rank: int, tp: int) -> Split:
+    size = shape[dim]
+    if size % tp:
+        raise ValueError(f"{name}: dim {dim} of size {size} does not divide by TP {tp}")
+    part = size // tp
+    return Split(dim, rank * part, (rank + 1) * part)
+
+
+def local_shape(shape: tuple[int, ...], split: Split) -> tuple[int, ...]:
+    if split.dim is None:
+        return tuple(shape)
+    out = list(shape)
+    out[split.dim] = split.stop - split.start
+    return tuple(out)
+
+
+def shard_path(tp: int, rank: int) -> str:
+    """Where rank `rank`'s weights live inside the artifact."""
+    return f"shards/tp{tp}/rank{rank}.safetensors"

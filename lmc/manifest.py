@@ -1,0 +1,76 @@
+"""The artifact manifest (`lmc.json`): format version, lmc version, spec, plan, every file's digest.
+
+Shared by the build (which writes it) and the runtime (which verifies it before loading).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from lmc.errors import ArtifactError
+
+MANIFEST_NAME = "lmc.json"
+FORMAT_VERSION = 1
+_CHUNK = 8 * 1024 * 1024
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def build_manifest(lmc_version: str, spec: dict[str, Any], plan: dict[str, Any],
+                   files: dict[str, tuple[int, str]]) -> dict[str, Any]:
+    """The manifest for `files` ({relative path: (size, sha256)}), paths sorted."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "lmc_version": lmc_version,
+        "spec": spec,
+        "plan": plan,
+        "files": {path: {"size": size, "sha256": digest} for path, (size, digest) in sorted(files.items())},
+    }
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode()
+
+
+def read_manifest(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: no manifest; is this an artifact built by `lmc build`?") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path}: unreadable manifest: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{path}: unsupported manifest format {manifest.get('format_version') if isinstance(manifest, dict) else '?'}; expected {FORMAT_VERSION}")
+    for key in ("plan", "spec", "files"):
+        if not isinstance(manifest.get(key), dict):
+            raise ArtifactError(f"{path}: manifest has no `{key}` object")
+    return manifest
+
+
+def verify_artifact(model_dir: Path, check_hashes: bool = True) -> dict[str, Any]:
+    """Check every file the manifest lists (size, then sha256). Returns the manifest.
+
+    Raises ArtifactError naming the first missing or altered file.
+    """
+    model_dir = Path(model_dir)
+    manifest = read_manifest(model_dir)
+    for rel, entry in manifest["files"].items():
+        path = model_dir / rel
+        if not path.is_file():
+            raise ArtifactError(f"{path}: listed in {MANIFEST_NAME} but missing from the artifact")
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise ArtifactError(f"{path}: altered: size {size} bytes, manifest says {entry['size']}")
+        if check_hashes and sha256_file(path) != entry["sha256"]:
+            raise ArtifactError(f"{path}: altered: sha256 differs from {MANIFEST_NAME}")
+    return manifest

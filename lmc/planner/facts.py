@@ -1,0 +1,104 @@
+"""The facts the planner reasons over: frozen, validated, built from data files or checkpoints.
+
+The planner takes facts, not names: tests build these in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Family = Literal["llama", "mistral", "mixtral", "qwen2", "gptj", "gpt_neox", "opt", "bloom", "t5"]
+DeviceKind = Literal["gpu", "neuron", "cpu"]
+DtypeName = Literal["fp32", "fp16", "bf16", "int8", "fp8"]
+
+# One table of dtype sizes, in bytes per element.
+DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
+
+
+class _Facts(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelFacts(_Facts):
+    """A model's architecture, as the memory and latency math needs it."""
+
+    id: str = Field(description="The model id (HF hub style).")
+    family: Family = Field(description="Architecture family; decides the TP layout and engine support.")
+    architecture: str = Field(description="The HF class name from config.json `architectures`.")
+    is_encoder_decoder: bool = Field(default=False, description="T5-style encoder-decoder.")
+    parameters: int = Field(gt=0, description="Total parameter count (exact from safetensors headers, or the catalog's).")
+    layers: int = Field(gt=0, description="Transformer blocks (the decoder's, for encoder-decoder models).")
+    encoder_layers: int = Field(default=0, ge=0, description="Encoder blocks of an encoder-decoder model.")
+    hidden_size: int = Field(gt=0, description="Model width (d_model).")
+    attention_heads: int = Field(gt=0, description="Query heads.")
+    kv_heads: int = Field(gt=0, description="Key/value heads (fewer than attention_heads under GQA/MQA).")
+    head_dim: int = Field(gt=0, description="Width of one attention head.")
+    intermediate_size: int = Field(gt=0, description="MLP inner width (per expert for MoE).")
+    vocab_size: int = Field(gt=0, description="Vocabulary size (rows of the embedding).")
+    max_position_embeddings: int | None = Field(default=None, gt=0, description="Longest sequence the model supports; None where unbounded (ALiBi, relative).")
+    tie_word_embeddings: bool = Field(default=False, description="LM head shares the input embedding.")
+    num_experts: int = Field(default=1, ge=1, description="MoE experts per layer (1 for dense).")
+    experts_per_token: int = Field(default=1, ge=1, description="Experts each token is routed to.")
+    torch_dtype: DtypeName = Field(default="fp16", description="The dtype the weights are stored in.")
+    source: str = Field(description="Where these facts came from: a catalog file and its citation, or a checkpoint path.")
+
+
+class InterconnectFacts(_Facts):
+    """How the devices of one instance talk to each other."""
+
+    name: str = Field(description="NVLink, PCIe gen4, NeuronLink-v2, shared memory, ...")
+    bandwidth_bytes_per_s: float = Field(gt=0, description="Per-device unidirectional bandwidth used by all-reduce.")
+    latency_us: float = Field(ge=0, description="Fixed cost of one all-reduce hop, microseconds.")
+
+
+class HardwareFacts(_Facts):
+    """One target: an instance type (or the local CPU) and its accelerators."""
+
+    name: str = Field(description="Instance name (ml.g5.12xlarge) or 'local'.")
+    accelerator: str = Field(description="Accelerator name (a10g, a100-40gb, inferentia2, cpu).")
+    kind: DeviceKind = Field(description="gpu, neuron or cpu.")
+    devices: int = Field(gt=0, description="Devices per instance (NeuronCores for Neuron; 1 for CPU).")
+    device_memory_bytes: int = Field(gt=0, description="Memory per device, bytes.")
+    memory_bandwidth_bytes_per_s: float = Field(gt=0, description="Peak memory bandwidth per device.")
+    tflops: dict[str, float] = Field(description="Dense peak TFLOPS per device, per dtype.")
+    dtypes: list[DtypeName] = Field(description="Dtypes the hardware computes in natively (no bf16 on T4/V100; fp8 on H100+).")
+    interconnect: InterconnectFacts
+    price_per_hour: float | None = Field(default=None, ge=0, description="On-demand USD/hour (us-east-1), None for local.")
+    host_memory_bytes: int | None = Field(default=None, gt=0, description="Instance RAM.")
+    load_bandwidth_bytes_per_s: float = Field(default=1.0e9, gt=0, description="Storage-to-device read rate assumed for load time.")
+    source: str = Field(description="Datasheets and pages the figures come from.")
+
+
+class EngineEfficiency(_Facts):
+    """Measured-derived efficiency figures for one engine on one kind of hardware."""
+
+    decode_bandwidth: float = Field(gt=0, le=1, description="Share of peak memory bandwidth a decode step achieves.")
+    prefill_compute: float = Field(gt=0, le=1, description="Share of peak TFLOPS a prefill achieves (MFU).")
+    step_overhead_ms: float = Field(ge=0, description="Fixed per-step cost: kernel launches, Python, sampling.")
+    tp_efficiency: float = Field(gt=0, le=1, description="Bandwidth efficiency kept per doubling of the TP degree.")
+    allreduce_efficiency: float = Field(default=0.7, gt=0, le=1, description="Achieved share of interconnect bandwidth in all-reduce.")
+    runtime_overhead_bytes: int = Field(ge=0, description="Per device: CUDA context / Neuron runtime, allocator slack.")
+    comm_buffer_bytes: int = Field(default=0, ge=0, description="Per device when TP>1: NCCL/collective buffers.")
+    load_efficiency: float = Field(default=1.0, gt=0, le=1, description="Share of load bandwidth reached when loading weights.")
+    source: str = Field(description="The measurements these figures were calibrated on.")
+
+
+class EngineFacts(_Facts):
+    """What an engine can do: families, dtypes, TP constraints, loading, efficiency."""
+
+    name: Literal["deepspeed", "hf", "neuronx"]
+    hardware: list[DeviceKind] = Field(description="Device kinds the engine runs on.")
+    families: list[Family] = Field(description="Model families the engine serves.")
+    dtypes: list[DtypeName] = Field(description="Weight dtypes the engine can serve.")
+    kernel_injection_families: list[Family] = Field(default_factory=list, description="Families with fused kernels (DeepSpeed).")
+    tp_degrees: dict[str, list[int]] = Field(default_factory=dict, description="Allowed TP degrees per accelerator (Neuron); empty = any divisor.")
+    tp_requires_heads_divisible: bool = Field(default=True, description="TP must divide attention heads.")
+    tp_kv_heads_rule: Literal["divide", "divide_or_replicate"] = Field(default="divide_or_replicate", description="KV heads split across ranks, or kept whole and replicated when TP exceeds them.")
+    shards_lm_head: bool = Field(default=True, description="Whether the LM head is split across TP ranks (else replicated).")
+    prepartitioned_loading: bool = Field(description="Can load weights pre-split per TP rank.")
+    aot_compile_families: list[Family] = Field(default_factory=list, description="Families whose graphs can be compiled and serialized ahead of time (Neuron).")
+    compile_seconds_per_billion_params: float = Field(default=0, ge=0, description="Graph compile time, when compilation happens at start (Neuron).")
+    efficiency: dict[DeviceKind, EngineEfficiency] = Field(description="Efficiency figures per device kind.")
+    source: str = Field(description="Documentation for the capabilities.")

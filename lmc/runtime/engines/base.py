@@ -1,0 +1,56 @@
+"""The one small interface every engine implements; the generated model.py wires one of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Per-request sampling parameters (the LMI/TGI `parameters` object)."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    do_sample: bool = False
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    repetition_penalty: float = 1.0
+    return_full_text: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    id: str
+    prompt: str
+    params: GenerationParams = field(default_factory=GenerationParams)
+
+
+@dataclass
+class GenerationResult:
+    id: str
+    text: str
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: str  # "length" | "stop" | "eos"
+    token_ids: list[int] = field(default_factory=list)
+
+
+# Called as tokens are produced: (request id, new text piece).
+TokenCallback = Callable[[str, str], None]
+
+
+class Engine(Protocol):
+    """A loaded model on one TP rank. All ranks of a group call `generate` in lockstep."""
+
+    def load(self, model_dir: Path, rank: int, world_size: int) -> None:
+        """Load rank `rank`'s shard of the artifact in `model_dir` (only that shard file)."""
+
+    def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
+        """Generate for a batch; results in the batch's order. Raises on a model failure."""
+
+    def count_tokens(self, text: str) -> int:
+        """Prompt length in tokens, to validate requests against the planned sequence length."""

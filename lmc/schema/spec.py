@@ -1,0 +1,96 @@
+"""The v1 deployment spec: strict models that mirror the TOML. Unset means unset."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from lmc.schema.units import parse_size
+
+Engine = Literal["deepspeed", "hf", "neuronx"]
+Dtype = Literal["fp32", "fp16", "bf16", "int8", "fp8"]
+Task = Literal["text-generation", "text2text-generation"]
+Optimize = Literal["latency", "throughput", "cost"]
+ByteSize = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ModelSpec(_Strict):
+    """What to serve."""
+
+    id: str = Field(min_length=1, description="Model id (HF hub style); facts come from `path` when given, else the catalog.")
+    path: str | None = Field(default=None, min_length=1, description="Local HF checkpoint directory, relative to the spec file.")
+    uri: str | None = Field(default=None, min_length=1, description="Remote weights (s3://...) the container loads instead of packed weights.")
+    revision: str | None = Field(default=None, min_length=1, description="Checkpoint revision, recorded in the artifact.")
+    task: Task = Field(default="text-generation", description="text-generation (decoder-only) or text2text-generation (T5 family).")
+    trust_remote_code: bool = Field(default=False, description="Allow the checkpoint's own modelling code.")
+
+
+class TargetSpec(_Strict):
+    """Where to serve it."""
+
+    instance: str | None = Field(default=None, min_length=1, description='A catalog instance (ml.g5.12xlarge, g5.12xlarge) or "local".')
+    accelerator: str | None = Field(default=None, min_length=1, description="A catalog accelerator (a10g, a100-40gb, ...), with `devices`.")
+    devices: int | None = Field(default=None, ge=1, le=1024, description="How many accelerators, with `accelerator`.")
+    instances: int = Field(default=1, ge=1, le=1024, description="How many instances the plan may use for replicas.")
+    profile: str | None = Field(default=None, min_length=1, description="A measured hardware profile (catalog-entry format), relative to the spec file.")
+
+    @model_validator(mode="after")
+    def _one_way_to_name_hardware(self) -> "TargetSpec":
+        if self.instance is not None and (self.accelerator is not None or self.devices is not None):
+            raise ValueError("give either `instance` or `accelerator` with `devices`, not both")
+        if self.instance is None and self.accelerator is None:
+            raise ValueError('name the hardware: `instance = "ml.g5.12xlarge"` (or "local"), or `accelerator` with `devices`')
+        if self.accelerator is not None and self.devices is None:
+            raise ValueError("`accelerator` needs `devices` (how many)")
+        if self.devices is not None and self.accelerator is None:
+            raise ValueError("`devices` needs `accelerator` (which one)")
+        return self
+
+
+class BudgetSpec(_Strict):
+    """How much of the hardware the plan may use."""
+
+    memory_fraction: float = Field(default=0.9, gt=0, le=1, description="Share of each device's memory the plan may fill.")
+    memory_per_device: ByteSize | None = Field(default=None, description='Absolute cap per device: "20GiB", "20GB" or bytes.')
+    max_cost_per_hour: float | None = Field(default=None, gt=0, description="USD per hour for all instances together.")
+
+
+class GoalSpec(_Strict):
+    """What the deployment must achieve."""
+
+    tpot_ms: float | None = Field(default=None, gt=0, description="Time per output token (p50) at the planned batch, ms.")
+    ttft_ms: float | None = Field(default=None, gt=0, description="Time to first token for a max_input_tokens prompt, ms.")
+    optimize: Optimize = Field(default="latency", description="What to prefer among plans that meet the goal.")
+
+
+class WorkloadSpec(_Strict):
+    """The traffic to plan for."""
+
+    max_input_tokens: int = Field(default=1024, ge=1, le=1_048_576, description="Longest prompt, tokens.")
+    max_output_tokens: int = Field(default=256, ge=1, le=1_048_576, description="Longest generation, tokens.")
+    concurrency: int = Field(default=1, ge=1, le=100_000, description="Concurrent requests to serve.")
+
+
+class PinSpec(_Strict):
+    """Choices fixed by the user; the planner checks them and explains the consequences."""
+
+    engine: Engine | None = Field(default=None, description="Serving engine.")
+    dtype: Dtype | None = Field(default=None, description="Weight dtype; int8 is weight-only quantization.")
+    tensor_parallel_degree: int | None = Field(default=None, ge=1, le=1024, description="Devices per replica.")
+    replicas: int | None = Field(default=None, ge=1, le=100_000, description="Model copies across the instances.")
+
+
+class Spec(_Strict):
+    """A deployment spec (format v1)."""
+
+    model: ModelSpec
+    target: TargetSpec
+    budget: BudgetSpec = BudgetSpec()
+    goal: GoalSpec = GoalSpec()
+    workload: WorkloadSpec = WorkloadSpec()
+    pin: PinSpec = PinSpec()
