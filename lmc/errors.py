@@ -59,3 +59,16 @@ class InternalError(LmcError):
 
     def __init__(self, message: str):
         super().__init__(f"INTERNAL ERROR: {message} (this is a bug in lmc; please report it)")
+
+
+class SpecValueError(LmcError):
+    """A spec value that is well-formed but wrong against the facts (unknown instance, bad pin).
+
+    Raised by the planner and catalogs, which do not know the file; the CLI adds the file and line.
+    """
+
+    def __init__(self, key_path: str, value: object, message: str):
+        super().__init__(f"{key_path} = {value!r}: {message}")
+        self.key_path = key_path
+        self.value = value
+        self.detail = message

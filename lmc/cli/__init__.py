@@ -1,0 +1,1 @@
+"""One module per subcommand; `main` is a thin dispatcher."""

@@ -1,0 +1,63 @@
+"""`lmc` entry point: parse the subcommand, run it, map errors to exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from lmc import __version__
+from lmc.errors import EXIT_INTERNAL, EXIT_USAGE, LmcError, NoFeasiblePlanError
+
+# Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`.
+SUBCOMMANDS = {
+    "plan": ("lmc.cli.plan", "plan a deployment from a spec"),
+    "build": ("lmc.cli.build", "build the deployable artifact (model.tar.gz)"),
+    "runtime": ("lmc.cli.runtime", "serve an artifact (the container entrypoint)"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        self.exit(EXIT_USAGE, f"lmc: usage error: {message} (see `lmc --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lmc", description="A declarative compiler for large-model deployments.")
+    parser.add_argument("--version", action="version", version=f"lmc {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub_parser)
+        sub_parser.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args._module.run(args) or 0)
+    except NoFeasiblePlanError as exc:
+        print(f"lmc: no feasible plan: {exc}", file=sys.stderr)
+        for line in exc.details:
+            print(f"  {line}", file=sys.stderr)
+        return exc.exit_code
+    except LmcError as exc:
+        print(f"lmc: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("lmc: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a broken invariant: say so, ask for a report
+        print(f"lmc: INTERNAL ERROR: {type(exc).__name__}: {exc} (this is a bug in lmc; please report it)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
