@@ -1,0 +1,157 @@
+"""Parsing of the LMI request schema, shared by the HTTP server and the DJL handler.
+
+Pure: JSON-decoded values in, `GenerationParams` out. Every rejection is a ValueError whose message
+names the offending key and says what is accepted; the server answers it with 400.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lmc.runtime.engines.base import GenerationParams
+
+MAX_STOP_SEQUENCES = 16
+_PARAMETER_KEYS = (
+    "max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "seed", "stop",
+    "repetition_penalty", "return_full_text",
+)
+_BODY_KEYS = ("inputs", "parameters", "stream")
+
+
+def parse_parameters(params: dict, max_sequence_length: int | None = None) -> GenerationParams:
+    """Validate the LMI `parameters` object strictly and return the engine's parameters.
+
+    `temperature` 0 means greedy (OpenAI clients send it), whatever `do_sample` says.
+    With `max_sequence_length`, `max_new_tokens` must leave room for at least one prompt token;
+    the engine checks prompt + max_new_tokens once the prompt is tokenized.
+    """
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise ValueError(f"parameters must be a JSON object, got {_json_type(params)}")
+    unknown = sorted(set(params) - set(_PARAMETER_KEYS))
+    if unknown:
+        raise ValueError(f"unknown parameter {unknown[0]!r}; accepted: {', '.join(_PARAMETER_KEYS)}")
+    defaults = GenerationParams()
+    values: dict[str, Any] = {}
+    if "max_new_tokens" in params:
+        values["max_new_tokens"] = _int(params, "max_new_tokens", minimum=1)
+        if max_sequence_length is not None and values["max_new_tokens"] >= max_sequence_length:
+            raise ValueError(f"parameters.max_new_tokens = {values['max_new_tokens']} leaves no room for a prompt "
+                             f"within the maximum sequence length {max_sequence_length}")
+    if "temperature" in params:
+        values["temperature"] = _number(params, "temperature", minimum=0.0, maximum=100.0)
+    if "top_p" in params:
+        top_p = _number(params, "top_p", minimum=0.0, maximum=1.0)
+        if top_p == 0.0:
+            raise ValueError("parameters.top_p must be in (0, 1], got 0")
+        values["top_p"] = top_p
+    if "top_k" in params:
+        values["top_k"] = _int(params, "top_k", minimum=0)
+    if "do_sample" in params:
+        values["do_sample"] = _bool(params, "do_sample")
+    if "seed" in params and params["seed"] is not None:
+        values["seed"] = _int(params, "seed", minimum=0, maximum=2**63 - 1)
+    if "stop" in params and params["stop"] is not None:
+        values["stop"] = _stop(params["stop"])
+    if "repetition_penalty" in params:
+        penalty = _number(params, "repetition_penalty", minimum=0.0, maximum=100.0)
+        if penalty == 0.0:
+            raise ValueError("parameters.repetition_penalty must be > 0, got 0")
+        values["repetition_penalty"] = penalty
+    if "return_full_text" in params:
+        values["return_full_text"] = _bool(params, "return_full_text")
+    if values.get("temperature", defaults.temperature) == 0.0:
+        values["do_sample"] = False
+        values["temperature"] = 1.0
+    return GenerationParams(**values)
+
+
+def parse_invocation(body: object, max_sequence_length: int | None = None) -> tuple[list[str], GenerationParams, bool]:
+    """Validate an LMI /invocations body: `{"inputs": str | [str], "parameters": {...}, "stream": bool}`.
+
+    Returns (prompts, parameters, stream). A single string gives a one-element list.
+    """
+    if not isinstance(body, dict):
+        raise ValueError(f"request body must be a JSON object with 'inputs', got {_json_type(body)}")
+    unknown = sorted(set(body) - set(_BODY_KEYS))
+    if unknown:
+        raise ValueError(f"unknown request key {unknown[0]!r}; accepted: {', '.join(_BODY_KEYS)}")
+    if "inputs" not in body:
+        raise ValueError("request body has no 'inputs' (a string or a list of strings)")
+    inputs = body["inputs"]
+    if isinstance(inputs, str):
+        prompts = [inputs]
+    elif isinstance(inputs, list):
+        if not inputs:
+            raise ValueError("inputs is an empty list; give at least one prompt")
+        for index, item in enumerate(inputs):
+            if not isinstance(item, str):
+                raise ValueError(f"inputs[{index}] must be a string, got {_json_type(item)}")
+        prompts = list(inputs)
+    else:
+        raise ValueError(f"inputs must be a string or a list of strings, got {_json_type(inputs)}")
+    params = parse_parameters(body.get("parameters"), max_sequence_length)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ValueError(f"stream must be true or false, got {_json_type(stream)}")
+    return prompts, params, stream
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _int(params: dict, key: str, *, minimum: int, maximum: int | None = None) -> int:
+    value = params[key]
+    # JSON has one number type: accept 5.0 but not 5.5, and never booleans.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"parameters.{key} must be an integer, got {_json_type(value)} ({value!r})")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"parameters.{key} must be {bound}, got {value}")
+    return value
+
+
+def _number(params: dict, key: str, *, minimum: float, maximum: float) -> float:
+    value = params[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"parameters.{key} must be a number, got {_json_type(value)} ({value!r})")
+    value = float(value)
+    if not math.isfinite(value) or not minimum <= value <= maximum:
+        raise ValueError(f"parameters.{key} must be in [{minimum:g}, {maximum:g}], got {value:g}")
+    return value
+
+
+def _bool(params: dict, key: str) -> bool:
+    value = params[key]
+    if not isinstance(value, bool):
+        raise ValueError(f"parameters.{key} must be true or false, got {_json_type(value)} ({value!r})")
+    return value
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise ValueError(f"parameters.stop must be a string or a list of strings, got {_json_type(value)}")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"parameters.stop has {len(items)} sequences; at most {MAX_STOP_SEQUENCES} are allowed")
+    for index, item in enumerate(items):
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"parameters.stop[{index}] must be a non-empty string, got {item!r}")
+    return tuple(items)

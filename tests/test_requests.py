@@ -1,0 +1,72 @@
+"""The shared LMI request parser: strict types and ranges, clear reasons."""
+
+import pytest
+
+from lmc.runtime.engines.base import GenerationParams
+from lmc.runtime.requests import parse_invocation, parse_parameters
+
+
+def test_full_parameters_parse():
+    params = parse_parameters({"max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "do_sample": True,
+                               "seed": 3, "stop": ["\n", "END"], "repetition_penalty": 1.2,
+                               "return_full_text": True}, 64)
+    assert params == GenerationParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=40, do_sample=True, seed=3,
+                                      stop=("\n", "END"), repetition_penalty=1.2, return_full_text=True)
+
+
+def test_defaults_and_single_stop_string():
+    assert parse_parameters({}) == GenerationParams()
+    assert parse_parameters({"stop": "x"}).stop == ("x",)
+    assert parse_parameters({"max_new_tokens": 4.0}).max_new_tokens == 4
+
+
+def test_temperature_zero_means_greedy():
+    params = parse_parameters({"temperature": 0, "do_sample": True})
+    assert params.do_sample is False and params.temperature == 1.0
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"max_new_tokens": 0}, "parameters.max_new_tokens must be >= 1, got 0"),
+    ({"max_new_tokens": "5"}, "parameters.max_new_tokens must be an integer, got a string"),
+    ({"max_new_tokens": True}, "parameters.max_new_tokens must be an integer, got a boolean"),
+    ({"max_new_tokens": 2.5}, "must be an integer"),
+    ({"max_new_tokens": 64}, "leaves no room for a prompt within the maximum sequence length 64"),
+    ({"temperature": -1}, "parameters.temperature must be in [0, 100], got -1"),
+    ({"top_p": 1.5}, "parameters.top_p must be in [0, 1], got 1.5"),
+    ({"top_p": 0}, "parameters.top_p must be in (0, 1], got 0"),
+    ({"top_k": -2}, "parameters.top_k must be >= 0"),
+    ({"do_sample": "yes"}, "parameters.do_sample must be true or false, got a string"),
+    ({"seed": -1}, "parameters.seed must be in [0,"),
+    ({"stop": [""]}, "parameters.stop[0] must be a non-empty string"),
+    ({"stop": 5}, "parameters.stop must be a string or a list of strings"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+    ({"max_tokens": 5}, "unknown parameter 'max_tokens'; accepted: max_new_tokens"),
+    ({"temperature": float("nan")}, "parameters.temperature must be in"),
+])
+def test_bad_parameters_are_rejected_with_the_reason(params, message):
+    with pytest.raises(ValueError) as excinfo:
+        parse_parameters(params, 64)
+    assert message in str(excinfo.value)
+
+
+def test_invocation_shapes():
+    assert parse_invocation({"inputs": "hi"}) == (["hi"], GenerationParams(), False)
+    prompts, params, stream = parse_invocation({"inputs": ["a", "b"], "parameters": {"max_new_tokens": 3},
+                                                "stream": True})
+    assert prompts == ["a", "b"] and params.max_new_tokens == 3 and stream is True
+
+
+@pytest.mark.parametrize("body, message", [
+    ([1], "request body must be a JSON object with 'inputs', got an array"),
+    ({"parameters": {}}, "request body has no 'inputs'"),
+    ({"inputs": []}, "inputs is an empty list"),
+    ({"inputs": ["a", 3]}, "inputs[1] must be a string, got a number"),
+    ({"inputs": 3}, "inputs must be a string or a list of strings, got a number"),
+    ({"inputs": "a", "stream": "yes"}, "stream must be true or false"),
+    ({"inputs": "a", "prompt": "b"}, "unknown request key 'prompt'"),
+    ({"inputs": "a", "parameters": []}, "parameters must be a JSON object, got an array"),
+])
+def test_bad_invocations_are_rejected_with_the_reason(body, message):
+    with pytest.raises(ValueError) as excinfo:
+        parse_invocation(body)
+    assert message in str(excinfo.value)
