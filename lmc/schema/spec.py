@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from lmc.schema.units import parse_size
 
@@ -12,7 +12,13 @@ Engine = Literal["deepspeed", "hf", "neuronx"]
 Dtype = Literal["fp32", "fp16", "bf16", "int8", "fp8"]
 Task = Literal["text-generation", "text2text-generation"]
 Optimize = Literal["latency", "throughput", "cost"]
-ByteSize = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
+_SIZE_SCHEMA = {
+    "anyOf": [
+        {"type": "integer", "exclusiveMinimum": 0},
+        {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([KMGT]i?B|B)\s*$"},
+    ]
+}
+ByteSize = Annotated[int, BeforeValidator(parse_size), Field(gt=0), WithJsonSchema(_SIZE_SCHEMA)]
 
 
 class _Strict(BaseModel):
@@ -43,12 +49,12 @@ class TargetSpec(_Strict):
     def _one_way_to_name_hardware(self) -> "TargetSpec":
         if self.instance is not None and (self.accelerator is not None or self.devices is not None):
             raise ValueError("give either `instance` or `accelerator` with `devices`, not both")
-        if self.instance is None and self.accelerator is None:
-            raise ValueError('name the hardware: `instance = "ml.g5.12xlarge"` (or "local"), or `accelerator` with `devices`')
         if self.accelerator is not None and self.devices is None:
             raise ValueError("`accelerator` needs `devices` (how many)")
         if self.devices is not None and self.accelerator is None:
             raise ValueError("`devices` needs `accelerator` (which one)")
+        if self.instance is None and self.accelerator is None:
+            raise ValueError('name the hardware: `instance = "ml.g5.12xlarge"` (or "local"), or `accelerator` with `devices`')
         return self
 
 

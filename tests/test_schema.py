@@ -1,0 +1,89 @@
+"""The spec schema: strict models, size units, key-path lines, the committed JSON Schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmc.errors import SpecError
+from lmc.schema import load_spec, parse_size, parse_spec
+from lmc.schema.export import SCHEMA_PATH, spec_json_schema
+from lmc.schema.units import format_bytes
+
+SPECS = sorted((Path(__file__).parents[1] / "specs").glob("*.toml"))
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("24GiB", 24 * 2**30), ("24GB", 24 * 10**9), ("512MiB", 512 * 2**20), ("1.5GiB", 3 * 2**29),
+     ("100 MB", 10**8), ("7", None), (4096, 4096)],
+)
+def test_parse_size(text, expected):
+    if expected is None:
+        with pytest.raises(ValueError, match="is not a size"):
+            parse_size(text)
+    else:
+        assert parse_size(text) == expected
+
+
+def test_gib_and_gb_differ():
+    assert parse_size("24GiB") - parse_size("24GB") == 24 * (2**30 - 10**9)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "0GiB", "-3GiB", "GiB", "3 GiBs"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+def test_format_bytes():
+    assert format_bytes(12_100_000_000) == "11.3 GiB"
+    assert format_bytes(512) == "512 B"
+
+
+def test_committed_json_schema_is_current():
+    assert SCHEMA_PATH.read_text() == spec_json_schema(), "run `python -m lmc.schema.export`"
+
+
+@pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
+def test_example_specs_validate(path):
+    loaded = load_spec(path)
+    assert loaded.spec.model.id
+    assert len(loaded.sha256) == 64
+
+
+def test_spec_digest_ignores_comments_and_order(tmp_path):
+    a = parse_spec('[model]\nid = "x"\n[target]\ninstance = "local"\n', tmp_path / "a.toml")
+    b = parse_spec('# hi\n[target]\ninstance = "local"\n\n[model]\nid = "x"  # same\n', tmp_path / "b.toml")
+    c = parse_spec('[model]\nid = "y"\n[target]\ninstance = "local"\n', tmp_path / "c.toml")
+    assert a.sha256 == b.sha256 != c.sha256
+
+
+def test_defaults_are_unset_not_invented(tmp_path):
+    spec = parse_spec('[model]\nid = "x"\n[target]\ninstance = "local"\n', tmp_path / "s.toml").spec
+    assert spec.pin.engine is None and spec.pin.tensor_parallel_degree is None
+    assert spec.budget.memory_per_device is None and spec.goal.tpot_ms is None
+    assert spec.target.instances == 1 and spec.budget.memory_fraction == 0.9
+
+
+def test_sizes_parse_inside_spec(tmp_path):
+    spec = parse_spec('[model]\nid = "x"\n[target]\ninstance = "local"\n[budget]\nmemory_per_device = "20GiB"\n',
+                      tmp_path / "s.toml").spec
+    assert spec.budget.memory_per_device == 20 * 2**30
+
+
+def test_error_names_nested_line(tmp_path):
+    text = '[model]\nid = "x"\n\n[target]\ninstance = "local"\n\n[workload]\nmax_output_tokens = 0\n'
+    with pytest.raises(SpecError) as exc:
+        parse_spec(text, tmp_path / "s.toml")
+    assert str(exc.value) == (
+        f"{tmp_path / 's.toml'}:8: workload.max_output_tokens = 0: Input should be greater than or equal to 1"
+    )
+
+
+def test_unreadable_spec(tmp_path):
+    path = tmp_path / "bin.toml"
+    path.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(SpecError, match="cannot read the spec"):
+        load_spec(path)
