@@ -1,0 +1,94 @@
+"""Golden outputs per example spec: the plan, the human report, the emitted files, the archive listing.
+
+Like black's golden cases, every check also runs the stage twice to prove it is stable.
+"""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stderr
+from pathlib import Path
+
+import pytest
+
+from golden import golden_file
+from lmc.cli.main import main
+from lmc.errors import NoFeasiblePlanError
+from lmc.pipeline import plan_from_spec
+from lmc.schema import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = sorted((ROOT / "specs").glob("*.toml"))
+CPU_SPEC = ROOT / "specs" / "tiny-llama-cpu.toml"
+
+
+@pytest.fixture(scope="session")
+def cpu_checkpoint():
+    """The CPU example's tiny random Llama, created where the spec expects it."""
+    from lmc.testing.checkpoints import make_checkpoint
+
+    target = ROOT / "specs" / "models" / "tiny-llama"
+    return make_checkpoint("llama", target, seed=0)
+
+
+def _plan_or_none(spec: Path):
+    try:
+        return plan_from_spec(load_spec(spec))
+    except NoFeasiblePlanError:
+        return None
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[p.stem for p in SPECS])
+def test_golden_plan(spec: Path, snapshot, request):
+    if spec == CPU_SPEC:
+        request.getfixturevalue("cpu_checkpoint")
+    result = _plan_or_none(spec)
+    if result is None:
+        err = io.StringIO()
+        with redirect_stderr(err):
+            code = main(["plan", str(spec)])
+        assert code == 3
+        assert err.getvalue() == _capture_plan_error(spec), "the infeasible verdict must be stable"
+        assert err.getvalue() == snapshot(extension_class=golden_file(spec.stem, "plan.txt"))
+        return
+    again = plan_from_spec(load_spec(spec))
+    assert result.plan.to_json() == again.plan.to_json(), "planning must be deterministic"
+    assert result.plan.to_json() == snapshot(extension_class=golden_file(spec.stem, "plan.json"))
+
+    from lmc.planner.report import render_plan
+
+    report = render_plan(result.plan, load_spec(spec).spec, explain=True)
+    assert report == snapshot(extension_class=golden_file(spec.stem, "report.txt"))
+
+
+def _capture_plan_error(spec: Path) -> str:
+    err = io.StringIO()
+    with redirect_stderr(err):
+        main(["plan", str(spec)])
+    return err.getvalue()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[p.stem for p in SPECS])
+def test_golden_emitted_files(spec: Path, snapshot, request):
+    if spec == CPU_SPEC:
+        request.getfixturevalue("cpu_checkpoint")
+    result = _plan_or_none(spec)
+    if result is None:
+        pytest.skip("no feasible plan: nothing is emitted (see plan.txt)")
+    from lmc.emitters.render import render_text_files
+
+    loaded = load_spec(spec)
+    files = render_text_files(result.plan, loaded.spec)
+    assert files == render_text_files(result.plan, loaded.spec), "rendering must be deterministic"
+    assert files["serving.properties"].decode() == snapshot(
+        extension_class=golden_file(spec.stem, "serving.properties"))
+    assert files["model.py"].decode() == snapshot(extension_class=golden_file(spec.stem, "model.py"))
+
+
+def test_golden_cpu_archive_listing(cpu_checkpoint, tmp_path, snapshot):
+    from lmc.emitters.archive import archive_listing
+
+    out = tmp_path / "model.tar.gz"
+    assert main(["build", str(CPU_SPEC), "-o", str(out)]) == 0
+    listing = "".join(f"{size:>10}  {digest}  {path}\n" for path, size, digest in archive_listing(out))
+    assert listing == snapshot(extension_class=golden_file(CPU_SPEC.stem, "archive.txt"))
