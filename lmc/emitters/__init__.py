@@ -1,0 +1,1 @@
+"""Emitters: everything `lmc build` writes from a plan (rendered files, shards, Neuron graphs, archive)."""

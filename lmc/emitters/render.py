@@ -1,0 +1,183 @@
+"""Render the artifact's text files from a plan: serving.properties, model.py, requirements.txt.
+
+Pure: a Plan and its Spec in, bytes out; no checkpoint needed (golden tests snapshot these per spec).
+The plan decides; this module only translates its values into each file's spelling (LMI dtype
+names, DJL engine names) and the templates only lay them out. Jinja runs with StrictUndefined, so a
+variable a template names but the context lacks fails the render instead of printing nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from lmc import __version__
+from lmc.emitters import neuron
+from lmc.errors import InternalError, SpecError
+from lmc.planner.plan import Plan
+from lmc.schema import Spec
+
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+
+# One template per emitted file.
+TEXT_FILES: dict[str, str] = {
+    "serving.properties": "serving.properties.j2",
+    "model.py": "model.py.j2",
+    "requirements.txt": "requirements.txt.j2",
+}
+
+# DJL Serving's engine for each lmc engine, and why (rendered as a comment).
+DJL_ENGINES: dict[str, tuple[str, str]] = {
+    "deepspeed": ("MPI", "DeepSpeed runs one process per tensor-parallel rank; LMI launches them under its "
+                         "MPI engine (the older DeepSpeed engine name is deprecated since LMI 0.25)"),
+    "hf": ("Python", "one process serves the model"),
+    "hf_tp": ("MPI", "transformers' native tensor parallelism needs one process per rank, joined by "
+                     "torch.distributed; LMI's MPI engine launches them"),
+    "neuronx": ("Python", "one process drives all the NeuronCores of the tensor-parallel group "
+                          "(transformers-neuronx shards across them itself)"),
+}
+
+# LMI's option.dtype spelling of the plan's dtype.
+LMI_DTYPES: dict[str, str] = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "int8": "int8", "fp8": "fp8"}
+
+# Pinned runtime dependencies per engine (what this lmc was tested with).
+COMMON_PINS: dict[str, str] = {
+    "torch": "2.13.0",
+    "transformers": "5.23.0",
+    "safetensors": "0.8.0",
+    "tokenizers": "0.23.3",
+}
+ENGINE_PINS: dict[str, dict[str, str]] = {
+    "hf": {},
+    "deepspeed": {"deepspeed": "0.19.8"},
+    # transformers-neuronx brings its own torch (torch-neuronx) and a transformers it supports.
+    "neuronx": dict(neuron.NEURON_SDK_PINS),
+}
+
+# option.model_loading_timeout: never below LMI's practical floor, 3x the prediction as margin.
+MIN_LOADING_TIMEOUT_S = 240
+LOADING_TIMEOUT_FACTOR = 3
+
+
+def loading_timeout_seconds(predicted_load_seconds: float) -> int:
+    """max(240 s, 3 x predicted load), rounded up to a whole minute."""
+    raw = max(MIN_LOADING_TIMEOUT_S, LOADING_TIMEOUT_FACTOR * predicted_load_seconds)
+    return int(math.ceil(raw / 60.0)) * 60
+
+
+def device_of(plan: Plan) -> str:
+    """The torch device kind the engine runs on: neuron, cpu or cuda."""
+    if plan.engine == "neuronx":
+        return "neuron"
+    return "cpu" if plan.target.accelerator == "cpu" else "cuda"
+
+
+def djl_engine(plan: Plan) -> tuple[str, str]:
+    key = "hf_tp" if plan.engine == "hf" and plan.tensor_parallel_degree > 1 else plan.engine
+    return DJL_ENGINES[key]
+
+
+def requirements(plan: Plan) -> list[str]:
+    """`name==version` lines, sorted, lmc first."""
+    if plan.engine == "neuronx":
+        pins = dict(ENGINE_PINS["neuronx"])
+        pins.update({"safetensors": COMMON_PINS["safetensors"]})
+    else:
+        pins = {**COMMON_PINS, **ENGINE_PINS[plan.engine]}
+    return [f"lmc=={__version__}"] + [f"{name}=={version}" for name, version in sorted(pins.items())]
+
+
+def context(plan: Plan, spec: Spec) -> dict[str, Any]:
+    """Everything the templates print, already in each file's spelling."""
+    weights_remote = spec.model.uri is not None
+    engine_name, engine_reason = djl_engine(plan)
+    precompiled = neuron.graphs_precompiled(plan, weights_remote)
+    instances = max(1, plan.target.instances)
+    return {
+        "lmc_version": __version__,
+        "spec_sha256": plan.spec_sha256,
+        "plan_sha256": plan.plan_sha256,
+        "model_id": plan.model.id,
+        "family": plan.model.family,
+        "task": spec.model.task,
+        "revision": spec.model.revision,
+        "model_uri": spec.model.uri,
+        "trust_remote_code": spec.model.trust_remote_code,
+        "instance": plan.target.instance,
+        "accelerator": plan.target.accelerator,
+        "engine": plan.engine,
+        "djl_engine": engine_name,
+        "djl_engine_reason": engine_reason,
+        "dtype": plan.dtype,
+        "lmi_dtype": LMI_DTYPES[plan.dtype],
+        "tensor_parallel_degree": plan.tensor_parallel_degree,
+        "replicas": plan.replicas,
+        "replicas_per_instance": -(-plan.replicas // instances),
+        "instances": instances,
+        "batch_size": plan.batch_size,
+        "max_batch_delay_ms": plan.max_batch_delay_ms,
+        "job_queue_size": plan.job_queue_size,
+        "max_sequence_length": plan.max_sequence_length,
+        "device": device_of(plan),
+        "predicted_load_seconds": f"{plan.predicted.load_seconds:.1f}",
+        "loading_timeout_s": loading_timeout_seconds(plan.predicted.load_seconds),
+        "min_loading_timeout_s": MIN_LOADING_TIMEOUT_S,
+        "loading_timeout_factor": LOADING_TIMEOUT_FACTOR,
+        "neuronx": plan.engine == "neuronx",
+        "neuron_precompiled": precompiled,
+        "neuron_compiled_dir": neuron.COMPILED_DIR if precompiled else None,
+        "neuron_note": neuron.not_precompiled_reason(plan, weights_remote) if plan.engine == "neuronx" else "",
+        "neuron_optimize_level": neuron.NEURON_OPTIMIZE_LEVEL,
+        "neuron_pip_index": neuron.NEURON_PIP_INDEX,
+        "requirements": requirements(plan),
+    }
+
+
+def render_text_files(plan: Plan, spec: Spec) -> dict[str, bytes]:
+    """{"serving.properties", "model.py", "requirements.txt"}: bytes, deterministic for a plan and spec."""
+    values = context(plan, spec)
+    return {name: render_template(template, values) for name, template in TEXT_FILES.items()}
+
+
+def render_neuron_readme(plan: Plan, spec: Spec) -> bytes:
+    """neuron/README.md: where the compiled graphs are, or when they get compiled."""
+    return render_template("neuron_README.md.j2", context(plan, spec))
+
+
+def render_template(template: str, values: dict[str, Any]) -> bytes:
+    import jinja2
+
+    try:
+        text = _environment().get_template(template).render(**values)
+    except jinja2.UndefinedError as exc:
+        raise InternalError(f"template {template}: {exc}") from None
+    return text.encode("utf-8")
+
+
+@lru_cache(maxsize=1)
+def _environment():
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env.filters["py"] = repr
+    env.filters["prop"] = _property_value
+    return env
+
+
+def _property_value(value: Any) -> str:
+    """A value as a Java-properties line can hold it: booleans lower-case, no line breaks."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value)
+    if any(ch in text for ch in "\r\n\x00"):
+        raise SpecError(f"spec value {text!r} contains a line break; serving.properties values must be one line")
+    return text.replace("\\", "\\\\")
