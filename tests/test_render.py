@@ -57,13 +57,14 @@ def properties(text: bytes) -> dict[str, str]:
 
 
 def llama_neuron_plan(**overrides) -> Plan:
-    return make_plan(
+    fields = dict(
         model=PlanModel(id="meta-llama/Llama-2-7b-hf", family="llama", parameters=6_738_415_616, layers=32,
                         hidden_size=4096, attention_heads=32, kv_heads=32, vocab_size=32000),
         target=PlanTarget(instance="ml.inf2.24xlarge", accelerator="inferentia2", devices=12,
                           device_memory_bytes=16 * 2**30, instances=1, price_per_hour=7.79),
-        engine="neuronx", dtype="bf16", tensor_parallel_degree=8, replicas=1, max_sequence_length=2048,
-        **overrides)
+        engine="neuronx", dtype="bf16", tensor_parallel_degree=8, replicas=1, max_sequence_length=2048)
+    fields.update(overrides)
+    return make_plan(**fields)
 
 
 def test_deepspeed_tp2_serving_properties():
