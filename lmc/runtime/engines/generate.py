@@ -1,0 +1,257 @@
+"""The batched decode loop: KV cache, left padding, per-request sampling, streaming, stop handling.
+
+One loop serves every engine built on a torch model (hf, deepspeed). Causal LMs are left-padded with
+an attention mask and position ids, so a request decodes to the same tokens alone or in a batch;
+T5-style encoder-decoders run the encoder once and decode from its outputs with the same loop.
+
+With tensor parallelism every rank runs the loop over the same batch; rank 0 alone chooses the next
+tokens and broadcasts them, so ranks can never diverge (sampling included) and all ranks reach the
+same finish decisions from the same tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult, TokenCallback
+
+log = logging.getLogger(__name__)
+_REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
+
+
+@dataclass
+class _Row:
+    request: GenerationRequest
+    prompt_ids: list[int]
+    generator: torch.Generator | None = None
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    streamed: str = ""
+    finish: str | None = None
+    stream_ok: bool = True
+
+    @property
+    def params(self) -> GenerationParams:
+        return self.request.params
+
+
+class DecodeLoop:
+    """Generation over a loaded torch model on one rank. `group` None means no tensor parallelism."""
+
+    def __init__(self, model, tokenizer, *, max_sequence_length: int, device: torch.device, eos_token_ids: set[int],
+                 rank: int = 0, world_size: int = 1, group=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_sequence_length = max_sequence_length
+        self.device = device
+        self.eos_token_ids = set(eos_token_ids)
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        config = model.config
+        self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+        self.decoder_start = getattr(config, "decoder_start_token_id", None)
+        if self.encoder_decoder and self.decoder_start is None:
+            self.decoder_start = config.pad_token_id
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (min(self.eos_token_ids) if self.eos_token_ids else 0)
+        accepted = set(inspect.signature(model.forward).parameters)
+        self.pass_positions = "position_ids" in accepted and not self.encoder_decoder
+        self.pass_logits_to_keep = "logits_to_keep" in accepted
+
+    # -- tokens -------------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+
+    def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
+        if not batch:
+            return []
+        rows = [self._row(request) for request in batch]
+        stream = on_token if self.rank == 0 else None
+        with torch.inference_mode():
+            step = self._prefill_causal(rows) if not self.encoder_decoder else self._prefill_seq2seq(rows)
+            logits, advance = step
+            while True:
+                tokens = self._next_tokens(logits, rows)
+                for row, token in zip(rows, tokens.tolist()):
+                    if row.finish is None:
+                        self._append(row, token, stream)
+                if all(row.finish is not None for row in rows):
+                    break
+                logits = advance(tokens)
+        return [self._result(row) for row in rows]
+
+    def _row(self, request: GenerationRequest) -> _Row:
+        ids = self.encode(request.prompt)
+        if not ids:
+            raise ValueError("the prompt is empty after tokenization; give at least one token of input")
+        total = len(ids) + request.params.max_new_tokens
+        if total > self.max_sequence_length:
+            raise ValueError(f"the prompt is {len(ids)} tokens and max_new_tokens is {request.params.max_new_tokens}: "
+                             f"{total} exceeds the maximum sequence length {self.max_sequence_length}")
+        row = _Row(request, ids)
+        if self.rank == 0 and request.params.do_sample:
+            seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
+            row.generator = torch.Generator(device=self.device).manual_seed(seed)
+        return row
+
+    def _prefill_causal(self, rows: list[_Row]):
+        from transformers import DynamicCache
+
+        width = max(len(row.prompt_ids) for row in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row.prompt_ids):] = torch.tensor(row.prompt_ids)
+            mask[i, width - len(row.prompt_ids):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        cache = DynamicCache(config=self.model.config)
+        state = {"mask": mask, "positions": positions}
+
+        def forward(input_ids):
+            kwargs = {"input_ids": input_ids, "attention_mask": state["mask"], "past_key_values": cache,
+                      "use_cache": True}
+            if self.pass_positions:
+                kwargs["position_ids"] = state["positions"]
+            if self.pass_logits_to_keep:
+                kwargs["logits_to_keep"] = 1
+            return self.model(**kwargs).logits[:, -1, :].float()
+
+        def advance(tokens: torch.Tensor) -> torch.Tensor:
+            ones = torch.ones((len(rows), 1), dtype=state["mask"].dtype, device=self.device)
+            state["mask"] = torch.cat([state["mask"], ones], dim=-1)
+            state["positions"] = state["positions"][:, -1:] + 1
+            return forward(tokens[:, None])
+
+        return forward(ids), advance
+
+    def _prefill_seq2seq(self, rows: list[_Row]):
+        from transformers import DynamicCache, EncoderDecoderCache
+
+        width = max(len(row.prompt_ids) for row in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, :len(row.prompt_ids)] = torch.tensor(row.prompt_ids)
+            mask[i, :len(row.prompt_ids)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        encoder_outputs = self.model.get_encoder()(input_ids=ids, attention_mask=mask)
+        cache = EncoderDecoderCache(DynamicCache(config=self.model.config), DynamicCache(config=self.model.config))
+
+        def forward(decoder_ids):
+            out = self.model(encoder_outputs=encoder_outputs, attention_mask=mask, decoder_input_ids=decoder_ids,
+                             past_key_values=cache, use_cache=True)
+            return out.logits[:, -1, :].float()
+
+        start = torch.full((len(rows), 1), self.decoder_start, dtype=torch.long, device=self.device)
+        return forward(start), lambda tokens: forward(tokens[:, None])
+
+    # -- choosing tokens ----------------------------------------------------------------------------------
+
+    def _next_tokens(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        tokens = torch.empty(len(rows), dtype=torch.long, device=self.device)
+        if self.rank == 0:
+            for i, row in enumerate(rows):
+                tokens[i] = self.pad_id if row.finish is not None else choose_token(
+                    logits[i], row.params, self._context(row), row.generator)
+        if self.world_size > 1:
+            source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+            dist.broadcast(tokens, src=source, group=self.group)
+        return tokens
+
+    def _context(self, row: _Row) -> list[int]:
+        """The ids repetition_penalty looks at (as HF does: the decoder's input)."""
+        if self.encoder_decoder:
+            return [self.decoder_start, *row.generated]
+        return row.prompt_ids + row.generated
+
+    # -- text, stop sequences, streaming ------------------------------------------------------------------
+
+    def _append(self, row: _Row, token: int, stream: TokenCallback | None) -> None:
+        if token in self.eos_token_ids:
+            row.finish = "eos"
+        else:
+            row.generated.append(token)
+            row.text = self.decode(row.generated)
+            cut = _first_stop(row.text, row.params.stop)
+            if cut is not None:
+                row.text = row.text[:cut]
+                row.finish = "stop"
+            elif len(row.generated) >= row.params.max_new_tokens:
+                row.finish = "length"
+        if stream is not None and row.stream_ok:
+            final = row.finish is not None
+            upto = len(row.text) if final else _safe_prefix(row.text, row.params.stop)
+            if upto > len(row.streamed) and row.text.startswith(row.streamed):
+                piece = row.text[len(row.streamed):upto]
+                row.streamed += piece
+                try:
+                    stream(row.request.id, piece)
+                except Exception:  # a broken client must not break the lockstep with the other ranks
+                    log.exception("streaming callback failed for request %s; no more pieces for it", row.request.id)
+                    row.stream_ok = False
+
+    def _result(self, row: _Row) -> GenerationResult:
+        text = row.request.prompt + row.text if row.params.return_full_text else row.text
+        return GenerationResult(id=row.request.id, text=text, prompt_tokens=len(row.prompt_ids),
+                                generated_tokens=len(row.generated), finish_reason=row.finish or "length",
+                                token_ids=list(row.generated))
+
+
+def choose_token(logits: torch.Tensor, params: GenerationParams, context: list[int],
+                 generator: torch.Generator | None) -> int:
+    """One row's next token: repetition penalty, then greedy or temperature → top-k → top-p sampling (HF order)."""
+    scores = logits.float().clone()
+    if params.repetition_penalty != 1.0 and context:
+        ids = torch.tensor(sorted(set(context)), dtype=torch.long, device=scores.device)
+        picked = scores[ids]
+        penalty = params.repetition_penalty
+        scores[ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    if not params.do_sample:
+        return int(torch.argmax(scores))
+    scores = scores / params.temperature
+    if params.top_k > 0 and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=False)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        remove = cumulative <= 1.0 - params.top_p
+        remove[-1] = False  # always keep the most likely token
+        scores = scores.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), float("-inf"))
+    probs = scores.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [index for index in (text.find(stop) for stop in stops) if index >= 0]
+    return min(hits) if hits else None
+
+
+def _safe_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """How much of `text` can be streamed now: not an incomplete character, not a possible stop's start."""
+    end = len(text)
+    while end and text[end - 1] == _REPLACEMENT:
+        end -= 1
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                end = min(end, len(text) - k)
+                break
+    return end

@@ -1,0 +1,170 @@
+"""The `hf` engine: plain transformers models, tensor parallel over pre-partitioned shards.
+
+Loading never reads the whole checkpoint: the model is built from config.json with its parameters on
+the meta device, reshaped for this rank (tp.py), and filled from this rank's shard file only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from lmc.errors import ArtifactError, InternalError, MissingDependencyError
+from lmc.layouts import shard_path
+from lmc.runtime.engines.base import GenerationRequest, GenerationResult, TokenCallback
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def read_shard(path: Path) -> dict:
+    """This rank's tensors. The one place weights are read: through Python's open(), so audits see it."""
+    from safetensors.torch import load
+
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: shard file missing; was the artifact built for this tensor-parallel degree?") \
+            from None
+    try:
+        return load(data)
+    except Exception as exc:  # safetensors raises its own error types
+        raise ArtifactError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def resolve_device(device: str, rank: int):
+    import torch
+
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise MissingDependencyError("device 'cuda' requested but torch sees no CUDA GPU; "
+                                         "run on a GPU instance or plan for the CPU")
+        local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    raise InternalError(f"the hf engine cannot run on device {device!r}")
+
+
+def build_skeleton(config, task: str, dtype):
+    """The full-size model with parameters on the meta device (buffers real), in `dtype`."""
+    import torch
+    import transformers
+
+    from lmc.runtime.engines.tp import parameters_on_meta
+
+    if task == "text2text-generation" or getattr(config, "is_encoder_decoder", False):
+        factory = transformers.AutoModelForSeq2SeqLM
+    else:
+        factory = transformers.AutoModelForCausalLM
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with parameters_on_meta():
+            model = factory.from_config(config, dtype=dtype)
+    finally:
+        torch.set_default_dtype(previous)
+    return model
+
+
+def eos_token_ids(model_dir: Path, config, tokenizer) -> set[int]:
+    """EOS as HF generate sees it: generation_config.json first, then config.json, then the tokenizer."""
+    value = None
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        value = json.loads(generation_config.read_text()).get("eos_token_id")
+    if value is None:
+        value = getattr(config, "eos_token_id", None)
+    if value is None:
+        value = tokenizer.eos_token_id
+    if value is None:
+        return set()
+    return set(value) if isinstance(value, (list, tuple)) else {int(value)}
+
+
+def _cast(tensor, dtype):
+    """Floating tensors into the compute dtype (a no-op for a shard already in the plan's dtype); int8 stays."""
+    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+
+
+class HFEngine:
+    """One TP rank of a transformers model; see the Engine protocol in base.py."""
+
+    name = "hf"
+
+    def __init__(self, *, family: str, task: str, dtype: str, tensor_parallel_degree: int, max_sequence_length: int,
+                 batch_size: int, device: str):
+        self.family = family
+        self.task = task
+        self.dtype = dtype
+        self.tp = tensor_parallel_degree
+        self.max_sequence_length = max_sequence_length
+        self.batch_size = batch_size
+        self.device_kind = device
+        self.model = None
+        self.tokenizer = None
+        self.loop = None
+        self.rank = 0
+
+    def load(self, model_dir: Path, rank: int, world_size: int) -> None:
+        import torch
+        import torch.distributed as dist
+        import transformers
+
+        from lmc.runtime.engines.generate import DecodeLoop
+        from lmc.runtime.engines.tp import apply_shard, normalise_names
+
+        model_dir = Path(model_dir)
+        if world_size != self.tp:
+            raise InternalError(f"engine planned for TP {self.tp} started in a group of {world_size}")
+        if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise InternalError("TP > 1 needs torch.distributed initialised before Engine.load")
+        self.rank = rank
+        device = resolve_device(self.device_kind, rank)
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        state = read_shard(model_dir / shard_path(self.tp, rank))
+        compute_dtype = self._compute_dtype(state)
+        state = {name: _cast(tensor, compute_dtype) for name, tensor in state.items()}
+        model = build_skeleton(config, self.task, compute_dtype)
+        apply_shard(model, normalise_names(state, model), family=self.family, config=config, rank=rank,
+                    world_size=world_size)
+        model = self._finish(model, compute_dtype, device)
+        self.model = model
+        self.loop = DecodeLoop(model, self.tokenizer, max_sequence_length=self.max_sequence_length, device=device,
+                               eos_token_ids=eos_token_ids(model_dir, config, self.tokenizer), rank=rank,
+                               world_size=world_size)
+        log.info("rank %d/%d loaded %s (%s) on %s", rank, world_size, self.family, self.dtype, device)
+
+    def _compute_dtype(self, state: dict):
+        """fp32/fp16/bf16 as planned; int8 computes in the dtype the shard keeps its other tensors in."""
+        import torch
+
+        if self.dtype in TORCH_DTYPES:
+            return getattr(torch, TORCH_DTYPES[self.dtype])
+        if self.dtype == "int8":
+            for tensor in state.values():
+                if tensor.is_floating_point() and tensor.dim() >= 2:
+                    return tensor.dtype
+            return torch.float32
+        raise InternalError(f"the {self.name} engine has no dtype {self.dtype!r}")
+
+    def _finish(self, model, compute_dtype, device):
+        """Hook for subclasses (deepspeed) to wrap the loaded rank-local model."""
+        model.eval()
+        return model.to(device)
+
+    def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
+        if self.loop is None:
+            raise InternalError("generate called before load")
+        return self.loop.generate(batch, on_token)
+
+    def count_tokens(self, text: str) -> int:
+        if self.loop is None:
+            raise InternalError("count_tokens called before load")
+        return self.loop.count_tokens(text)
