@@ -1,0 +1,43 @@
+"""`lmc build SPEC [-o OUT] [--format tar.gz|dir] [--allow-pickle]`: write the deployable artifact."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+FORMATS = ("tar.gz", "dir")
+DEFAULT_OUT = {"tar.gz": "model.tar.gz", "dir": "model"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", metavar="SPEC", help="the deployment spec (TOML)")
+    parser.add_argument("-o", "--output", metavar="OUT", default=None,
+                        help="where to write the artifact (default: model.tar.gz, or model/ with --format dir)")
+    parser.add_argument("--format", choices=FORMATS, default="tar.gz", dest="fmt",
+                        help="tar.gz (default) or dir: the same tree uncompressed, for S3-prefix deployments")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="accept pickle checkpoints (*.bin); they can run code when loaded, so only for trusted files")
+
+
+def run(args: argparse.Namespace) -> int:
+    from lmc.emitters.build import build_artifact
+    from lmc.schema import format_bytes, load_spec
+
+    loaded = load_spec(args.spec)
+    out = Path(args.output) if args.output else Path(DEFAULT_OUT[args.fmt])
+    result = build_artifact(loaded, out, fmt=args.fmt, allow_pickle=args.allow_pickle,
+                            progress=lambda message: print(f"lmc: {message}", file=sys.stderr))
+    plan = result.plan
+    print(f"plan: {plan.model.id} on {plan.target.instance}: {plan.engine} {plan.dtype}, "
+          f"TP {plan.tensor_parallel_degree} x {plan.replicas} replica(s), batch {plan.batch_size}, "
+          f"max sequence {plan.max_sequence_length}")
+    width = max(len(name) for name in result.files)
+    for name, size in result.files.items():
+        print(f"  {name:<{width}}  {format_bytes(size):>10}")
+    if result.archive_sha256 is not None:
+        print(f"wrote {result.out} ({format_bytes(result.archive_bytes)}, {len(result.files)} files), "
+              f"sha256 {result.archive_sha256}")
+    else:
+        print(f"wrote {result.out}/ ({format_bytes(result.archive_bytes)}, {len(result.files)} files)")
+    return 0

@@ -1,0 +1,197 @@
+"""`lmc build`: spec -> plan -> validated checkpoint -> staged tree -> deterministic artifact.
+
+The order is the contract: everything that can fail cheaply (the plan, the output path, the Neuron
+SDK, the checkpoint's headers and shapes) is checked before any weight is read. The tree is staged
+in a temporary directory next to `out` (same filesystem, so the final rename is atomic) and the
+staging directory is removed whatever happens: a failed build leaves nothing behind.
+
+Artifact layout (DESIGN.md): serving.properties, model.py, requirements.txt, lmc.json, the
+checkpoint's config.json / generation_config.json / tokenizer files, then
+  hf, deepspeed:  shards/tp{N}/rank{r}.safetensors, already in the planned dtype;
+  neuronx:        model.safetensors (cast, whole) and neuron/ (see lmc.emitters.neuron).
+With model.uri set, no weights and no checkpoint files are packed: the container loads them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from lmc import __version__
+from lmc.emitters import neuron
+from lmc.emitters.render import render_neuron_readme, render_text_files
+from lmc.errors import ArtifactError, InternalError
+from lmc.manifest import MANIFEST_NAME, build_manifest, manifest_bytes, sha256_file
+from lmc.planner.plan import Plan
+from lmc.schema import LoadedSpec
+
+Format = Literal["tar.gz", "dir"]
+FORMATS: tuple[str, ...] = ("tar.gz", "dir")
+Progress = Callable[[str], None]
+
+# Checkpoint files copied as they are, when present (the tokenizer's come from the validator).
+CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What `build_artifact` wrote."""
+
+    out: Path
+    format: str
+    plan: Plan
+    files: dict[str, int]  # relative path -> size in bytes, sorted; lmc.json included
+    archive_sha256: str | None  # of the .tar.gz; None for --format dir
+    archive_bytes: int  # the archive's size, or the tree's total for dir
+
+    @property
+    def total_file_bytes(self) -> int:
+        return sum(self.files.values())
+
+
+def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_pickle: bool = False,
+                   progress: Progress | None = None) -> BuildResult:
+    """Plan `loaded`, then write the artifact at `out`. Raises LmcError (one line); leaves nothing on failure."""
+    from lmc.pipeline import plan_from_spec
+
+    if fmt not in FORMATS:
+        raise InternalError(f"unknown artifact format {fmt!r}")
+    say = progress or (lambda message: None)
+    out = Path(out)
+    result = plan_from_spec(loaded)
+    plan, spec = result.plan, loaded.spec
+    _check_output(out, fmt)
+
+    weights_remote = spec.model.uri is not None
+    precompile = neuron.graphs_precompiled(plan, weights_remote)
+    # The SDK check comes before any weight is read: a build that cannot finish stops at once.
+    sdk = neuron.load_neuron_sdk() if precompile else None
+
+    info = None
+    if not weights_remote:
+        if result.checkpoint is None:
+            raise loaded.source.error(
+                "model", "nothing to pack: give `path` (a local checkpoint to pack) or `uri` (remote weights the container loads)")
+        from lmc.emitters.checkpoint import validate_checkpoint
+
+        say(f"validating checkpoint {result.checkpoint}")
+        info = validate_checkpoint(result.checkpoint, result.model, allow_pickle=allow_pickle)
+
+    staging = _make_staging(out)
+    try:
+        if info is not None:
+            _copy_checkpoint_files(info, result.checkpoint, staging)
+            if plan.engine == "neuronx":
+                _stage_neuron_weights(info, plan, result.model, staging, progress)
+            else:
+                from lmc.emitters.partition import partition_checkpoint
+
+                say(f"partitioning weights for tensor parallel degree {plan.tensor_parallel_degree} ({plan.dtype})")
+                partition_checkpoint(info, family=plan.model.family, dtype=plan.dtype,
+                                     tp=plan.tensor_parallel_degree, head_dim=result.model.head_dim,
+                                     kv_heads=result.model.kv_heads, out_dir=staging, progress=progress)
+        if plan.engine == "neuronx":
+            if precompile:
+                say(f"compiling Neuron graphs ({neuron.sampling_class(plan.model.family)})")
+                neuron.run_neuron_compile(neuron.neuron_compile_plan(plan, staging), sdk)
+            else:
+                neuron.write_compile_record(staging, neuron.deferred_compile_record(plan, weights_remote))
+            _write(staging / neuron.README, render_neuron_readme(plan, spec))
+
+        for name, data in render_text_files(plan, spec).items():
+            _write(staging / name, data)
+        files = _write_manifest(staging, loaded, plan)
+
+        from lmc.emitters.archive import write_artifact
+
+        say(f"writing {out}")
+        written = Path(write_artifact(staging, out, fmt=fmt))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    if fmt == "tar.gz":
+        return BuildResult(out=written, format=fmt, plan=plan, files=files,
+                           archive_sha256=sha256_file(written), archive_bytes=written.stat().st_size)
+    return BuildResult(out=written, format=fmt, plan=plan, files=files, archive_sha256=None,
+                       archive_bytes=sum(files.values()))
+
+
+def _check_output(out: Path, fmt: str) -> None:
+    """Fail before any work when `out` cannot be written."""
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise ArtifactError(f"{out}: cannot write the artifact: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ArtifactError(f"{out}: cannot write the artifact: {parent} is not writable")
+    if fmt == "tar.gz" and out.is_dir():
+        raise ArtifactError(f"{out}: is a directory; give a file name for the .tar.gz (or --format dir)")
+    if fmt == "dir" and out.exists() and not out.is_dir():
+        raise ArtifactError(f"{out}: exists and is not a directory; --format dir writes a directory")
+
+
+def _make_staging(out: Path) -> Path:
+    try:
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent if str(out.parent) else "."))
+    except OSError as exc:
+        raise ArtifactError(f"{out}: cannot stage the artifact next to it: {exc.strerror or exc}") from None
+
+
+def _copy_checkpoint_files(info: Any, checkpoint: Path, staging: Path) -> None:
+    """config.json, generation_config.json and the tokenizer files, byte for byte."""
+    names = [name for name in CONFIG_FILES if (checkpoint / name).is_file()]
+    names += [Path(p).name if Path(p).is_absolute() else str(p) for p in _tokenizer_files(info)]
+    for name in sorted(set(names)):
+        source = checkpoint / name
+        target = staging / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+
+
+def _tokenizer_files(info: Any) -> list[Path]:
+    files = list(getattr(info, "tokenizer_files", ()) or ())
+    files += list(getattr(info, "extra_files", ()) or ())
+    return [Path(f) for f in files]
+
+
+def _stage_neuron_weights(info: Any, plan: Plan, model: Any, staging: Path, progress: Progress | None) -> None:
+    """The whole checkpoint cast to the planned dtype, as model.safetensors next to config.json.
+
+    transformers-neuronx reads a standard HF directory and shards across NeuronCores itself, so the
+    weights stay whole (TP 1 in the partitioner's terms). int8 is quantized by the SDK from f16.
+    """
+    from lmc.emitters.partition import partition_checkpoint
+
+    dtype = "fp16" if plan.dtype == "int8" else plan.dtype
+    scratch = staging / ".neuron-weights"
+    partition_checkpoint(info, family=plan.model.family, dtype=dtype, tp=1, head_dim=model.head_dim,
+                         kv_heads=model.kv_heads, out_dir=scratch, progress=progress)
+    whole = scratch / "shards" / "tp1" / "rank0.safetensors"
+    if not whole.is_file():
+        raise InternalError(f"the partitioner wrote no {whole.relative_to(scratch)}")
+    os.replace(whole, staging / neuron.WEIGHTS_FILE)
+    shutil.rmtree(scratch)
+
+
+def _write_manifest(staging: Path, loaded: LoadedSpec, plan: Plan) -> dict[str, int]:
+    """Write lmc.json over every other file; returns {path: size} for all files, lmc.json included."""
+    entries: dict[str, tuple[int, str]] = {}
+    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+        rel = path.relative_to(staging).as_posix()
+        if rel == MANIFEST_NAME:
+            continue
+        entries[rel] = (path.stat().st_size, sha256_file(path))
+    manifest = build_manifest(__version__, loaded.spec.model_dump(mode="json"), plan.model_dump(mode="json"), entries)
+    data = manifest_bytes(manifest)
+    _write(staging / MANIFEST_NAME, data)
+    sizes = {rel: size for rel, (size, _) in entries.items()}
+    sizes[MANIFEST_NAME] = len(data)
+    return dict(sorted(sizes.items()))
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
