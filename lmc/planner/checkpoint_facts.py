@@ -1,0 +1,346 @@
+"""Model facts from a local checkpoint: its config.json and its safetensors headers, nothing else.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header naming every tensor's
+dtype, shape and byte range, then the raw data. Reading the headers gives the exact parameter count
+and the stored dtype of a checkpoint of any size in milliseconds; tensor data is never read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import ValidationError
+
+from lmc.errors import CheckpointError
+from lmc.planner.facts import ModelFacts
+
+# model_type (config.json) -> family. The HF class prefix is the fallback for configs without one.
+MODEL_TYPES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "mixtral": "mixtral",
+    "qwen2": "qwen2",
+    "gptj": "gptj",
+    "gpt_neox": "gpt_neox",
+    "opt": "opt",
+    "bloom": "bloom",
+    "t5": "t5",
+}
+_ARCHITECTURE_PREFIXES: dict[str, str] = {
+    "LlamaFor": "llama",
+    "MistralFor": "mistral",
+    "MixtralFor": "mixtral",
+    "Qwen2For": "qwen2",
+    "GPTJFor": "gptj",
+    "GPTNeoXFor": "gpt_neox",
+    "OPTFor": "opt",
+    "BloomFor": "bloom",
+    "T5For": "t5",
+}
+
+# safetensors dtype -> bytes per element (for the data-offset check) and -> lmc dtype name.
+_ST_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+_ST_DTYPE = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8", "F8_E5M2": "fp8", "I8": "int8"}
+_CONFIG_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16", "float": "fp32"}
+# A header bigger than this is not a header (the format's own reference reader caps it at 100 MB).
+_MAX_HEADER_BYTES = 100_000_000
+
+
+def checkpoint_model_facts(path: Path, model_id: str) -> ModelFacts:
+    """The facts of the HF checkpoint in directory `path`: dims from config.json, counts from headers."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    config = read_config(path / "config.json")
+    facts = facts_from_config(config, model_id, source=str(path), config_file=path / "config.json")
+    files = safetensors_files(path)
+    if not files:
+        if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+            estimate = estimate_parameters(facts, gated_ffn=_t5_gated(config))
+            return facts.model_copy(update={
+                "parameters": estimate,
+                "source": f"{path} (config.json; parameter count estimated from its dimensions: the weights "
+                          "are pickle *.bin files, which lmc does not read and refuses to build from unless --allow-pickle)",
+            })
+        raise CheckpointError(f"{path}: no *.safetensors weights (pickle *.bin checkpoints are refused unless --allow-pickle)")
+    parameters, dtype_elements = 0, Counter()
+    for file in files:
+        for name, dtype, shape in read_safetensors_header(file):
+            count = math.prod(shape)
+            parameters += count
+            if dtype in _ST_DTYPE:
+                dtype_elements[_ST_DTYPE[dtype]] += count
+    if parameters == 0:
+        raise CheckpointError(f"{files[0]}: the safetensors files hold no tensors")
+    update: dict[str, Any] = {"parameters": parameters}
+    if dtype_elements:
+        update["torch_dtype"] = dtype_elements.most_common(1)[0][0]
+    return facts.model_copy(update=update)
+
+
+def read_config(config_file: Path) -> dict[str, Any]:
+    """config.json as a dict, or a one-line CheckpointError naming the file."""
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file}: missing (a HF checkpoint directory needs its config.json)")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_file}: not valid JSON ({_one_line(exc)})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def family_of(config: dict[str, Any], config_file: Path | str = "config.json") -> str:
+    """The lmc family of an HF config, from `model_type`, else from `architectures`."""
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    for architecture in config.get("architectures") or []:
+        for prefix, family in _ARCHITECTURE_PREFIXES.items():
+            if isinstance(architecture, str) and architecture.startswith(prefix):
+                return family
+    shown = model_type if model_type is not None else (config.get("architectures") or ["(none)"])[0]
+    raise CheckpointError(
+        f"{config_file}: unsupported model_type {shown!r}; lmc supports {', '.join(sorted(MODEL_TYPES))}")
+
+
+def facts_from_config(config: dict[str, Any], model_id: str, *, source: str,
+                      config_file: Path | str = "config.json") -> ModelFacts:
+    """ModelFacts from an HF config dict; the parameter count is estimated from the dimensions."""
+    family = family_of(config, config_file)
+    get = _Getter(config, config_file, family)
+    fields = _FAMILY_FIELDS[family](get)
+    architectures = config.get("architectures") or []
+    fields.update(
+        id=model_id,
+        family=family,
+        architecture=architectures[0] if architectures and isinstance(architectures[0], str) else family,
+        torch_dtype=_CONFIG_DTYPE.get(str(config.get("torch_dtype") or config.get("dtype") or "float16"), "fp16"),
+        source=source,
+        parameters=1,
+    )
+    try:
+        facts = ModelFacts(**fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise CheckpointError(f"{config_file}: {where}: {error['msg']}") from None
+    return facts.model_copy(update={"parameters": estimate_parameters(facts, gated_ffn=_t5_gated(config))})
+
+
+class _Getter:
+    """Reads config keys, trying aliases in order; a missing required key is a one-line error."""
+
+    _MISSING = object()
+
+    def __init__(self, config: dict[str, Any], config_file: Path | str, family: str):
+        self.config, self.config_file, self.family = config, config_file, family
+
+    def __call__(self, *keys: str, default: Any = _MISSING) -> Any:
+        for key in keys:
+            value = self.config.get(key)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise CheckpointError(f"{self.config_file}: `{key}` must be an integer, got {value!r}")
+                return value
+        if default is self._MISSING:
+            raise CheckpointError(f"{self.config_file}: missing `{keys[0]}` (needed for a {self.family} model)")
+        return default
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.config.get(key, default)
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{self.config_file}: `{key}` must be true or false, got {value!r}")
+        return value
+
+
+def _decoder_only(get: _Getter) -> dict[str, Any]:
+    hidden = get("hidden_size")
+    heads = get("num_attention_heads")
+    fields = dict(
+        layers=get("num_hidden_layers"), hidden_size=hidden, attention_heads=heads,
+        kv_heads=get("num_key_value_heads", default=heads),
+        head_dim=get("head_dim", default=hidden // heads if heads else 0),
+        intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
+        max_position_embeddings=get("max_position_embeddings", default=None),
+        tie_word_embeddings=get.flag("tie_word_embeddings", False),
+    )
+    if get.family == "mixtral":
+        fields.update(num_experts=get("num_local_experts"), experts_per_token=get("num_experts_per_tok"))
+    return fields
+
+
+def _gptj(get: _Getter) -> dict[str, Any]:
+    hidden, heads = get("n_embd"), get("n_head")
+    return dict(
+        layers=get("n_layer"), hidden_size=hidden, attention_heads=heads, kv_heads=heads,
+        head_dim=hidden // heads if heads else 0, intermediate_size=get("n_inner", default=4 * hidden),
+        vocab_size=get("vocab_size"), max_position_embeddings=get("n_positions", default=None),
+        tie_word_embeddings=get.flag("tie_word_embeddings", False),
+    )
+
+
+def _gpt_neox(get: _Getter) -> dict[str, Any]:
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    return dict(
+        layers=get("num_hidden_layers"), hidden_size=hidden, attention_heads=heads, kv_heads=heads,
+        head_dim=hidden // heads if heads else 0, intermediate_size=get("intermediate_size", default=4 * hidden),
+        vocab_size=get("vocab_size"), max_position_embeddings=get("max_position_embeddings", default=None),
+        tie_word_embeddings=get.flag("tie_word_embeddings", False),
+    )
+
+
+def _opt(get: _Getter) -> dict[str, Any]:
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    projected = get("word_embed_proj_dim", default=hidden)
+    if projected != hidden:
+        # OPT-350m projects a narrower embedding; lmc's layouts and math assume the two are equal.
+        raise CheckpointError(f"{get.config_file}: word_embed_proj_dim ({projected}) differs from hidden_size "
+                              f"({hidden}); lmc supports OPT models whose embedding width equals hidden_size")
+    return dict(
+        layers=get("num_hidden_layers"), hidden_size=hidden, attention_heads=heads, kv_heads=heads,
+        head_dim=hidden // heads if heads else 0, intermediate_size=get("ffn_dim"),
+        vocab_size=get("vocab_size"), max_position_embeddings=get("max_position_embeddings", default=None),
+        tie_word_embeddings=get.flag("tie_word_embeddings", True),
+    )
+
+
+def _bloom(get: _Getter) -> dict[str, Any]:
+    hidden, heads = get("hidden_size", "n_embed"), get("n_head", "num_attention_heads")
+    return dict(
+        layers=get("n_layer", "num_hidden_layers"), hidden_size=hidden, attention_heads=heads, kv_heads=heads,
+        head_dim=hidden // heads if heads else 0, intermediate_size=4 * hidden, vocab_size=get("vocab_size"),
+        max_position_embeddings=None,  # ALiBi: no learned or rotary position limit
+        tie_word_embeddings=get.flag("tie_word_embeddings", True),
+    )
+
+
+def _t5(get: _Getter) -> dict[str, Any]:
+    heads, encoder_layers = get("num_heads"), get("num_layers")
+    return dict(
+        is_encoder_decoder=True, layers=get("num_decoder_layers", default=encoder_layers),
+        encoder_layers=encoder_layers, hidden_size=get("d_model"), attention_heads=heads, kv_heads=heads,
+        head_dim=get("d_kv"), intermediate_size=get("d_ff"), vocab_size=get("vocab_size"),
+        max_position_embeddings=None,  # relative position buckets: no fixed limit
+        tie_word_embeddings=get.flag("tie_word_embeddings", True),
+    )
+
+
+_FAMILY_FIELDS: dict[str, Callable[[_Getter], dict[str, Any]]] = {
+    "llama": _decoder_only, "mistral": _decoder_only, "mixtral": _decoder_only, "qwen2": _decoder_only,
+    "gptj": _gptj, "gpt_neox": _gpt_neox, "opt": _opt, "bloom": _bloom, "t5": _t5,
+}
+
+
+def _t5_gated(config: dict[str, Any]) -> bool:
+    # T5 v1.1 / FLAN / UL2 use a gated FFN (wi_0, wi_1); the original T5 does not.
+    return str(config.get("feed_forward_proj", "relu")).startswith("gated")
+
+
+def estimate_parameters(facts: ModelFacts, *, gated_ffn: bool = True) -> int:
+    """The parameter count implied by the architecture's dimensions (exact for the HF implementations).
+
+    `gated_ffn` matters only for T5 (FLAN-T5 and UL2 are gated; the original T5 is not).
+    """
+    h, v, inner = facts.hidden_size, facts.vocab_size, facts.intermediate_size
+    q_width, kv_width = facts.attention_heads * facts.head_dim, facts.kv_heads * facts.head_dim
+    head = 0 if facts.tie_word_embeddings else v * h
+    family = facts.family
+    if family in ("llama", "mistral", "qwen2", "mixtral"):
+        attention = h * q_width * 2 + h * kv_width * 2
+        if family == "qwen2":
+            attention += q_width + 2 * kv_width  # q/k/v biases
+        if family == "mixtral":
+            mlp = facts.num_experts * 3 * h * inner + h * facts.num_experts  # experts + router
+        else:
+            mlp = 3 * h * inner
+        return v * h + facts.layers * (attention + mlp + 2 * h) + h + head
+    if family == "gptj":
+        layer = 2 * h + 4 * h * h + (h * inner + inner) + (inner * h + h)
+        return v * h + facts.layers * layer + 2 * h + (0 if facts.tie_word_embeddings else v * h + v)
+    if family in ("gpt_neox", "bloom", "opt"):
+        layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h)
+        if family == "opt":  # separate q, k, v projections: same count as a fused qkv
+            positions = ((facts.max_position_embeddings or 0) + 2) * h  # OPT's learned positions, offset 2
+            return v * h + positions + facts.layers * layer + 2 * h + head
+        extra = 2 * h if family == "bloom" else 0  # BLOOM's embedding LayerNorm
+        return v * h + extra + facts.layers * layer + 2 * h + head
+    if family == "t5":
+        attention = 4 * h * q_width
+        ffn = (3 if gated_ffn else 2) * h * inner
+        relative_bias = 32 * facts.attention_heads  # 32 buckets, first layer of each stack
+        encoder = facts.encoder_layers * (attention + ffn + 2 * h) + relative_bias + h
+        decoder = facts.layers * (2 * attention + ffn + 3 * h) + relative_bias + h
+        return v * h + encoder + decoder + head
+    raise AssertionError(f"no parameter formula for family {family!r}")
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names when sharded, else every *.safetensors."""
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index_file}: not a safetensors index (needs a `weight_map` object): "
+                                  f"{_one_line(exc)}") from None
+        files = [path / name for name in names]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: missing (listed in {index_file.name})")
+        return files
+    return sorted(path.glob("*.safetensors"))
+
+
+def read_safetensors_header(file: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor in `file`, checked against the file size; data never read."""
+    size = file.stat().st_size
+    with file.open("rb") as stream:
+        prefix = stream.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, shorter than its 8-byte header length)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+            raise CheckpointError(f"{file}: truncated or corrupt safetensors header (it claims {header_len} bytes; "
+                                  f"the file has {size})")
+        raw = stream.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: safetensors header is not JSON ({_one_line(exc)})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: safetensors header is not a JSON object")
+    data_size = size - 8 - header_len
+    tensors = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            if not all(isinstance(d, int) and d >= 0 for d in shape) or not isinstance(begin, int) or not isinstance(end, int):
+                raise TypeError("non-integer shape or offsets")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{file}: tensor {name!r} has a malformed header entry ({_one_line(exc)})") from None
+        if not 0 <= begin <= end or end > data_size:
+            raise CheckpointError(f"{file}: tensor {name!r} data offsets [{begin}, {end}] run past the end of the file "
+                                  f"({data_size} data bytes); the file is truncated or corrupt")
+        itemsize = _ST_ITEMSIZE.get(dtype)
+        if itemsize is not None and end - begin != math.prod(shape) * itemsize:
+            raise CheckpointError(f"{file}: tensor {name!r} spans {end - begin} bytes but {dtype}{list(shape)} "
+                                  f"needs {math.prod(shape) * itemsize}; the header is corrupt")
+        tensors.append((name, dtype, shape))
+    return tensors
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
