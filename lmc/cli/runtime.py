@@ -1,0 +1,68 @@
+"""`lmc runtime [serve] [--model-dir DIR | ARCHIVE] [--port N] [--host H]`: the container entrypoint.
+
+SageMaker starts the container as `<entrypoint> serve`; with no path the artifact is /opt/ml/model
+and the port SAGEMAKER_BIND_TO_PORT or 8080. The artifact is verified (every file's size and
+sha256) before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from lmc.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("words", nargs="*", metavar="[serve] [ARCHIVE|DIR]",
+                        help="`serve` (as SageMaker passes it) and/or a model.tar.gz or artifact directory")
+    parser.add_argument("--model-dir", type=Path, default=None, help="artifact directory (default /opt/ml/model)")
+    parser.add_argument("--port", type=int, default=None, help="port (default $SAGEMAKER_BIND_TO_PORT or 8080)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    parser.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                        help="per-request timeout (default $LMC_REQUEST_TIMEOUT_S, else derived from the plan)")
+    parser.add_argument("--max-body-bytes", type=int, default=None,
+                        help="largest request body accepted (default $LMC_MAX_BODY_BYTES or 1 MiB)")
+
+
+def _artifact_path(args: argparse.Namespace) -> Path | None:
+    words = [w for w in args.words if w != "serve"]
+    if len(words) > 1:
+        raise UsageError(f"runtime takes one ARCHIVE or DIR, got {len(words)}: {' '.join(words)}")
+    if words and args.model_dir is not None:
+        raise UsageError("give either --model-dir or ARCHIVE, not both")
+    return Path(words[0]) if words else args.model_dir
+
+
+def _float_env(name: str) -> float | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise UsageError(f"{name} = {value!r}: not a number") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES, Runtime, serve
+    from lmc.runtime.startup import default_request_timeout_s, open_artifact, resolve_port
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = _artifact_path(args)
+    port = resolve_port(args.port)
+    artifact = open_artifact(path)  # verify before anything loads
+    try:
+        timeout = args.request_timeout or _float_env("LMC_REQUEST_TIMEOUT_S") or default_request_timeout_s(artifact.plan)
+        max_body = args.max_body_bytes or int(_float_env("LMC_MAX_BODY_BYTES") or DEFAULT_MAX_BODY_BYTES)
+        runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body)
+        logging.getLogger("lmc.runtime").info(
+            "serving %s on %s:%d: engine %s, %d group(s) x TP %d, batch %d, queue %d, timeout %gs",
+            artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,
+            artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"], artifact.plan["job_queue_size"], timeout)
+        serve(runtime, args.host, port)
+    finally:
+        artifact.cleanup()
+    return 0

@@ -1,0 +1,225 @@
+"""OpenAI-compatible routes: POST /v1/completions and /v1/chat/completions (SSE when streaming).
+
+Requests are translated into the LMI parameters and validated by the same parser as /invocations,
+then go through the same queue and batches. OpenAI semantics: sampling by default (temperature 1),
+temperature 0 means greedy; `max_tokens` defaults to 16 for completions and to what fits for chat.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from lmc.runtime.requests import parse_parameters
+
+if TYPE_CHECKING:
+    from lmc.runtime.server import Job, Runtime
+
+# Keys clients commonly send that do not change generation here; anything else unknown is a 400.
+_IGNORED = {"model", "user", "stream_options", "n", "logprobs", "echo", "presence_penalty", "frequency_penalty",
+            "logit_bias", "best_of", "suffix", "top_logprobs", "max_completion_tokens", "response_format",
+            "parallel_tool_calls", "metadata", "store", "service_tier"}
+_USED = {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
+         "repetition_penalty"}
+
+
+def _finish_reason(engine_reason: str) -> str:
+    return "length" if engine_reason == "length" else "stop"
+
+
+def _check_body(body: Any, required: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    if required not in body:
+        raise ValueError(f"request body has no '{required}'")
+    unknown = sorted(set(body) - _USED - _IGNORED)
+    if unknown:
+        raise ValueError(f"unsupported field {unknown[0]!r}")
+    if body.get("n", 1) not in (1, None):
+        raise ValueError("n must be 1: one completion per prompt")
+    if body.get("logprobs") not in (None, False, 0):
+        raise ValueError("logprobs are not supported")
+    if body.get("echo") not in (None, False):
+        raise ValueError("echo is not supported")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ValueError("stream must be true or false")
+    return body
+
+
+def _params(body: dict[str, Any], default_max_tokens: int, max_sequence_length: int):
+    max_tokens = body.get("max_completion_tokens") if body.get("max_tokens") is None else body.get("max_tokens")
+    lmi: dict[str, Any] = {"max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
+                           "do_sample": True}
+    for key in ("temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty"):
+        if body.get(key) is not None:
+            lmi[key] = body[key]
+    try:
+        return parse_parameters(lmi, max_sequence_length)
+    except ValueError as exc:  # name the OpenAI field, not the LMI one
+        raise ValueError(str(exc).replace("parameters.max_new_tokens", "max_tokens").replace("parameters.", "")) from None
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def _message_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{index}].content: only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    out = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{index}] must be an object with a string 'role'")
+        out.append({"role": message["role"], "content": _message_text(message.get("content"), index)})
+    return out
+
+
+def _prompts(body: dict[str, Any]) -> list[str]:
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    raise ValueError("prompt must be a string or a non-empty list of strings (token arrays are not supported)")
+
+
+async def completions(request: Request) -> Response:
+    return await _handle(request, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _handle(request, chat=True)
+
+
+async def _handle(request: Request, chat: bool) -> Response:
+    from lmc.runtime.server import RequestFailed, error_response
+
+    runtime: Runtime = request.app.state.runtime
+    endpoint = "chat_completions" if chat else "completions"
+    started = time.monotonic()
+    try:
+        runtime.check_accepting()
+        raw = await runtime.read_json(request)
+        try:
+            body = _check_body(raw, "messages" if chat else "prompt")
+            prompts = [runtime.text.render_chat(_messages(body))] if chat else _prompts(body)
+            if chat:
+                # Chat clients often omit max_tokens: default to what the planned length leaves.
+                room = runtime.max_sequence_length - runtime.text.count_tokens(prompts[0])
+                default_max = max(1, min(256, room))
+            else:
+                default_max = 16
+            params = _params(body, default_max, runtime.max_sequence_length)
+        except ValueError as exc:
+            raise RequestFailed(400, str(exc)) from None
+        stream = body.get("stream", False)
+        if stream and len(prompts) != 1:
+            raise RequestFailed(400, "stream = true takes a single prompt, not a list")
+        jobs = runtime.make_jobs(prompts, params, stream, label="messages" if chat else "prompt")
+        runtime.admit(jobs)
+    except RequestFailed as exc:
+        runtime.record(endpoint, exc.status)
+        return error_response(exc.status, exc.message)
+
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    model = runtime.model_name
+    if stream:
+        return StreamingResponse(_stream(runtime, jobs[0], chat, ident, created, model, _include_usage(body), started),
+                                 media_type="text/event-stream")
+    import asyncio
+
+    try:
+        results = await asyncio.gather(*(runtime.result(job) for job in jobs))
+    except RequestFailed as exc:
+        for job in jobs:
+            runtime.scheduler.abandon(job)
+        runtime.record(endpoint, exc.status, started)
+        return error_response(exc.status, exc.message)
+    finally:
+        runtime.release()
+    prompt_tokens = sum(job.prompt_tokens for job in jobs)
+    completion_tokens = sum(result.generated_tokens for result in results)
+    if chat:
+        choices = [{"index": 0, "message": {"role": "assistant", "content": results[0].text},
+                    "finish_reason": _finish_reason(results[0].finish_reason), "logprobs": None}]
+    else:
+        choices = [{"index": index, "text": result.text, "finish_reason": _finish_reason(result.finish_reason),
+                    "logprobs": None} for index, result in enumerate(results)]
+    runtime.record(endpoint, 200, started)
+    return JSONResponse({"id": ident, "object": "chat.completion" if chat else "text_completion",
+                         "created": created, "model": model, "choices": choices,
+                         "usage": _usage(prompt_tokens, completion_tokens)})
+
+
+async def _stream(runtime: "Runtime", job: "Job", chat: bool, ident: str, created: int, model: str,
+                  include_usage: bool, started: float) -> AsyncIterator[bytes]:
+    from lmc.runtime.server import RequestFailed
+
+    kind_name = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(piece: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if piece is None else {"content": piece})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
+        return {"id": ident, "object": kind_name, "created": created, "model": model, "choices": [choice]}
+
+    status = 200
+    try:
+        if chat:
+            yield _sse(chunk(None, None, role=True))
+        async for kind, payload in runtime.events(job):
+            if kind == "token":
+                yield _sse(chunk(payload, None))
+            else:
+                yield _sse(chunk(None, _finish_reason(payload.finish_reason)))
+                if include_usage:
+                    yield _sse({"id": ident, "object": kind_name, "created": created, "model": model, "choices": [],
+                                "usage": _usage(job.prompt_tokens, payload.generated_tokens)})
+                yield b"data: [DONE]\n\n"
+    except RequestFailed as exc:
+        status = exc.status
+        yield _sse({"error": {"message": exc.message, "code": exc.status, "type": "server_error"}})
+    finally:
+        runtime.release()
+        runtime.record("chat_completions" if chat else "completions", status, started)
+
+
+def openai_routes() -> list[Route]:
+    return [Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"])]

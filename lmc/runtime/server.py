@@ -1,0 +1,511 @@
+"""The HTTP front end: /ping, /invocations (the LMI schema), /metrics, and the OpenAI routes.
+
+An ASGI app (starlette) under uvicorn. Requests become `Job`s in one bounded queue; a dispatcher
+per worker group pulls batches from it when that group is ready and idle; the group's supervisor
+thread hands tokens and results back to the event loop. Every failure becomes a one-line JSON error:
+400 bad input, 413 body too large, 424 model failure or timeout, 503 queue full / not accepting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from lmc.runtime.batching import AsyncBatcher, BatchQueue, QueueFull
+from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult
+from lmc.runtime.metrics import Metrics
+from lmc.runtime.requests import parse_invocation
+from lmc.runtime.startup import TextTools
+from lmc.runtime.workers import WorkerGroup, groups_per_instance
+
+log = logging.getLogger("lmc.runtime")
+
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+# A batch running this much longer than the request timeout means a hung group: restart it.
+_HUNG_GRACE_S = 30.0
+
+
+class RequestFailed(Exception):
+    """Answered as {"error": message, "code": status}."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message, "code": status}, status_code=status)
+
+
+@dataclass(eq=False)
+class Job:
+    """One prompt on its way through the queue, a batch and back."""
+
+    request: GenerationRequest
+    stream: bool
+    prompt_tokens: int
+    enqueued_at: float
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token_at: float | None = None
+    finished: bool = False  # answered, failed or abandoned: later events are dropped
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+
+class Scheduler:
+    """Jobs in, batches out to worker groups, events back to jobs. Lives on the event loop; the
+    `on_*` methods are the `GroupEvents` called from supervisor threads and hop onto the loop."""
+
+    def __init__(self, plan: dict[str, Any], metrics: Metrics, group_factory: Callable[[int, Any], Any],
+                 request_timeout_s: float):
+        self.plan = plan
+        self.metrics = metrics
+        self.request_timeout_s = request_timeout_s
+        self.batcher: AsyncBatcher[Job] = AsyncBatcher(BatchQueue(
+            int(plan["job_queue_size"]), int(plan["batch_size"]), int(plan["max_batch_delay_ms"]) / 1000.0))
+        self.group_count = groups_per_instance(plan)
+        self.groups = [group_factory(index, self) for index in range(self.group_count)]
+        self._ready = [asyncio.Event() for _ in self.groups]
+        self._batches: dict[int, dict[str, Job]] = {}
+        self._batch_done: dict[int, asyncio.Future] = {}
+        self._batch_ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for index, group in enumerate(self.groups):
+            group.start()
+            self._tasks.append(asyncio.create_task(self._dispatch(index), name=f"lmc-dispatch-{index}"))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for job in self.batcher.queue.drain():
+            self._fail(job, 503, "the server is shutting down")
+        await asyncio.gather(*(asyncio.to_thread(group.stop) for group in self.groups))
+
+    def all_ready(self) -> bool:
+        return all(event.is_set() for event in self._ready)
+
+    # -- admission
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue all of `jobs` or raise RequestFailed(503) at once when the queue is full."""
+        try:
+            self.batcher.submit(jobs)
+        except QueueFull as exc:
+            raise RequestFailed(503, str(exc)) from None
+        self.metrics.queue_depth.set(len(self.batcher.queue))
+
+    def abandon(self, job: Job) -> None:
+        job.finished = True
+        if self.batcher.remove(job):
+            self.metrics.queue_depth.set(len(self.batcher.queue))
+
+    # -- dispatch: one coroutine per group
+
+    async def _dispatch(self, index: int) -> None:
+        group = self.groups[index]
+        while True:
+            await self._ready[index].wait()
+            jobs = await self.batcher.next_batch()
+            self.metrics.queue_depth.set(len(self.batcher.queue))
+            jobs = [job for job in jobs if not job.finished]
+            if not jobs:
+                continue
+            if not self._ready[index].is_set():  # went down while we waited for work
+                self.batcher.requeue(jobs)
+                continue
+            batch_id = next(self._batch_ids)
+            self._batches[batch_id] = {job.id: job for job in jobs}
+            done = self._loop.create_future()
+            self._batch_done[batch_id] = done
+            try:
+                group.submit(batch_id, [job.request for job in jobs], [job.id for job in jobs if job.stream])
+            except RuntimeError:
+                del self._batches[batch_id], self._batch_done[batch_id]
+                self.batcher.requeue(jobs)
+                continue
+            self.metrics.batch_size.observe(len(jobs))
+            try:
+                await asyncio.wait_for(asyncio.shield(done), self.request_timeout_s + _HUNG_GRACE_S)
+            except asyncio.TimeoutError:
+                group.kill(f"batch {batch_id} ran {self.request_timeout_s + _HUNG_GRACE_S:g}s")
+                await done  # the supervisor fails it once the processes are gone
+
+    # -- events from supervisor threads
+
+    def _call(self, fn, *args) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # loop closed during shutdown
+                pass
+
+    def on_ready(self, group: int) -> None:
+        self._call(self._set_ready, group, True)
+
+    def on_down(self, group: int, reason: str) -> None:
+        self._call(self._set_ready, group, False)
+        if not self._stopping:
+            self.metrics.restarts.inc()
+
+    def on_token(self, group: int, batch_id: int, request_id: str, text: str) -> None:
+        self._call(self._token, batch_id, request_id, text)
+
+    def on_result(self, group: int, batch_id: int, results: list) -> None:
+        self._call(self._result, batch_id, results)
+
+    def on_failure(self, group: int, batch_id: int, message: str) -> None:
+        self._call(self._failure, batch_id, message)
+
+    def _set_ready(self, group: int, ready: bool) -> None:
+        (self._ready[group].set if ready else self._ready[group].clear)()
+        self.metrics.groups_ready.set(sum(event.is_set() for event in self._ready))
+
+    def _token(self, batch_id: int, request_id: str, text: str) -> None:
+        job = self._batches.get(batch_id, {}).get(request_id)
+        if job is None or job.finished:
+            return
+        if job.first_token_at is None:
+            job.first_token_at = time.monotonic()
+            self.metrics.ttft.observe(job.first_token_at - job.enqueued_at)
+        if job.stream:
+            job.events.put_nowait(("token", text))
+
+    def _result(self, batch_id: int, results: list[GenerationResult]) -> None:
+        jobs = self._batches.pop(batch_id, {})
+        for result in results:
+            job = jobs.pop(result.id, None)
+            if job is None:
+                continue
+            self.metrics.generated_tokens.inc(result.generated_tokens)
+            self.metrics.prompt_tokens.inc(result.prompt_tokens)
+            if job.first_token_at is None:
+                self.metrics.ttft.observe(time.monotonic() - job.enqueued_at)
+            if not job.finished:
+                job.events.put_nowait(("done", result))
+        for job in jobs.values():  # an engine that dropped a request must not leave it hanging
+            self._fail(job, 424, "the engine returned no result for this request")
+        self._finish_batch(batch_id)
+
+    def _failure(self, batch_id: int, message: str) -> None:
+        for job in self._batches.pop(batch_id, {}).values():
+            self._fail(job, 424, message)
+        self._finish_batch(batch_id)
+
+    def _finish_batch(self, batch_id: int) -> None:
+        done = self._batch_done.pop(batch_id, None)
+        if done is not None and not done.done():
+            done.set_result(None)
+
+    def _fail(self, job: Job, status: int, message: str) -> None:
+        if not job.finished:
+            job.events.put_nowait(("error", status, message))
+
+
+class Runtime:
+    """The state behind the routes: plan limits, text tools, scheduler, metrics, draining."""
+
+    def __init__(self, model_dir: Path, plan: dict[str, Any], *, request_timeout_s: float,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, group_factory: Callable[[int, Any], Any] | None = None,
+                 worker_env: dict[str, str] | None = None, text_tools: TextTools | None = None):
+        self.model_dir = Path(model_dir)
+        self.plan = plan
+        self.model_name = str((plan.get("model") or {}).get("id") or self.model_dir.name)
+        self.max_sequence_length = int(plan["max_sequence_length"])
+        self.request_timeout_s = request_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self.text = text_tools or TextTools(self.model_dir)
+        self.metrics = Metrics(int(plan["batch_size"]))
+        if group_factory is None:
+            def group_factory(index: int, events) -> WorkerGroup:
+                return WorkerGroup(self.model_dir, plan, index, events, extra_env=worker_env)
+        self.scheduler = Scheduler(plan, self.metrics, group_factory, request_timeout_s)
+        self.accepting = True
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        self.scheduler.start()
+
+    async def stop(self) -> None:
+        self.accepting = False
+        await self.scheduler.stop()
+
+    def begin_drain(self) -> None:
+        """Stop accepting: /ping and new requests answer 503 from now on."""
+        if self.accepting:
+            log.info("draining: %d request(s) in flight", self._in_flight)
+        self.accepting = False
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def ready(self) -> bool:
+        return self.accepting and self.scheduler.all_ready()
+
+    # -- request plumbing shared by the LMI and OpenAI routes
+
+    async def read_json(self, request: Request) -> Any:
+        """The decoded body; RequestFailed 413 past max_body_bytes, 400 when it is not JSON."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise RequestFailed(413, f"request body is {declared} bytes; the limit is {self.max_body_bytes}")
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise RequestFailed(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise RequestFailed(400, "the client disconnected while sending the body") from None
+        try:
+            return json.loads(b"".join(chunks))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RequestFailed(400, f"malformed JSON body: {exc}") from None
+
+    def check_accepting(self) -> None:
+        if not self.accepting:
+            raise RequestFailed(503, "the server is shutting down and accepts no new requests")
+
+    def make_jobs(self, prompts: list[str], params: GenerationParams, stream: bool, label: str = "inputs") -> list[Job]:
+        """Jobs for `prompts`, after checking prompt tokens + max_new_tokens fit the planned
+        sequence length (RequestFailed 400 naming the prompt otherwise)."""
+        now = time.monotonic()
+        jobs = []
+        for index, prompt in enumerate(prompts):
+            count = self.text.count_tokens(prompt)
+            if count + params.max_new_tokens > self.max_sequence_length:
+                where = label if len(prompts) == 1 else f"{label}[{index}]"
+                raise RequestFailed(400, f"{where} has {count} prompt tokens; with max_new_tokens = {params.max_new_tokens} "
+                                         f"that is {count + params.max_new_tokens}, beyond the maximum sequence length "
+                                         f"{self.max_sequence_length}")
+            request = GenerationRequest(id=uuid.uuid4().hex, prompt=prompt, params=params)
+            jobs.append(Job(request=request, stream=stream, prompt_tokens=count, enqueued_at=now))
+        return jobs
+
+    def admit(self, jobs: list[Job]) -> None:
+        self.check_accepting()
+        self.scheduler.submit(jobs)
+        self._in_flight += 1
+        self._idle.clear()
+        self.metrics.in_flight.set(self._in_flight)
+
+    def release(self) -> None:
+        self._in_flight -= 1
+        self.metrics.in_flight.set(self._in_flight)
+        if self._in_flight == 0:
+            self._idle.set()
+
+    async def result(self, job: Job) -> GenerationResult:
+        """Wait for the job's result; RequestFailed 424 on a model failure or the timeout."""
+        events = self.events(job)
+        try:
+            async for kind, payload in events:
+                if kind == "done":
+                    return payload
+        finally:
+            await events.aclose()
+        raise RequestFailed(424, "no result")  # events() always ends with done or raises
+
+    async def events(self, job: Job) -> AsyncIterator[tuple[str, Any]]:
+        """("token", text)* then ("done", result); raises RequestFailed on failure or timeout."""
+        deadline = job.enqueued_at + self.request_timeout_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    event = await asyncio.wait_for(job.events.get(), max(0.0, remaining))
+                except asyncio.TimeoutError:
+                    raise RequestFailed(424, f"request timed out after {self.request_timeout_s:g}s") from None
+                if event[0] == "error":
+                    raise RequestFailed(event[1], event[2])
+                yield event
+                if event[0] == "done":
+                    return
+        finally:
+            self.scheduler.abandon(job)
+
+    def record(self, endpoint: str, status: int, started: float | None = None) -> None:
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        if started is not None:
+            self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+
+
+# ---------------------------------------------------------------- routes
+
+async def ping(request: Request) -> Response:
+    runtime: Runtime = request.app.state.runtime
+    if runtime.ready():
+        return JSONResponse({"status": "healthy"})
+    reason = "shutting down" if not runtime.accepting else "loading or restarting worker groups"
+    return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    runtime: Runtime = request.app.state.runtime
+    return Response(runtime.metrics.render(), media_type=runtime.metrics.content_type)
+
+
+async def invocations(request: Request) -> Response:
+    runtime: Runtime = request.app.state.runtime
+    started = time.monotonic()
+    try:
+        runtime.check_accepting()
+        body = await runtime.read_json(request)
+        try:
+            prompts, params, stream = parse_invocation(body, runtime.max_sequence_length)
+        except ValueError as exc:
+            raise RequestFailed(400, str(exc)) from None
+        if stream and len(prompts) != 1:
+            raise RequestFailed(400, "stream = true takes a single string in inputs, not a list")
+        jobs = runtime.make_jobs(prompts, params, stream)
+        runtime.admit(jobs)
+    except RequestFailed as exc:
+        runtime.record("invocations", exc.status)
+        return error_response(exc.status, exc.message)
+    if stream:
+        return StreamingResponse(_jsonlines(runtime, jobs[0], started), media_type="application/jsonlines")
+    try:
+        results = await asyncio.gather(*(runtime.result(job) for job in jobs))
+    except RequestFailed as exc:
+        for job in jobs:
+            runtime.scheduler.abandon(job)
+        runtime.record("invocations", exc.status, started)
+        return error_response(exc.status, exc.message)
+    finally:
+        runtime.release()
+    answers = [{"generated_text": result.text} for result in results]
+    runtime.record("invocations", 200, started)
+    return JSONResponse(answers[0] if isinstance(body["inputs"], str) else answers)
+
+
+async def _jsonlines(runtime: Runtime, job: Job, started: float) -> AsyncIterator[bytes]:
+    """LMI streaming: {"token": {"text": piece}} per piece, then {"generated_text": full}."""
+    status = 200
+    try:
+        async for kind, payload in runtime.events(job):
+            if kind == "token":
+                yield _line({"token": {"text": payload}})
+            else:
+                yield _line({"generated_text": payload.text,
+                             "details": {"finish_reason": payload.finish_reason,
+                                         "generated_tokens": payload.generated_tokens}})
+    except RequestFailed as exc:
+        status = exc.status
+        yield _line({"error": exc.message, "code": exc.status})
+    finally:
+        runtime.release()
+        runtime.record("invocations", status, started)
+
+
+def _line(obj: dict) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
+async def _not_found(request: Request, exc: HTTPException) -> Response:
+    return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s", request.url.path)
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def create_app(runtime: Runtime) -> Starlette:
+    from contextlib import asynccontextmanager
+
+    from lmc.runtime.openai_api import openai_routes
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await runtime.start()
+        try:
+            yield
+        finally:
+            await runtime.stop()
+
+    routes = [
+        Route("/ping", ping, methods=["GET"]),
+        Route("/invocations", invocations, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        *openai_routes(),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _not_found, Exception: _unexpected})
+    app.state.runtime = runtime
+    return app
+
+
+# ---------------------------------------------------------------- serving
+
+def serve(runtime: Runtime, host: str, port: int, drain_timeout_s: float | None = None) -> None:
+    """Run the app until SIGTERM/SIGINT: then answer 503 to new work, let in-flight requests finish
+    (up to `drain_timeout_s`), stop the worker groups and return."""
+    make_server(runtime, host, port, drain_timeout_s).run()
+
+
+def make_server(runtime: Runtime, host: str, port: int, drain_timeout_s: float | None = None):
+    """The uvicorn server for `runtime`, draining on SIGTERM/SIGINT (signals are only captured when
+    it runs in the main thread; tests run it in a thread and set `should_exit`)."""
+    import uvicorn
+
+    drain_timeout_s = runtime.request_timeout_s if drain_timeout_s is None else drain_timeout_s
+
+    class DrainingServer(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig: int, frame) -> None:
+            # Not uvicorn's: it closes the socket at once and re-raises the signal at exit (so the
+            # process would not exit 0). We keep answering 503 while in-flight requests finish.
+            if self.draining:
+                if sig == signal.SIGINT:
+                    self.force_exit = True
+                return
+            self.draining = True
+            loop = runtime.scheduler._loop
+            if loop is None:
+                self.should_exit = True
+                return
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
+
+        async def _drain(self) -> None:
+            runtime.begin_drain()
+            if not await runtime.wait_idle(drain_timeout_s):
+                log.warning("drain timed out after %gs; stopping anyway", drain_timeout_s)
+            self.should_exit = True
+
+    config = uvicorn.Config(create_app(runtime), host=host, port=port, lifespan="on", access_log=False,
+                            log_level="info", timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    return DrainingServer(config)

@@ -1,0 +1,210 @@
+"""What `lmc runtime` does before serving: find the artifact, extract it safely, verify it, read
+what the front end needs from it (the plan, the tokenizer, the chat template).
+
+The runtime must not import the emitters, so this has its own small, strict tar extractor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from lmc.errors import ArtifactError
+from lmc.manifest import verify_artifact
+
+log = logging.getLogger("lmc.runtime")
+
+DEFAULT_MODEL_DIR = Path("/opt/ml/model")
+DEFAULT_PORT = 8080
+_COPY_CHUNK = 8 * 1024 * 1024
+_PLAN_KEYS = ("engine", "tensor_parallel_degree", "replicas", "batch_size", "max_batch_delay_ms",
+              "job_queue_size", "max_sequence_length")
+
+
+def resolve_port(flag: int | None, environ: dict[str, str] | None = None) -> int:
+    """--port, else SAGEMAKER_BIND_TO_PORT, else 8080."""
+    environ = os.environ if environ is None else environ
+    if flag is not None:
+        return flag
+    value = environ.get("SAGEMAKER_BIND_TO_PORT")
+    if value:
+        if not value.isdigit() or not 0 < int(value) < 65536:
+            raise ArtifactError(f"SAGEMAKER_BIND_TO_PORT = {value!r}: not a TCP port number")
+        return int(value)
+    return DEFAULT_PORT
+
+
+def _unsafe_reason(member: tarfile.TarInfo) -> str | None:
+    name = PurePosixPath(member.name)
+    if name.is_absolute() or member.name.startswith("/"):
+        return "absolute path"
+    if ".." in name.parts:
+        return "path escapes the archive ('..')"
+    if member.issym() or member.islnk():
+        return "links are not allowed"
+    if not (member.isfile() or member.isdir()):
+        return "only regular files and directories are allowed"
+    return None
+
+
+def extract_archive(archive: Path, dest: Path) -> Path:
+    """Extract `archive` into `dest`, refusing absolute paths, `..`, links and devices.
+
+    Members are copied by hand (not `extractall`) so no mode, owner or time from the archive applies.
+    """
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            members = tar.getmembers()
+            for member in members:
+                reason = _unsafe_reason(member)
+                if reason:
+                    raise ArtifactError(f"{archive}: member {member.name!r}: {reason}; refusing to extract")
+            for member in members:
+                target = dest / member.name
+                if member.isdir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                source = tar.extractfile(member)
+                assert source is not None
+                with source, open(target, "wb") as out:
+                    shutil.copyfileobj(source, out, _COPY_CHUNK)
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise ArtifactError(f"{archive}: not a readable tar archive: {exc}") from None
+    return dest
+
+
+@dataclass
+class Artifact:
+    """A verified artifact on disk and the parts of its manifest the runtime uses."""
+
+    model_dir: Path
+    manifest: dict[str, Any]
+    plan: dict[str, Any]
+    temp_dir: Path | None = None  # set when we extracted an archive; removed by cleanup()
+
+    def cleanup(self) -> None:
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def open_artifact(path: Path | None) -> Artifact:
+    """Resolve a model dir or archive (default /opt/ml/model), extract it if needed, verify every
+    file's size and sha256 against lmc.json. Raises ArtifactError naming the first bad file."""
+    path = Path(path) if path is not None else DEFAULT_MODEL_DIR
+    temp_dir = None
+    if path.is_file():
+        temp_dir = Path(tempfile.mkdtemp(prefix="lmc-model-", dir=os.environ.get("LMC_EXTRACT_DIR")))
+        try:
+            extract_archive(path, temp_dir)
+        except BaseException:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
+        model_dir = temp_dir
+    elif path.is_dir():
+        model_dir = path
+    else:
+        raise ArtifactError(f"{path}: no such model directory or archive")
+    try:
+        manifest = verify_artifact(model_dir)
+        plan = manifest["plan"]
+        missing = [key for key in _PLAN_KEYS if key not in plan]
+        if missing:
+            raise ArtifactError(f"{model_dir / 'lmc.json'}: plan lacks {', '.join(missing)}")
+        if not (model_dir / "model.py").is_file():
+            raise ArtifactError(f"{model_dir / 'model.py'}: missing; the artifact has no handler")
+    except BaseException:
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    return Artifact(model_dir=model_dir, manifest=manifest, plan=plan, temp_dir=temp_dir)
+
+
+def default_request_timeout_s(plan: dict[str, Any]) -> float:
+    """Generous: ten times the predicted time of a full-length generation, at least 60 s."""
+    predicted = plan.get("predicted") or {}
+    ttft = float(predicted.get("ttft_ms") or 0.0)
+    tpot = float(predicted.get("tpot_ms") or 0.0)
+    if ttft <= 0 and tpot <= 0:
+        return 120.0
+    return max(60.0, 10.0 * (ttft + tpot * int(plan["max_sequence_length"])) / 1000.0)
+
+
+class TextTools:
+    """Prompt token counting and chat templating in the front end, from the artifact's tokenizer
+    files (the `tokenizers` library and jinja2, not transformers: start-up stays fast).
+
+    Without tokenizer.json, prompts are counted by whitespace-separated words (test artifacts)."""
+
+    def __init__(self, model_dir: Path):
+        self._tokenizer = None
+        tokenizer_file = model_dir / "tokenizer.json"
+        if tokenizer_file.is_file():
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        self._special = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {item.get("name"): item.get("template") for item in template if isinstance(item, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = model_dir / "chat_template.jinja"
+        if not template and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        self._template = None
+        if isinstance(template, str) and template:
+            self._template = _compile_template(template)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def count_tokens(self, text: str) -> int:
+        if self._tokenizer is None:
+            return len(text.split())
+        return len(self._tokenizer.encode(text).ids)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt for a chat: the model's template with add_generation_prompt. Raises ValueError."""
+        if self._template is None:
+            raise ValueError("this model has no chat template (tokenizer_config.json chat_template); use /v1/completions")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True, **self._special)
+        except Exception as exc:  # the template's own raise_exception(), or bad message shapes
+            raise ValueError(f"chat template rejected the messages: {exc}") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):  # AddedToken serialized as {"content": ...}
+        return str(value.get("content", ""))
+    return value if isinstance(value, str) else ""
+
+
+def _compile_template(source: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    # The settings transformers uses for chat templates, so templates render the same.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+    return env.from_string(source)

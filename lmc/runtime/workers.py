@@ -1,0 +1,373 @@
+"""Worker process groups: `replicas` groups of `tensor_parallel_degree` processes each.
+
+Each process imports the artifact's model.py, calls `create_engine()` and `engine.load(model_dir,
+rank, world_size)`. Rank 0 of a group talks to the front end over a Pipe; it broadcasts every batch
+to the other ranks over a gloo control group, all ranks call `engine.generate` in lockstep, and rank
+0 sends tokens and results back. A supervisor thread per group (in the front-end process) watches
+the pipe and every process sentinel: when any rank dies, the group is torn down, the batch it held
+fails with a message, and the group is started again.
+
+The front end never imports torch: only the worker processes do (inside `worker_main`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger("lmc.runtime")
+
+_MP = multiprocessing.get_context("spawn")
+# Rank 0 broadcasts a no-op this often while idle: the other ranks' collectives never reach the
+# process-group timeout, and a dead peer is noticed even with no traffic.
+HEARTBEAT_S = 30.0
+_COLLECTIVE_TIMEOUT_S = 600.0
+AUDIT_ENV = "LMC_AUDIT_OPENS"
+
+
+# ---------------------------------------------------------------- layout (pure)
+
+def device_kind(plan: dict[str, Any]) -> str:
+    """'neuron', 'gpu' or 'cpu' for a plan dict."""
+    if plan.get("engine") == "neuronx":
+        return "neuron"
+    accelerator = str((plan.get("target") or {}).get("accelerator", "cpu")).lower()
+    return "cpu" if accelerator in ("cpu", "local", "") else "gpu"
+
+
+def groups_per_instance(plan: dict[str, Any]) -> int:
+    """Worker groups this container runs: the plan's replicas spread over its instances."""
+    instances = int((plan.get("target") or {}).get("instances", 1) or 1)
+    return max(1, math.ceil(int(plan["replicas"]) / instances))
+
+
+def processes_per_group(plan: dict[str, Any]) -> int:
+    # transformers-neuronx drives all of a group's NeuronCores from one process.
+    return 1 if device_kind(plan) == "neuron" else int(plan["tensor_parallel_degree"])
+
+
+def device_env(plan: dict[str, Any], group: int, local_rank: int) -> dict[str, str]:
+    """The environment pinning one process of `group` to that group's contiguous devices."""
+    tp = int(plan["tensor_parallel_degree"])
+    first = group * tp
+    kind = device_kind(plan)
+    if kind == "gpu":
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in range(first, first + tp)),
+                "LOCAL_RANK": str(local_rank)}
+    if kind == "neuron":
+        cores = str(first) if tp == 1 else f"{first}-{first + tp - 1}"
+        return {"NEURON_RT_VISIBLE_CORES": cores, "NEURON_RT_NUM_CORES": str(tp), "LOCAL_RANK": str(local_rank)}
+    # CPU ranks share the host; keep their thread pools from oversubscribing it.
+    return {"LOCAL_RANK": str(local_rank), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------- the worker process
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    model_dir: str
+    group: int
+    rank: int
+    world_size: int
+    backend: str  # "gloo" | "nccl" | "none"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def load_model_module(model_dir: Path):
+    path = Path(model_dir) / "model.py"
+    spec = importlib.util.spec_from_file_location("lmc_artifact_model", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"{path}: cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["lmc_artifact_model"] = module
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "create_engine", None)):
+        raise RuntimeError(f"{path}: defines no create_engine()")
+    return module
+
+
+def _install_open_audit(log_path: str, rank: int, group: int) -> None:
+    """Log every path this process opens (tests check each rank read only its own shard)."""
+    handle = open(f"{log_path}.g{group}r{rank}.{os.getpid()}", "a", buffering=1, encoding="utf-8")
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+            handle.write(f"{os.fsdecode(args[0])}\n")
+
+    sys.addaudithook(hook)
+
+
+def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
+    """Entry point of one spawned rank. Exits when told to stop, when the front end goes away, or
+    (non-zero) when a peer dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
+    os.environ.update(spec.env)
+    if os.environ.get(AUDIT_ENV):
+        _install_open_audit(os.environ[AUDIT_ENV], spec.rank, spec.group)
+    control = None
+    if spec.world_size > 1:
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S)
+        if spec.backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", spec.rank)))
+        dist.init_process_group(spec.backend, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+        # Control messages go over gloo even on GPUs: an idle NCCL broadcast would spin and time out.
+        control = dist.new_group(backend="gloo", timeout=timeout) if spec.backend != "gloo" else dist.group.WORLD
+
+    try:
+        engine = load_model_module(Path(spec.model_dir)).create_engine()
+        engine.load(Path(spec.model_dir), spec.rank, spec.world_size)
+    except BaseException as exc:
+        if conn is not None:
+            conn.send(("load_failed", f"{type(exc).__name__}: {exc}"))
+        raise
+    if conn is not None:
+        conn.send(("ready",))
+    _serve_loop(engine, spec, conn, control)
+    if spec.world_size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def _next_message(spec: WorkerSpec, conn: Connection | None, control) -> tuple:
+    message: tuple | None = None
+    if spec.rank == 0:
+        assert conn is not None
+        try:
+            message = conn.recv() if conn.poll(HEARTBEAT_S) else ("noop",)
+        except (EOFError, OSError):  # the front end is gone
+            message = ("stop",)
+    if spec.world_size > 1:
+        import torch.distributed as dist
+
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=control)
+        message = box[0]
+    assert message is not None
+    return message
+
+
+def _serve_loop(engine, spec: WorkerSpec, conn: Connection | None, control) -> None:
+    while True:
+        message = _next_message(spec, conn, control)
+        kind = message[0]
+        if kind == "stop":
+            return
+        if kind == "noop":
+            continue
+        _, batch_id, requests, forward = message
+        on_token = None
+        if spec.rank == 0:
+            assert conn is not None
+            seen: set[str] = set()
+
+            def on_token(request_id: str, text: str, _batch=batch_id, _forward=frozenset(forward), _seen=seen):
+                # Streaming requests get every piece; the others only their first (for TTFT).
+                if request_id in _forward or request_id not in _seen:
+                    _seen.add(request_id)
+                    conn.send(("token", _batch, request_id, text))
+        try:
+            results = engine.generate(list(requests), on_token)
+        except Exception as exc:  # a model failure: answered 424, the group keeps serving
+            if spec.rank == 0:
+                conn.send(("error", batch_id, f"model failure: {type(exc).__name__}: {exc}"))
+            continue
+        if spec.rank == 0:
+            conn.send(("result", batch_id, results))
+
+
+# ---------------------------------------------------------------- the supervisor (front end)
+
+class GroupEvents(Protocol):
+    """What a group reports. Called from the group's supervisor thread."""
+
+    def on_ready(self, group: int) -> None: ...
+    def on_token(self, group: int, batch_id: int, request_id: str, text: str) -> None: ...
+    def on_result(self, group: int, batch_id: int, results: list) -> None: ...
+    def on_failure(self, group: int, batch_id: int, message: str) -> None: ...
+    def on_down(self, group: int, reason: str) -> None: ...
+
+
+class WorkerGroup:
+    """One replica: spawns its ranks, restarts them when one dies, forwards their messages."""
+
+    def __init__(self, model_dir: Path, plan: dict[str, Any], group: int, events: GroupEvents,
+                 extra_env: dict[str, str] | None = None, restart_backoff_s: float = 0.5):
+        self.model_dir = Path(model_dir)
+        self.plan = plan
+        self.group = group
+        self.events = events
+        self.extra_env = dict(extra_env or {})
+        self.world_size = processes_per_group(plan)
+        kind = device_kind(plan)
+        self.backend = "none" if self.world_size == 1 else ("nccl" if kind == "gpu" else "gloo")
+        self.restart_backoff_s = restart_backoff_s
+        self.restarts = 0
+        self.ready = False
+        self.pids: list[int] = []
+        self._procs: list[Any] = []
+        self._conn: Connection | None = None
+        self._send_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._in_flight: int | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- public, called from the event loop
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._supervise, name=f"lmc-group-{self.group}", daemon=True)
+        self._thread.start()
+
+    def submit(self, batch_id: int, requests: list, stream_ids: list[str]) -> None:
+        """Send a batch to rank 0. Raises RuntimeError if the group is not up."""
+        with self._send_lock:
+            if not self.ready or self._conn is None:
+                raise RuntimeError(f"worker group {self.group} is not ready")
+            self._in_flight = batch_id
+            try:
+                self._conn.send(("batch", batch_id, requests, stream_ids))
+            except (OSError, ValueError) as exc:
+                self._in_flight = None
+                raise RuntimeError(f"worker group {self.group} is gone: {exc}") from None
+
+    def kill(self, reason: str) -> None:
+        """Tear the group down now (a hung batch); the supervisor restarts it."""
+        log.error("worker group %d: %s; restarting it", self.group, reason)
+        for proc in list(self._procs):
+            if proc.is_alive():
+                proc.kill()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        with self._send_lock:
+            if self._conn is not None:
+                try:
+                    self._conn.send(("stop",))
+                except (OSError, ValueError):
+                    pass
+        if self._thread is not None:
+            self._thread.join(timeout_s + 5.0)
+        self._reap(timeout_s)
+
+    # -- the supervisor thread
+
+    def _supervise(self) -> None:
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            try:
+                self._spawn()
+            except Exception as exc:  # e.g. out of processes; retry like a crash
+                reason = f"could not start: {type(exc).__name__}: {exc}"
+            else:
+                reason = self._pump()
+            self._down(reason)
+            if self._stopping.is_set():
+                return
+            self.restarts += 1
+            log.error("worker group %d went down (%s); restarting (restart %d)", self.group, reason, self.restarts)
+            # A group that dies while loading would otherwise spin; back off, up to 30 s.
+            if time.monotonic() - started < 10.0:
+                self._stopping.wait(min(30.0, self.restart_backoff_s * 2 ** min(self.restarts, 6)))
+
+    def _spawn(self) -> None:
+        port = free_port()
+        parent, child = _MP.Pipe(duplex=True)
+        procs = []
+        for rank in range(self.world_size):
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                   "WORLD_SIZE": str(self.world_size), **device_env(self.plan, self.group, rank), **self.extra_env}
+            spec = WorkerSpec(str(self.model_dir), self.group, rank, self.world_size, self.backend, env)
+            proc = _MP.Process(target=worker_main, args=(spec, child if rank == 0 else None),
+                               name=f"lmc-worker-g{self.group}r{rank}", daemon=True)
+            proc.start()
+            procs.append(proc)
+        child.close()
+        self._procs = procs
+        self.pids = [p.pid for p in procs]
+        with self._send_lock:
+            self._conn = parent
+
+    def _pump(self) -> str:
+        """Forward messages until a process exits or the group is stopped; returns why it ended."""
+        assert self._conn is not None
+        conn = self._conn
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
+        while True:
+            ready = wait([conn, *sentinels], timeout=1.0)
+            if conn in ready:
+                try:
+                    while conn.poll():
+                        self._handle(conn.recv())
+                except (EOFError, OSError):
+                    pass  # rank 0 is gone: its sentinel says how
+            dead = [sentinels[s] for s in ready if s in sentinels]
+            if dead:
+                rank = dead[0]
+                code = self._procs[rank].exitcode
+                if self._stopping.is_set():
+                    return "stopped"
+                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                return f"worker process rank {rank} (pid {self._procs[rank].pid}) died: {how}"
+            if self._stopping.is_set() and not any(p.is_alive() for p in self._procs):
+                return "stopped"
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "ready":
+            self.ready = True
+            self.events.on_ready(self.group)
+        elif kind == "token":
+            self.events.on_token(self.group, message[1], message[2], message[3])
+        elif kind == "result":
+            self._in_flight = None
+            self.events.on_result(self.group, message[1], message[2])
+        elif kind == "error":
+            self._in_flight = None
+            self.events.on_failure(self.group, message[1], message[2])
+        elif kind == "load_failed":
+            log.error("worker group %d failed to load the model: %s", self.group, message[1])
+
+    def _down(self, reason: str) -> None:
+        with self._send_lock:
+            self.ready = False
+            in_flight, self._in_flight = self._in_flight, None
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+        self._reap(2.0 if self._stopping.is_set() else 0.0)
+        if in_flight is not None:
+            self.events.on_failure(self.group, in_flight, f"worker group {self.group} failed: {reason}")
+        self.events.on_down(self.group, reason)
+
+    def _reap(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)

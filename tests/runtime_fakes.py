@@ -1,0 +1,138 @@
+"""A deterministic fake engine and helpers that build small artifacts around it, for the runtime
+tests. The artifact's model.py imports this module from the tests directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from lmc.manifest import MANIFEST_NAME, build_manifest, manifest_bytes, sha256_file
+from lmc.runtime.engines.base import GenerationRequest, GenerationResult
+
+TESTS_DIR = Path(__file__).resolve().parent
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def expected_text(prompt: str, max_new_tokens: int) -> str:
+    """What FakeEngine answers: the prompt's words reversed, cycled, one word per token."""
+    words = list(reversed(prompt.split())) or ["_"]
+    return "".join(f" {words[i % len(words)]}" for i in range(max_new_tokens))
+
+
+class FakeEngine:
+    """Knobs: `step_delay_s` per generated token (slow), `load_delay_s`, `record_dir` (one line per
+    batch: rank and size; pid files per rank). Prompts containing RAISE make generate raise."""
+
+    def __init__(self, step_delay_s: float = 0.0, load_delay_s: float = 0.0, record_dir: str | None = None):
+        self.step_delay_s = step_delay_s
+        self.load_delay_s = load_delay_s
+        self.record_dir = Path(record_dir) if record_dir else None
+        self.rank = -1
+
+    def load(self, model_dir: Path, rank: int, world_size: int) -> None:
+        self.rank = rank
+        time.sleep(self.load_delay_s)
+        if self.record_dir is not None:
+            (self.record_dir / f"rank{rank}.{os.getpid()}.pid").write_text(str(os.getpid()))
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def generate(self, batch: list[GenerationRequest], on_token=None) -> list[GenerationResult]:
+        if self.record_dir is not None:
+            with open(self.record_dir / "batches.jsonl", "a") as handle:
+                handle.write(json.dumps({"rank": self.rank, "size": len(batch)}) + "\n")
+        if any("RAISE" in request.prompt for request in batch):
+            raise RuntimeError("fake failure requested by the prompt")
+        texts = {r.id: expected_text(r.prompt, r.params.max_new_tokens) for r in batch}
+        steps = max(r.params.max_new_tokens for r in batch)
+        for step in range(steps):
+            time.sleep(self.step_delay_s)
+            for request in batch:
+                if step < request.params.max_new_tokens and on_token is not None:
+                    on_token(request.id, " " + texts[request.id].split(" ")[step + 1])
+        return [GenerationResult(id=r.id, text=texts[r.id], prompt_tokens=self.count_tokens(r.prompt),
+                                 generated_tokens=r.params.max_new_tokens, finish_reason="length")
+                for r in batch]
+
+
+def fake_plan(**overrides: Any) -> dict[str, Any]:
+    plan = {"lmc_version": "0.1.0", "model": {"id": "fake/tiny"},
+            "target": {"instance": "local", "accelerator": "cpu", "devices": 1, "instances": 1},
+            "engine": "hf", "dtype": "fp32", "tensor_parallel_degree": 1, "replicas": 1,
+            "batch_size": 4, "max_batch_delay_ms": 20, "job_queue_size": 16, "max_sequence_length": 64}
+    plan.update(overrides)
+    return plan
+
+
+def write_artifact(root: Path, plan: dict[str, Any], engine_kwargs: dict[str, Any] | None = None,
+                   chat_template: bool = True) -> Path:
+    """A model dir whose model.py builds FakeEngine(**engine_kwargs), with a verified lmc.json."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "model.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(TESTS_DIR)!r})\n"
+        "from runtime_fakes import FakeEngine\n\n\n"
+        "def create_engine():\n"
+        f"    return FakeEngine(**{dict(engine_kwargs or {})!r})\n")
+    (root / "config.json").write_text(json.dumps({"model_type": "fake"}))
+    shards = root / "shards" / f"tp{plan['tensor_parallel_degree']}"
+    shards.mkdir(parents=True, exist_ok=True)
+    for rank in range(plan["tensor_parallel_degree"]):
+        (shards / f"rank{rank}.safetensors").write_bytes(bytes(range(256)) * 4)
+    if chat_template:
+        (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "</s>"}))
+    files = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.name != MANIFEST_NAME and "__pycache__" not in path.parts:
+            files[path.relative_to(root).as_posix()] = (path.stat().st_size, sha256_file(path))
+    (root / MANIFEST_NAME).write_bytes(manifest_bytes(build_manifest("0.1.0", {}, plan, files)))
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerThread:
+    """`lmc runtime`'s server for a Runtime, in a thread of the test process."""
+
+    def __init__(self, runtime):
+        from lmc.runtime.server import make_server
+
+        self.runtime = runtime
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = make_server(runtime, "127.0.0.1", self.port)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if httpx.get(f"{self.url}/ping").status_code == 200:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"/ping not 200 within {timeout_s}s")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
