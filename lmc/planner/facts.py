@@ -77,6 +77,7 @@ class EngineEfficiency(_Facts):
     decode_bandwidth: float = Field(gt=0, le=1, description="Share of peak memory bandwidth a decode step achieves.")
     prefill_compute: float = Field(gt=0, le=1, description="Share of peak TFLOPS a prefill achieves (MFU).")
     step_overhead_ms: float = Field(ge=0, description="Fixed per-step cost: kernel launches, Python, sampling.")
+    layer_overhead_ms: float = Field(default=0.0, ge=0, description="Fixed cost per transformer layer per step (kernel launches, syncs): why small shards stop speeding up.")
     tp_efficiency: float = Field(gt=0, le=1, description="Bandwidth efficiency kept per doubling of the TP degree.")
     allreduce_efficiency: float = Field(default=0.7, gt=0, le=1, description="Achieved share of interconnect bandwidth in all-reduce.")
     runtime_overhead_bytes: int = Field(ge=0, description="Per device: CUDA context / Neuron runtime, allocator slack.")
@@ -101,4 +102,5 @@ class EngineFacts(_Facts):
     aot_compile_families: list[Family] = Field(default_factory=list, description="Families whose graphs can be compiled and serialized ahead of time (Neuron).")
     compile_seconds_per_billion_params: float = Field(default=0, ge=0, description="Graph compile time, when compilation happens at start (Neuron).")
     efficiency: dict[DeviceKind, EngineEfficiency] = Field(description="Efficiency figures per device kind.")
+    unfused_efficiency: dict[DeviceKind, EngineEfficiency] = Field(default_factory=dict, description="Efficiency for families without fused kernels (DeepSpeed AutoTP); empty = same as `efficiency`.")
     source: str = Field(description="Documentation for the capabilities.")

@@ -1,0 +1,98 @@
+"""Engine capabilities, loaded from data (lmc/planner/data/engines/engines.toml), cached.
+
+Also loads the published measurements the latency model was calibrated and validated on
+(validation.toml): docs/planner.md prints them and tests/test_planner_latency.py holds the model to them.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lmc.errors import InternalError
+from lmc.planner.facts import EngineFacts, HardwareFacts, ModelFacts
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+_DATA = "lmc.planner.data.engines"
+
+
+def _read_toml(name: str) -> dict[str, Any]:
+    try:
+        text = resources.files(_DATA).joinpath(name).read_text(encoding="utf-8")
+        return tomllib.loads(text)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise InternalError(f"cannot read packaged planner data {name}: {exc}") from None
+
+
+@functools.cache
+def engine_facts() -> dict[str, EngineFacts]:
+    """Every engine's capabilities and efficiency figures, by engine name (sorted)."""
+    raw = _read_toml("engines.toml")
+    try:
+        engines = {name: EngineFacts(name=name, **body) for name, body in raw["engine"].items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InternalError(f"engines.toml does not validate: {exc}") from None
+    return dict(sorted(engines.items()))
+
+
+class Measurement(BaseModel):
+    """One published measurement of time per output token."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    role: str = Field(pattern="^(calibration|validation)$", description="Used to set a figure, or held out to check the model.")
+    model: ModelFacts
+    hardware: HardwareFacts
+    engine: str
+    dtype: str
+    tensor_parallel_degree: int
+    batch_size: int
+    input_tokens: int
+    output_tokens: int
+    measured_tpot_ms: float
+    source: str
+    note: str = ""
+
+
+@functools.cache
+def measurements() -> tuple[Measurement, ...]:
+    """The published measurements in validation.toml, with their model and hardware facts resolved."""
+    raw = _read_toml("validation.toml")
+    try:
+        models = {key: ModelFacts(**body) for key, body in raw["model"].items()}
+        hardware = {key: HardwareFacts(**body) for key, body in raw["hardware"].items()}
+        out = []
+        for body in raw["measurement"]:
+            body = dict(body)
+            body["model"] = models[body["model"]]
+            body["hardware"] = hardware[body["hardware"]]
+            out.append(Measurement(**body))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InternalError(f"validation.toml does not validate: {exc}") from None
+    return tuple(out)
+
+
+def reference_model(key: str) -> ModelFacts:
+    """A model from validation.toml by its key (tests use these realistic facts)."""
+    return {m.model.id: m.model for m in measurements()}.get(key) or _by_key("model", key, ModelFacts)
+
+
+def reference_hardware(key: str) -> HardwareFacts:
+    """A hardware entry from validation.toml by its key (tests use these realistic facts)."""
+    return _by_key("hardware", key, HardwareFacts)
+
+
+def _by_key(table: str, key: str, cls: type) -> Any:
+    raw = _read_toml("validation.toml")
+    try:
+        return cls(**raw[table][key])
+    except KeyError:
+        raise InternalError(f"validation.toml has no [{table}.{key}]") from None

@@ -1,0 +1,202 @@
+"""Memory per device: weights, KV cache, prefill activations, runtime overhead. Pure integer bytes.
+
+The rules (docs/planner.md has the derivations):
+
+- Parameters split into the input embedding (vocab·hidden, replicated on every rank), the LM head
+  (vocab·hidden when untied; split by vocabulary when the engine shards it and the vocabulary
+  divides by TP, else replicated; a tied head is the embedding and costs nothing more), small
+  replicated tensors (norms, biases, routers: ~4·hidden per block) and the rest, which TP splits.
+- Key/value projections keep heads whole: when TP exceeds the kv heads (GQA/MQA) each rank holds
+  ceil(kv_heads/TP) heads, so K/V weights and the KV cache are replicated, not split.
+- int8/fp8 weight-only: split matrices take 1 byte per element plus one 16-bit scale per output
+  channel (elements/hidden scales); the embedding and LM head stay in the 16-bit compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, ModelFacts
+from lmc.planner.plan import MemoryPerDevice
+
+WEIGHT_ONLY = ("int8", "fp8")
+
+
+@dataclass(frozen=True)
+class ParamSplit:
+    """Parameter counts by how tensor parallelism treats them."""
+
+    embedding: int  # input embedding rows, replicated
+    lm_head: int  # untied LM head (0 when tied to the embedding)
+    replicated: int  # norms, biases, routers
+    sharded: int  # everything TP splits: attention and MLP matrices (experts included)
+    kv_projection: int  # the K and V projections inside `sharded` (kept whole per head)
+
+
+def param_split(model: ModelFacts) -> ParamSplit:
+    embedding = model.vocab_size * model.hidden_size
+    lm_head = 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size
+    blocks = model.layers + model.encoder_layers
+    replicated = blocks * 4 * model.hidden_size + model.hidden_size
+    if model.num_experts > 1:
+        replicated += model.layers * model.num_experts * model.hidden_size  # routers
+    sharded = max(model.parameters - embedding - lm_head - replicated, 0)
+    attention_blocks = model.layers + model.encoder_layers + (model.layers if model.is_encoder_decoder else 0)
+    kv_projection = min(attention_blocks * 2 * model.hidden_size * model.kv_heads * model.head_dim, sharded)
+    return ParamSplit(embedding, lm_head, replicated, sharded, kv_projection)
+
+
+def compute_dtype(dtype: str, model: ModelFacts, hardware: HardwareFacts) -> str:
+    """The dtype activations, the KV cache and weight-only-quantized matmuls run in."""
+    if dtype not in WEIGHT_ONLY:
+        return dtype
+    if "bf16" in hardware.dtypes and (model.torch_dtype == "bf16" or "fp16" not in hardware.dtypes):
+        return "bf16"
+    if "fp16" in hardware.dtypes:
+        return "fp16"
+    return "fp32"
+
+
+def kv_heads_per_device(model: ModelFacts, tp: int) -> int:
+    """KV heads one rank holds: kv_heads/TP when TP divides them, else ceil (replicated heads)."""
+    if model.kv_heads % tp == 0:
+        return model.kv_heads // tp
+    return math.ceil(model.kv_heads / tp)
+
+
+def kv_bytes_per_token(model: ModelFacts, tp: int, kv_dtype: str) -> int:
+    """KV cache bytes per token per device: 2·layers·(kv_heads/TP)·head_dim·dtype_bytes."""
+    return int(2 * model.layers * kv_heads_per_device(model, tp) * model.head_dim * DTYPE_BYTES[kv_dtype])
+
+
+def kv_cache_bytes(model: ModelFacts, tp: int, kv_dtype: str, batch: int, input_tokens: int, output_tokens: int) -> int:
+    """KV cache reserved per device for `batch` sequences at full length.
+
+    Decoder-only: batch·(input+output)·kv_bytes_per_token. T5: the decoder's self-attention KV over
+    the output, the cross-attention KV over the input (same per-token size), and the encoder output
+    (batch·input·hidden, replicated) that the cross-attention keys are computed from.
+    """
+    per_token = kv_bytes_per_token(model, tp, kv_dtype)
+    if model.is_encoder_decoder:
+        encoder_out = batch * input_tokens * model.hidden_size * int(DTYPE_BYTES[kv_dtype])
+        return batch * (output_tokens + input_tokens) * per_token + encoder_out
+    return batch * (input_tokens + output_tokens) * per_token
+
+
+def lm_head_sharded(model: ModelFacts, engine: EngineFacts, tp: int) -> bool:
+    return tp > 1 and engine.shards_lm_head and not model.tie_word_embeddings and model.vocab_size % tp == 0
+
+
+def _split_elements(model: ModelFacts, split: ParamSplit, tp: int) -> float:
+    """Elements of the TP-split matrices one rank holds (K/V replicated per whole head)."""
+    kv_share = kv_heads_per_device(model, tp) / model.kv_heads
+    return (split.sharded - split.kv_projection) / tp + split.kv_projection * kv_share
+
+
+def weight_bytes(model: ModelFacts, engine: EngineFacts, dtype: str, tp: int, hardware: HardwareFacts) -> int:
+    """Weight bytes one rank holds, in the planned dtype."""
+    split = param_split(model)
+    head_dtype = compute_dtype(dtype, model, hardware)
+    matrix = _split_elements(model, split, tp)
+    total = matrix * DTYPE_BYTES[dtype]
+    if dtype in WEIGHT_ONLY:
+        total += matrix / model.hidden_size * DTYPE_BYTES[head_dtype]  # per-output-channel scales
+    total += split.replicated * DTYPE_BYTES[head_dtype]
+    total += split.embedding * DTYPE_BYTES[head_dtype]
+    lm_head = split.lm_head / tp if lm_head_sharded(model, engine, tp) else split.lm_head
+    total += lm_head * DTYPE_BYTES[head_dtype]
+    return int(total)
+
+
+def decode_weight_bytes(model: ModelFacts, engine: EngineFacts, dtype: str, tp: int, hardware: HardwareFacts) -> float:
+    """Weight bytes one decode step reads on one rank.
+
+    Everything except the input embedding (a row lookup), plus the tied embedding as LM head. For an
+    encoder-decoder model only the decoder's share of the matrices; for MoE, see `latency`.
+    """
+    split = param_split(model)
+    head_dtype = compute_dtype(dtype, model, hardware)
+    matrix = _split_elements(model, split, tp) * decoder_share(model)
+    total = matrix * DTYPE_BYTES[dtype]
+    if dtype in WEIGHT_ONLY:
+        total += matrix / model.hidden_size * DTYPE_BYTES[head_dtype]
+    head = split.lm_head if split.lm_head else split.embedding
+    head = head / tp if lm_head_sharded(model, engine, tp) else head
+    return total + head * DTYPE_BYTES[head_dtype]
+
+
+def decoder_share(model: ModelFacts) -> float:
+    """Share of the split matrices in the decoder (1 for decoder-only).
+
+    A T5 encoder block holds self-attention (4·d·inner) and a gated MLP (3·d·ff); a decoder block
+    adds cross-attention (another 4·d·inner).
+    """
+    if not model.is_encoder_decoder or model.encoder_layers == 0:
+        return 1.0
+    inner = model.attention_heads * model.head_dim
+    attention = 4 * model.hidden_size * inner
+    mlp = 3 * model.hidden_size * model.intermediate_size
+    encoder = model.encoder_layers * (attention + mlp)
+    decoder = model.layers * (2 * attention + mlp)
+    return decoder / (encoder + decoder)
+
+
+def materializes_attention_scores(engine: EngineFacts, hardware: HardwareFacts) -> bool:
+    """Whether a prefill holds a full [heads, s, s] score matrix per layer.
+
+    GPU engines run fused/SDPA attention (flash or memory-efficient kernels) that never materialize
+    it; transformers-neuronx context encoding and eager CPU attention do.
+    """
+    return hardware.kind in ("cpu", "neuron")
+
+
+def activation_bytes(model: ModelFacts, engine: EngineFacts, hardware: HardwareFacts, tp: int, act_dtype: str,
+                     batch: int, input_tokens: int) -> int:
+    """Peak activations of a prefill of `batch` prompts of `input_tokens`, one layer live at a time.
+
+    tokens·(2·hidden [residual + normed input] + (heads/TP + 2·kv_heads/TP)·head_dim [QKV]
+    + 2·experts_per_token·intermediate/TP [MLP up and gate]) · dtype bytes, plus the score matrix
+    batch·(heads/TP)·input² where attention materializes it, plus fp32 logits of the last position
+    (batch·vocab/TP when the head is split, else batch·vocab).
+    """
+    size = DTYPE_BYTES[act_dtype]
+    tokens = batch * input_tokens
+    heads_local = max(model.attention_heads // tp, 1)
+    qkv = (heads_local + 2 * kv_heads_per_device(model, tp)) * model.head_dim
+    mlp = 2 * model.experts_per_token * model.intermediate_size / tp
+    per_token = 2 * model.hidden_size + qkv + mlp
+    total = tokens * per_token * size
+    if materializes_attention_scores(engine, hardware):
+        total += batch * heads_local * input_tokens * input_tokens * size
+    vocab_local = model.vocab_size / tp if lm_head_sharded(model, engine, tp) else model.vocab_size
+    total += batch * vocab_local * 4
+    return int(total)
+
+
+def overhead_bytes(efficiency: EngineEfficiency, tp: int) -> int:
+    """CUDA context / Neuron runtime and allocator slack, plus collective buffers when TP > 1."""
+    return efficiency.runtime_overhead_bytes + (efficiency.comm_buffer_bytes if tp > 1 else 0)
+
+
+def capacity_bytes(hardware: HardwareFacts, memory_fraction: float, memory_per_device: int | None) -> int:
+    """What the plan may fill per device: min(device memory · fraction, the absolute cap)."""
+    capacity = int(hardware.device_memory_bytes * memory_fraction)
+    if memory_per_device is not None:
+        capacity = min(capacity, memory_per_device)
+    return capacity
+
+
+def memory_per_device(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency: EngineEfficiency,
+                      dtype: str, tp: int, batch: int, input_tokens: int, output_tokens: int,
+                      memory_fraction: float, memory_cap: int | None) -> MemoryPerDevice:
+    """The full per-device breakdown for one configuration (all integers, bytes)."""
+    act_dtype = compute_dtype(dtype, model, hardware)
+    weights = weight_bytes(model, engine, dtype, tp, hardware)
+    kv = kv_cache_bytes(model, tp, act_dtype, batch, input_tokens, output_tokens)
+    activations = activation_bytes(model, engine, hardware, tp, act_dtype, batch, input_tokens)
+    overhead = overhead_bytes(efficiency, tp)
+    total = weights + kv + activations + overhead
+    capacity = capacity_bytes(hardware, memory_fraction, memory_cap)
+    return MemoryPerDevice(weights=weights, kv_cache=kv, activations=activations, runtime_overhead=overhead,
+                           total=total, capacity=capacity, headroom=capacity - total)
