@@ -1,0 +1,292 @@
+"""Checkpoint validation: everything about a local HF checkpoint that can be checked before any
+weight is read, checked, with one-line errors that name the file.
+
+`validate_checkpoint(path, facts)` checks, in order: the directory; config.json; the weight files
+(safetensors, single or sharded through model.safetensors.index.json, every file the index names
+present and holding the tensors the index says); each safetensors header against its file
+(lmc.emitters.safetensors_stream.read_header); every tensor the tensor-parallel layout touches
+(and the embeddings) against the shapes config.json implies; the tokenizer files. It returns a
+`CheckpointInfo` the partitioner streams from.
+
+Pickle checkpoints (`*.bin`, `*.pt`) can run arbitrary code when loaded, so they are refused unless
+the caller passes `allow_pickle=True`; then each file is loaded with `torch.load(weights_only=True)`
+and rewritten as safetensors in a temporary directory (removed at exit), and validated like any other.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from lmc.emitters.safetensors_stream import Header, StreamingWriter, dtype_code, read_header
+from lmc.errors import CheckpointError
+from lmc.planner.facts import ModelFacts
+
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
+PICKLE_REFUSAL = "pass --allow-pickle to load pickle checkpoints (they can run arbitrary code)"
+
+# Any one of these makes a tokenizer (fast tokenizer, sentencepiece, or BPE/WordPiece vocab files).
+_TOKENIZER_MODELS = (("tokenizer.json",), ("tokenizer.model",), ("spiece.model",), ("vocab.json", "merges.txt"),
+                     ("vocab.txt",))
+# Copied with the tokenizer when present.
+_TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                     "chat_template.json")
+_OTHER_EXTRAS = ("generation_config.json",)
+
+
+class TensorInfo(NamedTuple):
+    """Where a tensor lives: its file, safetensors dtype code, shape and absolute byte range."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A validated checkpoint. Paths in `tokenizer_files` / `extra_files` are relative to `path`."""
+
+    path: Path
+    family: str
+    files: tuple[Path, ...]  # the safetensors files holding the weights (converted copies for pickle input)
+    tensors: dict[str, TensorInfo] = field(repr=False)
+    tokenizer_files: tuple[str, ...]
+    extra_files: tuple[str, ...]  # everything to copy next to config.json: generation config and tokenizer files
+    from_pickle: bool = False
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.offsets[1] - t.offsets[0] for t in self.tensors.values())
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max((t.offsets[1] - t.offsets[0] for t in self.tensors.values()), default=0)
+
+
+def validate_checkpoint(path: Path, facts: ModelFacts, *, allow_pickle: bool = False) -> CheckpointInfo:
+    """Check the checkpoint in directory `path` against `facts` (from its config.json). Reads no weights."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file}: missing (a HF checkpoint directory needs its config.json)")
+    _read_json(config_file)
+    files, from_pickle = _weight_files(path, allow_pickle)
+    headers = [read_header(file) for file in files]
+    tensors = _tensor_table(path, headers)
+    _check_index_agrees(path, tensors)
+    check_shapes(facts, tensors)
+    tokenizer_files = _tokenizer_files(path)
+    extras = sorted(set(tokenizer_files) | {name for name in _OTHER_EXTRAS if (path / name).is_file()})
+    return CheckpointInfo(path=path, family=facts.family, files=tuple(files), tensors=tensors,
+                          tokenizer_files=tuple(tokenizer_files), extra_files=tuple(extras), from_pickle=from_pickle)
+
+
+def _read_json(file: Path) -> object:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file}: not valid JSON ({' '.join(str(exc).split())})") from None
+
+
+def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], bool]:
+    index = path / INDEX_NAME
+    if index.is_file():
+        return _indexed_files(index), False
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files, False
+    pickles = sorted(p for p in path.iterdir() if p.suffix in (".bin", ".pt") and p.is_file())
+    if not pickles:
+        raise CheckpointError(f"{path}: no weights: expected *.safetensors (or {INDEX_NAME})")
+    if not allow_pickle:
+        raise CheckpointError(f"{pickles[0]}: the checkpoint has only pickle weights; {PICKLE_REFUSAL}")
+    return _convert_pickles(path, pickles), True
+
+
+def _indexed_files(index: Path) -> list[Path]:
+    data = _read_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: not a safetensors index: needs a `weight_map` object of tensor -> file")
+    files = []
+    for name in sorted(set(weight_map.values())):
+        file = index.parent / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (listed in {index.name})")
+        files.append(file)
+    if not files:
+        raise CheckpointError(f"{index}: the weight_map names no files")
+    return files
+
+
+def _tensor_table(path: Path, headers: list[Header]) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    for header in headers:
+        for name, entry in header.tensors.items():
+            if name in tensors:
+                raise CheckpointError(f"{header.path}: tensor {name!r} is also in {tensors[name].file.name}")
+            tensors[name] = TensorInfo(header.path, entry.dtype, entry.shape, (entry.begin, entry.end))
+    if not tensors:
+        raise CheckpointError(f"{headers[0].path if headers else path}: the weight files hold no tensors")
+    return dict(sorted(tensors.items()))
+
+
+def _check_index_agrees(path: Path, tensors: dict[str, TensorInfo]) -> None:
+    index = path / INDEX_NAME
+    if not index.is_file():
+        return
+    weight_map = _read_json(index)["weight_map"]
+    for name, file_name in sorted(weight_map.items()):
+        if name not in tensors:
+            raise CheckpointError(f"{path / file_name}: has no tensor {name!r} ({index.name} says it does)")
+        if tensors[name].file.name != file_name:
+            raise CheckpointError(f"{tensors[name].file}: holds {name!r}, but {index.name} places it in {file_name}")
+
+
+# Expected shapes, per family: (pattern, shape function of the facts, what the dims are). A None dim is not checked.
+_Shape = Callable[[ModelFacts], tuple]
+
+
+def _dims(f: ModelFacts) -> dict[str, int]:
+    return dict(V=f.vocab_size, H=f.hidden_size, A=f.attention_heads * f.head_dim, K=f.kv_heads * f.head_dim,
+                I=f.intermediate_size, E=f.num_experts, N=f.attention_heads)
+
+
+def _rules(*rules: tuple[str, str]) -> list[tuple[re.Pattern, str]]:
+    return [(re.compile(pattern), spec) for pattern, spec in rules]
+
+
+# Shape specs are dim letters from _dims ("3A" = three times A; "_" = any).
+_LLAMA = _rules(
+    (r"embed_tokens\.weight$", "V H"), (r"^lm_head\.weight$", "V H"),
+    (r"\.self_attn\.q_proj\.weight$", "A H"), (r"\.self_attn\.q_proj\.bias$", "A"),
+    (r"\.self_attn\.[kv]_proj\.weight$", "K H"), (r"\.self_attn\.[kv]_proj\.bias$", "K"),
+    (r"\.self_attn\.o_proj\.weight$", "H A"),
+    (r"\.mlp\.(gate_proj|up_proj)\.weight$", "I H"), (r"\.mlp\.down_proj\.weight$", "H I"),
+    (r"\.experts\.\d+\.(w1|w3)\.weight$", "I H"), (r"\.experts\.\d+\.w2\.weight$", "H I"),
+    (r"\.block_sparse_moe\.gate\.weight$", "E H"),
+)
+SHAPE_RULES: dict[str, list[tuple[re.Pattern, str]]] = {
+    "llama": _LLAMA, "mistral": _LLAMA, "mixtral": _LLAMA, "qwen2": _LLAMA,
+    "gptj": _rules(
+        (r"\.wte\.weight$", "V H"), (r"^lm_head\.weight$", "V H"), (r"^lm_head\.bias$", "V"),
+        (r"\.attn\.[qkv]_proj\.weight$", "A H"), (r"\.attn\.out_proj\.weight$", "H A"),
+        (r"\.mlp\.fc_in\.weight$", "I H"), (r"\.mlp\.fc_in\.bias$", "I"), (r"\.mlp\.fc_out\.weight$", "H I"),
+    ),
+    "gpt_neox": _rules(
+        (r"embed_in\.weight$", "V H"), (r"^embed_out\.weight$", "V H"),
+        (r"\.attention\.query_key_value\.weight$", "3A H"), (r"\.attention\.query_key_value\.bias$", "3A"),
+        (r"\.attention\.dense\.weight$", "H A"),
+        (r"\.mlp\.dense_h_to_4h\.weight$", "I H"), (r"\.mlp\.dense_h_to_4h\.bias$", "I"),
+        (r"\.mlp\.dense_4h_to_h\.weight$", "H I"),
+    ),
+    "opt": _rules(
+        (r"embed_tokens\.weight$", "V H"), (r"^lm_head\.weight$", "V H"), (r"embed_positions\.weight$", "_ H"),
+        (r"\.self_attn\.[qkv]_proj\.weight$", "A H"), (r"\.self_attn\.[qkv]_proj\.bias$", "A"),
+        (r"\.self_attn\.out_proj\.weight$", "H A"),
+        (r"\.fc1\.weight$", "I H"), (r"\.fc1\.bias$", "I"), (r"\.fc2\.weight$", "H I"),
+    ),
+    "bloom": _rules(
+        (r"word_embeddings\.weight$", "V H"), (r"^lm_head\.weight$", "V H"),
+        (r"\.self_attention\.query_key_value\.weight$", "3A H"), (r"\.self_attention\.query_key_value\.bias$", "3A"),
+        (r"\.self_attention\.dense\.weight$", "H A"),
+        (r"\.mlp\.dense_h_to_4h\.weight$", "I H"), (r"\.mlp\.dense_h_to_4h\.bias$", "I"),
+        (r"\.mlp\.dense_4h_to_h\.weight$", "H I"),
+    ),
+    "t5": _rules(
+        (r"^shared\.weight$", "V H"), (r"embed_tokens\.weight$", "V H"), (r"^lm_head\.weight$", "V H"),
+        (r"\.(SelfAttention|EncDecAttention)\.[qkv]\.weight$", "A H"),
+        (r"\.(SelfAttention|EncDecAttention)\.o\.weight$", "H A"),
+        (r"\.relative_attention_bias\.weight$", "_ N"),
+        (r"\.DenseReluDense\.(wi|wi_0|wi_1)\.weight$", "I H"), (r"\.DenseReluDense\.wo\.weight$", "H I"),
+    ),
+}
+_NAMES = {"V": "vocab_size", "H": "hidden_size", "A": "heads·head_dim", "K": "kv_heads·head_dim",
+          "I": "intermediate_size", "E": "num_experts", "N": "heads", "_": "any"}
+_LAYER_INDEX = re.compile(r"\.(layers|h|block)\.(\d+)\.")
+
+
+def expected_shape(facts: ModelFacts, name: str) -> tuple[tuple[int | None, ...], str] | None:
+    """The shape config.json implies for tensor `name` (None dims unchecked) and its description."""
+    dims = _dims(facts)
+    for pattern, spec in SHAPE_RULES[facts.family]:
+        if pattern.search(name):
+            shape, words = [], []
+            for token in spec.split():
+                factor, letter = (int(token[:-1]), token[-1]) if len(token) > 1 else (1, token)
+                shape.append(None if letter == "_" else factor * dims[letter])
+                words.append(("3·" if factor == 3 else "") + _NAMES[letter])
+            return tuple(shape), " × ".join(words)
+    return None
+
+
+def check_shapes(facts: ModelFacts, tensors: dict[str, TensorInfo]) -> None:
+    """Every tensor the layout or the embeddings touch has the shape config.json implies."""
+    for name, tensor in tensors.items():
+        expected = expected_shape(facts, name)
+        if expected is not None:
+            shape, words = expected
+            if len(shape) != len(tensor.shape) or any(e is not None and e != d for e, d in zip(shape, tensor.shape)):
+                shown = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+                raise CheckpointError(f"{tensor.file}: tensor {name!r} has shape {list(tensor.shape)}, but config.json "
+                                      f"implies {shown} ({words})")
+        match = _LAYER_INDEX.search(name)
+        if match:
+            limit = facts.encoder_layers if name.startswith("encoder.") else facts.layers
+            if int(match.group(2)) >= limit:
+                raise CheckpointError(f"{tensor.file}: tensor {name!r} is in layer {match.group(2)}, but config.json "
+                                      f"has {limit} layers")
+
+
+def _tokenizer_files(path: Path) -> list[str]:
+    for names in _TOKENIZER_MODELS:
+        if all((path / name).is_file() for name in names):
+            break
+    else:
+        raise CheckpointError(f"{path}: no tokenizer files (expected tokenizer.json, tokenizer.model, spiece.model, "
+                              "vocab.json + merges.txt, or vocab.txt)")
+    found = {name for group in _TOKENIZER_MODELS for name in group if (path / name).is_file()}
+    found |= {name for name in _TOKENIZER_EXTRAS if (path / name).is_file()}
+    return sorted(found)
+
+
+def _convert_pickles(path: Path, pickles: list[Path]) -> list[Path]:
+    """Load each pickle with weights_only=True (no code runs) and rewrite it as safetensors in a temp dir."""
+    import torch
+
+    out_dir = Path(tempfile.mkdtemp(prefix="lmc-unpickled-"))
+    atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
+    index = path / PICKLE_INDEX_NAME
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map", {})
+        pickles = [path / name for name in sorted(set(weight_map.values()))]
+    converted = []
+    for number, file in enumerate(pickles):
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (listed in {PICKLE_INDEX_NAME})")
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure is the file's fault
+            raise CheckpointError(f"{file}: cannot load as a weights-only pickle: {' '.join(str(exc).split())[:200]}") from None
+        if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+            state = state["state_dict"]
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{file}: not a state dict of tensors")
+        target = out_dir / f"converted-{number:05d}.safetensors"
+        entries = [(name, dtype_code(t.dtype), tuple(t.shape)) for name, t in state.items()]
+        with StreamingWriter(target, entries, {"format": "pt", "lmc.source": file.name}) as writer:
+            for name, tensor in state.items():
+                writer.write(name, tensor)
+        del state
+        converted.append(target)
+    return converted
