@@ -67,13 +67,14 @@ def measurements() -> tuple[Measurement, ...]:
     """The published measurements in validation.toml, with their model and hardware facts resolved."""
     raw = _read_toml("validation.toml")
     try:
+        from lmc.planner import catalog
+
         models = {key: ModelFacts(**body) for key, body in raw["model"].items()}
-        hardware = {key: HardwareFacts(**body) for key, body in raw["hardware"].items()}
         out = []
         for body in raw["measurement"]:
             body = dict(body)
             body["model"] = models[body["model"]]
-            body["hardware"] = hardware[body["hardware"]]
+            body["hardware"] = catalog.hardware_facts(body["hardware"])
             out.append(Measurement(**body))
     except (KeyError, TypeError, ValueError) as exc:
         raise InternalError(f"validation.toml does not validate: {exc}") from None
@@ -82,17 +83,8 @@ def measurements() -> tuple[Measurement, ...]:
 
 def reference_model(key: str) -> ModelFacts:
     """A model from validation.toml by its key (tests use these realistic facts)."""
-    return {m.model.id: m.model for m in measurements()}.get(key) or _by_key("model", key, ModelFacts)
-
-
-def reference_hardware(key: str) -> HardwareFacts:
-    """A hardware entry from validation.toml by its key (tests use these realistic facts)."""
-    return _by_key("hardware", key, HardwareFacts)
-
-
-def _by_key(table: str, key: str, cls: type) -> Any:
     raw = _read_toml("validation.toml")
     try:
-        return cls(**raw[table][key])
+        return ModelFacts(**raw["model"][key])
     except KeyError:
-        raise InternalError(f"validation.toml has no [{table}.{key}]") from None
+        raise InternalError(f"validation.toml has no [model.{key}]") from None

@@ -6,7 +6,7 @@ Decode step (TPOT), per rank:
               effective bandwidth = peak · decode_bandwidth · tp_efficiency^log2(TP)
     compute = 2 · active decode parameters / TP · batch / (peak TFLOPS · prefill_compute)
     comm    = all-reduces per step · (2(TP−1)/TP · batch·hidden·bytes / (link bw · allreduce_efficiency)
-              + 2·ceil(log2 TP) hops · hop latency)
+              + link latency)
     fixed   = step_overhead + layers · layer_overhead
     TPOT    = memory + compute + comm + fixed   (no overlap assumed between memory and compute)
 Prefill (TTFT, one max_input_tokens prompt):
@@ -63,13 +63,16 @@ def peak_tflops(hardware: HardwareFacts, dtype: str) -> float:
 
 
 def allreduce_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int, message_bytes: float) -> float:
-    """One all-reduce of `message_bytes` across `tp` ranks: ring bandwidth term + tree latency term."""
+    """One all-reduce of `message_bytes` across `tp` ranks: ring bandwidth term + fixed latency.
+
+    The interconnect's latency_us is taken as the fixed cost of one small all-reduce (NCCL's
+    low-latency protocol and Neuron collectives are nearly flat in the rank count within a node).
+    """
     if tp <= 1:
         return 0.0
     link = hardware.interconnect
     bandwidth = 2 * (tp - 1) / tp * message_bytes / (link.bandwidth_bytes_per_s * efficiency.allreduce_efficiency)
-    hops = 2 * math.ceil(math.log2(tp))
-    return bandwidth * 1e3 + hops * link.latency_us * 1e-3
+    return bandwidth * 1e3 + link.latency_us * 1e-3
 
 
 def allreduces_per_step(model: ModelFacts) -> int:
