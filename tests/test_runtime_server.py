@@ -1,0 +1,181 @@
+"""The HTTP front end against real worker processes running the fake engine (TP=1)."""
+
+import asyncio
+import re
+import contextlib
+import json
+import time
+
+import httpx
+import pytest
+
+from lmc.runtime.server import Runtime
+from runtime_fakes import ServerThread, expected_text, fake_plan, write_artifact
+
+pytestmark = pytest.mark.slow
+
+
+@contextlib.contextmanager
+def serve_fake(root, plan_overrides=None, engine_kwargs=None, wait=True, **runtime_kwargs):
+    plan = fake_plan(**(plan_overrides or {}))
+    model = write_artifact(root, plan, engine_kwargs)
+    runtime_kwargs.setdefault("request_timeout_s", 30.0)
+    with ServerThread(Runtime(model, plan, **runtime_kwargs)) as server:
+        if wait:
+            server.wait_ready()
+        yield server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    record = root / "record"
+    record.mkdir()
+    with serve_fake(root / "model", {"batch_size": 8, "job_queue_size": 128, "max_batch_delay_ms": 30},
+                    {"step_delay_s": 0.002, "record_dir": str(record)}, max_body_bytes=64 * 1024) as srv:
+        srv.record = record
+        yield srv
+
+
+def post(server, body, path="/invocations", **kw):
+    return httpx.post(server.url + path, json=body, timeout=30, **kw)
+
+
+def test_ping_is_503_while_loading_then_200(tmp_path):
+    with serve_fake(tmp_path / "m", engine_kwargs={"load_delay_s": 1.5}, wait=False) as srv:
+        first = httpx.get(srv.url + "/ping")
+        assert first.status_code == 503
+        assert "loading" in first.json()["reason"]
+        srv.wait_ready(30)
+        assert httpx.get(srv.url + "/ping").json() == {"status": "healthy"}
+
+
+def test_string_input_gives_one_object(server):
+    reply = post(server, {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 5}})
+    assert reply.status_code == 200
+    assert reply.json() == {"generated_text": expected_text("the quick brown fox", 5)}
+
+
+def test_list_input_gives_a_list_in_order(server):
+    prompts = ["one two", "three four five", "six"]
+    reply = post(server, {"inputs": prompts, "parameters": {"max_new_tokens": 4}})
+    assert reply.status_code == 200
+    assert reply.json() == [{"generated_text": expected_text(p, 4)} for p in prompts]
+
+
+def test_stream_is_jsonlines_token_by_token_then_the_text(server):
+    reply = post(server, {"inputs": "alpha beta gamma", "parameters": {"max_new_tokens": 6}, "stream": True})
+    assert reply.status_code == 200
+    assert reply.headers["content-type"].startswith("application/jsonlines")
+    lines = [json.loads(line) for line in reply.text.splitlines()]
+    tokens = [line["token"]["text"] for line in lines[:-1]]
+    assert len(tokens) == 6
+    assert "".join(tokens) == lines[-1]["generated_text"] == expected_text("alpha beta gamma", 6)
+    assert lines[-1]["details"]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body,reason", [
+    (b"{not json", "malformed JSON body"),
+    (b'{"parameters": {}}', "no 'inputs'"),
+    (b'{"inputs": 42}', "inputs must be a string or a list of strings, got a number"),
+    (b'{"inputs": ["a", 3]}', r"inputs\[1\] must be a string"),
+    (b'{"inputs": "a", "parameters": {"max_new_tokens": "5"}}', "max_new_tokens must be an integer"),
+    (b'{"inputs": "a", "stream": "yes"}', "stream must be true or false"),
+    (b'{"inputs": ["a", "b"], "stream": true}', "takes a single string"),
+    (b'{"inputs": "w w w w w w w w w w", "parameters": {"max_new_tokens": 60}}',
+     "has 10 prompt tokens; with max_new_tokens = 60 that is 70, beyond the maximum sequence length 64"),
+])
+def test_bad_requests_are_400_with_the_reason(server, body, reason):
+    reply = httpx.post(server.url + "/invocations", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400
+    assert reply.json()["code"] == 400
+    assert re.search(reason, reply.json()["error"]), reply.json()
+
+
+def test_oversized_body_is_413_with_or_without_content_length(server):
+    big = json.dumps({"inputs": "x " * 40_000}).encode()
+    reply = httpx.post(server.url + "/invocations", content=big)
+    assert reply.status_code == 413 and "limit is 65536" in reply.json()["error"]
+
+    def chunks():
+        for start in range(0, len(big), 8192):
+            yield big[start:start + 8192]
+
+    reply = httpx.post(server.url + "/invocations", content=chunks())
+    assert reply.status_code == 413 and "exceeds the limit of 65536 bytes" in reply.json()["error"]
+
+
+def test_unknown_route_is_json_404(server):
+    reply = httpx.get(server.url + "/nope")
+    assert reply.status_code == 404 and reply.json()["code"] == 404
+
+
+def test_64_concurrent_clients_are_all_answered_and_batched(server):
+    batches_file = server.record / "batches.jsonl"
+    before = len(batches_file.read_text().splitlines()) if batches_file.exists() else 0
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(i):
+                prompt = f"client {i} says hello"
+                reply = await client.post(server.url + "/invocations",
+                                          json={"inputs": prompt, "parameters": {"max_new_tokens": 8}})
+                return reply.status_code, reply.json(), prompt
+            return await asyncio.gather(*(one(i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert [status for status, _, _ in results] == [200] * 64
+    for _, body, prompt in results:
+        assert body == {"generated_text": expected_text(prompt, 8)}
+    sizes = [json.loads(line)["size"] for line in batches_file.read_text().splitlines()[before:]]
+    assert sum(sizes) == 64
+    assert max(sizes) == 8 and len(sizes) < 20, sizes  # batched, not one by one
+
+
+def test_model_failure_is_424_and_service_continues(server):
+    reply = post(server, {"inputs": "please RAISE now", "parameters": {"max_new_tokens": 2}})
+    assert reply.status_code == 424
+    assert "model failure: RuntimeError: fake failure requested by the prompt" in reply.json()["error"]
+    assert post(server, {"inputs": "fine", "parameters": {"max_new_tokens": 2}}).status_code == 200
+
+
+def test_metrics_expose_the_series(server):
+    post(server, {"inputs": "count me", "parameters": {"max_new_tokens": 3}})
+    text = httpx.get(server.url + "/metrics").text
+    for series in ("lmc_queue_depth", "lmc_batch_size_bucket", "lmc_request_latency_seconds_bucket",
+                   "lmc_time_to_first_token_seconds_bucket", "lmc_generated_tokens_total",
+                   "lmc_worker_groups_ready 1.0"):
+        assert series in text
+    ok = [line for line in text.splitlines() if line.startswith('lmc_requests_total{endpoint="invocations",status="200"}')]
+    assert ok and float(ok[0].split()[-1]) >= 1
+    generated = [line for line in text.splitlines() if line.startswith("lmc_generated_tokens_total")]
+    assert float(generated[0].split()[-1]) >= 3
+
+
+def test_full_queue_answers_503_at_once_then_serves_again(tmp_path):
+    plan = {"batch_size": 1, "job_queue_size": 2, "max_batch_delay_ms": 0}
+    with serve_fake(tmp_path / "m", plan, {"step_delay_s": 0.05}) as srv:
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as client:
+                async def one(i):
+                    start = time.monotonic()
+                    reply = await client.post(srv.url + "/invocations",
+                                              json={"inputs": f"p{i}", "parameters": {"max_new_tokens": 10}})
+                    return reply.status_code, reply.json(), time.monotonic() - start
+                return await asyncio.gather(*(one(i) for i in range(8)))
+
+        results = asyncio.run(main())
+        refused = [r for r in results if r[0] == 503]
+        served = [r for r in results if r[0] == 200]
+        assert refused and served and len(refused) + len(served) == 8
+        assert all("queue is full" in body["error"] for _, body, _ in refused)
+        assert max(elapsed for _, _, elapsed in refused) < 0.4  # at once, not after waiting
+        assert post(srv, {"inputs": "after", "parameters": {"max_new_tokens": 2}}).status_code == 200
+
+
+def test_request_timeout_is_424_and_nothing_hangs(tmp_path):
+    with serve_fake(tmp_path / "m", engine_kwargs={"step_delay_s": 0.2}, request_timeout_s=0.5) as srv:
+        start = time.monotonic()
+        reply = post(srv, {"inputs": "slow", "parameters": {"max_new_tokens": 20}})
+        assert reply.status_code == 424 and "timed out after 0.5s" in reply.json()["error"]
+        assert time.monotonic() - start < 2.0

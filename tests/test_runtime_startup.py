@@ -1,0 +1,137 @@
+"""Start-up: safe archive extraction, manifest verification, port, text tools, device pinning."""
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from lmc.errors import ArtifactError
+from lmc.runtime.startup import (TextTools, default_request_timeout_s, extract_archive, open_artifact,
+                                 resolve_port)
+from lmc.runtime.workers import device_env, device_kind, groups_per_instance, processes_per_group
+from runtime_fakes import CHAT_TEMPLATE, fake_plan, write_artifact
+
+
+def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def _info(name: str, kind=tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = linkname
+    return info
+
+
+@pytest.mark.parametrize("name,kind,reason", [
+    ("/etc/evil", tarfile.REGTYPE, "absolute path"),
+    ("shards/../../evil", tarfile.REGTYPE, "path escapes the archive"),
+    ("link", tarfile.SYMTYPE, "links are not allowed"),
+    ("hard", tarfile.LNKTYPE, "links are not allowed"),
+    ("dev", tarfile.CHRTYPE, "only regular files and directories"),
+    ("fifo", tarfile.FIFOTYPE, "only regular files and directories"),
+])
+def test_unsafe_members_are_refused_before_anything_is_written(tmp_path, name, kind, reason):
+    data = b"x" if kind == tarfile.REGTYPE else None
+    archive = _tar(tmp_path / "model.tar.gz", [(_info("ok.txt"), b"fine"), (_info(name, kind, "/etc/passwd"), data)])
+    dest = tmp_path / "out"
+    dest.mkdir()
+    with pytest.raises(ArtifactError, match=reason) as err:
+        extract_archive(archive, dest)
+    assert name in str(err.value) and "\n" not in str(err.value)
+    assert list(dest.iterdir()) == []  # checked all members first
+    assert not (tmp_path.parent / "evil").exists()
+
+
+def test_archive_is_extracted_verified_and_cleaned_up(tmp_path):
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    archive = tmp_path / "model.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(model.rglob("*")):
+            tar.add(path, arcname=path.relative_to(model).as_posix(), recursive=False)
+    artifact = open_artifact(archive)
+    try:
+        assert artifact.plan["tensor_parallel_degree"] == 2
+        assert (artifact.model_dir / "shards/tp2/rank1.safetensors").read_bytes() == (model / "shards/tp2/rank1.safetensors").read_bytes()
+    finally:
+        artifact.cleanup()
+    assert not artifact.model_dir.exists()
+
+
+def test_one_changed_byte_stops_start_up_naming_the_file(tmp_path):
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    shard = model / "shards/tp2/rank1.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"rank1\.safetensors: altered: sha256 differs"):
+        open_artifact(model)
+
+
+def test_missing_dir_and_missing_plan_keys_are_clear(tmp_path):
+    with pytest.raises(ArtifactError, match="no such model directory or archive"):
+        open_artifact(tmp_path / "nope")
+    plan = fake_plan()
+    del plan["job_queue_size"]
+    with pytest.raises(ArtifactError, match="plan lacks job_queue_size"):
+        open_artifact(write_artifact(tmp_path / "m", plan))
+
+
+def test_port_precedence():
+    assert resolve_port(None, {}) == 8080
+    assert resolve_port(None, {"SAGEMAKER_BIND_TO_PORT": "9001"}) == 9001
+    assert resolve_port(7000, {"SAGEMAKER_BIND_TO_PORT": "9001"}) == 7000
+    with pytest.raises(ArtifactError, match="not a TCP port"):
+        resolve_port(None, {"SAGEMAKER_BIND_TO_PORT": "http"})
+
+
+def test_request_timeout_follows_the_plan_prediction():
+    assert default_request_timeout_s(fake_plan()) == 120.0
+    plan = fake_plan(predicted={"ttft_ms": 1000, "tpot_ms": 100}, max_sequence_length=1000)
+    assert default_request_timeout_s(plan) == pytest.approx(1010.0)
+
+
+def test_chat_template_renders_with_the_generation_prompt(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    tools = TextTools(tmp_path)
+    prompt = tools.render_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert prompt == "<system> be brief <user> hi <assistant>"
+    assert tools.count_tokens(prompt) == 6  # whitespace words without a tokenizer.json
+
+
+def test_chat_without_a_template_says_what_to_use(tmp_path):
+    with pytest.raises(ValueError, match="no chat template.*use /v1/completions"):
+        TextTools(tmp_path).render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_template_raise_exception_becomes_a_value_error(tmp_path):
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}x"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    with pytest.raises(ValueError, match="first must be user"):
+        TextTools(tmp_path).render_chat([{"role": "system", "content": "s"}])
+
+
+def test_devices_are_pinned_in_contiguous_ranges_per_group():
+    gpu = fake_plan(engine="deepspeed", tensor_parallel_degree=2, replicas=2,
+                    target={"accelerator": "a10g", "instances": 1})
+    assert device_kind(gpu) == "gpu"
+    assert device_env(gpu, group=1, local_rank=1) == {"CUDA_VISIBLE_DEVICES": "2,3", "LOCAL_RANK": "1"}
+    neuron = fake_plan(engine="neuronx", tensor_parallel_degree=4, replicas=2,
+                       target={"accelerator": "inferentia2", "instances": 1})
+    assert device_env(neuron, group=1, local_rank=0)["NEURON_RT_VISIBLE_CORES"] == "4-7"
+    assert processes_per_group(neuron) == 1  # transformers-neuronx drives all cores from one process
+    assert processes_per_group(gpu) == 2
+    assert "CUDA_VISIBLE_DEVICES" not in device_env(fake_plan(), 0, 0)
+
+
+def test_replicas_are_spread_over_instances():
+    assert groups_per_instance(fake_plan(replicas=4, target={"accelerator": "a10g", "instances": 2})) == 2
+    assert groups_per_instance(fake_plan(replicas=3, target={"accelerator": "a10g", "instances": 2})) == 2
+    assert groups_per_instance(fake_plan(replicas=1)) == 1
