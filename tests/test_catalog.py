@@ -329,3 +329,10 @@ def test_catalog_lookups_import_no_heavy_modules():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.stdout.strip() == ""
+
+
+def test_docs_list_every_catalog_entry():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "catalog.md").read_text(encoding="utf-8")
+    missing = [name for name in [*catalog.list_models(), *catalog.list_instances(), *catalog.list_accelerators()]
+               if f"| {name} |" not in docs]
+    assert missing == [], "docs/catalog.md is missing catalog entries (regenerate its tables)"
