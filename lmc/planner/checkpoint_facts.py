@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
-from lmc.errors import CheckpointError
+from lmc.errors import CheckpointError, InternalError
 from lmc.planner.facts import ModelFacts
 
 # model_type (config.json) -> family. The HF class prefix is the fallback for configs without one.
@@ -281,7 +281,7 @@ def estimate_parameters(facts: ModelFacts, *, gated_ffn: bool = True) -> int:
         encoder = facts.encoder_layers * (attention + ffn + 2 * h) + relative_bias + h
         decoder = facts.layers * (2 * attention + ffn + 3 * h) + relative_bias + h
         return v * h + encoder + decoder + head
-    raise AssertionError(f"no parameter formula for family {family!r}")
+    raise InternalError(f"no parameter formula for family {family!r}")
 
 
 def safetensors_files(path: Path) -> list[Path]:
