@@ -47,7 +47,7 @@ class FakeEngine:
     def generate(self, batch: list[GenerationRequest], on_token=None) -> list[GenerationResult]:
         if self.record_dir is not None:
             with open(self.record_dir / "batches.jsonl", "a") as handle:
-                handle.write(json.dumps({"rank": self.rank, "size": len(batch)}) + "\n")
+                handle.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "size": len(batch)}) + "\n")
         if any("RAISE" in request.prompt for request in batch):
             raise RuntimeError("fake failure requested by the prompt")
         texts = {r.id: expected_text(r.prompt, r.params.max_new_tokens) for r in batch}

@@ -29,6 +29,12 @@ _USED = {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "s
          "repetition_penalty"}
 
 
+def _error(status: int, message: str) -> JSONResponse:
+    """OpenAI's error shape (clients read error.message), plus the top-level code every route has."""
+    kind = "invalid_request_error" if status < 500 and status != 424 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}, "code": status}, status_code=status)
+
+
 def _finish_reason(engine_reason: str) -> str:
     return "length" if engine_reason == "length" else "stop"
 
@@ -125,7 +131,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _handle(request: Request, chat: bool) -> Response:
-    from lmc.runtime.server import RequestFailed, error_response
+    from lmc.runtime.server import RequestFailed
 
     runtime: Runtime = request.app.state.runtime
     endpoint = "chat_completions" if chat else "completions"
@@ -152,7 +158,7 @@ async def _handle(request: Request, chat: bool) -> Response:
         runtime.admit(jobs)
     except RequestFailed as exc:
         runtime.record(endpoint, exc.status)
-        return error_response(exc.status, exc.message)
+        return _error(exc.status, exc.message)
 
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -168,7 +174,7 @@ async def _handle(request: Request, chat: bool) -> Response:
         for job in jobs:
             runtime.scheduler.abandon(job)
         runtime.record(endpoint, exc.status, started)
-        return error_response(exc.status, exc.message)
+        return _error(exc.status, exc.message)
     finally:
         runtime.release()
     prompt_tokens = sum(job.prompt_tokens for job in jobs)

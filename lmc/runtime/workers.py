@@ -327,6 +327,7 @@ class WorkerGroup:
             dead = [sentinels[s] for s in ready if s in sentinels]
             if dead:
                 rank = dead[0]
+                self._procs[rank].join(1.0)  # reap it, so exitcode is known
                 code = self._procs[rank].exitcode
                 if self._stopping.is_set():
                     return "stopped"

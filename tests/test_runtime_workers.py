@@ -1,0 +1,87 @@
+"""Worker groups: TP ranks in lockstep over gloo, a rank killed with -9 mid-request, replicas."""
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from lmc.runtime.server import Runtime
+from runtime_fakes import ServerThread, expected_text, fake_plan, write_artifact
+
+pytestmark = pytest.mark.slow
+
+
+def _serve(root, plan, engine_kwargs):
+    model = write_artifact(root / "m", plan, engine_kwargs)
+    return ServerThread(Runtime(model, plan, request_timeout_s=30))
+
+
+def _records(record):
+    path = record / "batches.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _pid_of(record, rank, exclude=()):
+    pids = [int(p.read_text()) for p in record.glob(f"rank{rank}.*.pid")]
+    live = [pid for pid in pids if pid not in exclude]
+    assert len(live) == 1, live
+    return live[0]
+
+
+def test_killing_a_rank_fails_its_request_and_the_group_comes_back(tmp_path):
+    record = tmp_path / "record"
+    record.mkdir()
+    plan = fake_plan(tensor_parallel_degree=2, max_batch_delay_ms=0)
+    with _serve(tmp_path, plan, {"step_delay_s": 0.1, "record_dir": str(record)}) as srv:
+        srv.wait_ready(60)
+        ok = httpx.post(srv.url + "/invocations", json={"inputs": "warm up", "parameters": {"max_new_tokens": 2}})
+        assert ok.status_code == 200
+        assert sorted(r["rank"] for r in _records(record)) == [0, 1]  # both ranks ran the batch
+        victim = _pid_of(record, 1)
+
+        answer = {}
+        thread = threading.Thread(target=lambda: answer.update(reply=httpx.post(
+            srv.url + "/invocations", json={"inputs": "doomed request", "parameters": {"max_new_tokens": 40}}, timeout=30)))
+        thread.start()
+        deadline = time.monotonic() + 10
+        while len(_records(record)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)  # until both ranks are generating
+        os.kill(victim, signal.SIGKILL)
+        thread.join(30)
+        reply = answer["reply"]
+        assert reply.status_code == 424
+        assert "worker process rank 1" in reply.json()["error"] and "killed by signal 9" in reply.json()["error"]
+
+        assert httpx.get(srv.url + "/ping").status_code == 503  # down until the new group is ready
+        srv.wait_ready(60)
+        assert _pid_of(record, 1, exclude={victim}) != victim
+        again = httpx.post(srv.url + "/invocations", json={"inputs": "back again", "parameters": {"max_new_tokens": 3}})
+        assert again.json() == {"generated_text": expected_text("back again", 3)}
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert "lmc_worker_group_restarts_total 1.0" in metrics
+
+
+def test_requests_spread_over_replicas(tmp_path):
+    record = tmp_path / "record"
+    record.mkdir()
+    plan = fake_plan(replicas=2, batch_size=2, max_batch_delay_ms=0, job_queue_size=64)
+    with _serve(tmp_path, plan, {"step_delay_s": 0.02, "record_dir": str(record)}) as srv:
+        srv.wait_ready(60)
+
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as client:
+                replies = await asyncio.gather(*(client.post(srv.url + "/invocations", json={
+                    "inputs": f"r {i}", "parameters": {"max_new_tokens": 5}}) for i in range(16)))
+                return [r.json() for r in replies]
+
+        bodies = asyncio.run(main())
+        assert bodies == [{"generated_text": expected_text(f"r {i}", 5)} for i in range(16)]
+        per_process = {}
+        for r in _records(record):
+            per_process[r["pid"]] = per_process.get(r["pid"], 0) + r["size"]
+        assert len(per_process) == 2 and min(per_process.values()) >= 4, per_process
