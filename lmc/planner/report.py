@@ -1,0 +1,92 @@
+"""The human view of a plan: configuration, memory bars, predictions against the goal, alternatives.
+
+Plain text, ≤ 100 columns, deterministic (the lead snapshot-tests it).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from lmc.planner.plan import Plan
+
+WIDTH = 100
+BAR = 40
+GIB = 2**30
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:6.1f} GiB"
+
+
+def _bar(value: int, capacity: int) -> str:
+    """A bar of BAR cells, filled in proportion to value/capacity (clipped; overflow marked '!')."""
+    if capacity <= 0:
+        return "?" * BAR
+    filled = round(BAR * max(value, 0) / capacity)
+    if filled > BAR:
+        return "█" * (BAR - 1) + "!"
+    return "█" * filled + "░" * (BAR - filled)
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, width=WIDTH, initial_indent=indent, subsequent_indent=indent + "  ") or [indent]
+
+
+def _mark(predicted: float, goal: float | None) -> str:
+    if goal is None:
+        return "  (no goal)"
+    return f"  {'✓' if predicted <= goal else '✗'} goal {goal:g} ms"
+
+
+def render_plan(plan: Plan, spec, explain: bool = False) -> str:
+    t, m, p = plan.target, plan.memory_per_device, plan.predicted
+    lines = [f"lmc plan: {plan.model.id} on {t.instance}"]
+    lines.append(f"  model   {plan.model.family}, {plan.model.parameters / 1e9:.2f}B parameters, "
+                 f"{plan.model.layers} layers, {plan.model.attention_heads} heads / {plan.model.kv_heads} kv heads")
+    price = f", ${t.price_per_hour:g}/h each" if t.price_per_hour is not None else ""
+    lines.append(f"  target  {t.instances} × {t.instance}: {t.devices} × {t.accelerator} "
+                 f"({t.device_memory_bytes / GIB:.1f} GiB){price}")
+    lines.append("")
+    lines.append("configuration")
+    quant = f" ({plan.quantization})" if plan.quantization else ""
+    lines.append(f"  engine {plan.engine} · dtype {plan.dtype}{quant} · TP {plan.tensor_parallel_degree} · "
+                 f"replicas {plan.replicas} · batch {plan.batch_size}")
+    lines.append(f"  max_batch_delay {plan.max_batch_delay_ms} ms · job_queue_size {plan.job_queue_size} · "
+                 f"max_sequence_length {plan.max_sequence_length}")
+    lines.append("")
+    lines.append("memory per device")
+    for name, value in (("weights", m.weights), ("kv cache", m.kv_cache), ("activations", m.activations),
+                        ("runtime", m.runtime_overhead)):
+        lines.append(f"  {name:<11} {_bar(value, m.capacity)} {_gib(value)}")
+    lines.append(f"  {'total':<11} {_bar(m.total, m.capacity)} {_gib(m.total)} of {_gib(m.capacity).strip()} "
+                 f"capacity, {_gib(m.headroom).strip()} headroom")
+    lines.append("")
+    lines.append("predicted")
+    goal = spec.goal
+    lines.append(f"  TPOT        {p.tpot_ms:10.2f} ms{_mark(p.tpot_ms, goal.tpot_ms)}")
+    lines.append(f"  TTFT        {p.ttft_ms:10.2f} ms{_mark(p.ttft_ms, goal.ttft_ms)}")
+    lines.append(f"  throughput  {p.throughput_tokens_per_s:10.1f} tokens/s")
+    lines.append(f"  load        {p.load_seconds:10.1f} s")
+    if p.cost_per_hour is not None and p.cost_per_million_tokens is not None:
+        cap = spec.budget.max_cost_per_hour
+        mark = f"  {'✓' if p.cost_per_hour <= cap else '✗'} max ${cap:g}/h" if cap is not None else ""
+        lines.append(f"  cost        {p.cost_per_hour:10.2f} $/h{mark}")
+        lines.append(f"              {p.cost_per_million_tokens:10.4f} $ per million tokens")
+    lines.append(f"  goal met    {'yes' if plan.goal_met else 'NO'}")
+    if not plan.goal_met:
+        gap = plan.decision("goal")
+        if gap is not None:
+            lines += _wrap(gap.reason, "    ")
+    shown = plan.alternatives if explain else plan.alternatives[:3]
+    if shown:
+        lines.append("")
+        lines.append("alternatives" if explain else "best alternatives (--explain for all, with reasons)")
+        for a in shown:
+            head = f"  {a.verdict:<8} {a.engine} {a.dtype} TP {a.tensor_parallel_degree} × {a.replicas}"
+            lines += _wrap(f"{head}: {a.reason}", "") if explain else [head[:WIDTH]]
+    if explain:
+        lines.append("")
+        lines.append("decisions")
+        for d in plan.decisions:
+            lines += _wrap(f"{d.key} = {d.value}: {d.reason}", "  ")
+    return "\n".join(line.rstrip() for line in lines) + "\n"

@@ -1,0 +1,631 @@
+"""The search: enumerate engine × dtype × TP × batch (× replicas), reject with reasons, choose.
+
+Choice rules (docs/planner.md):
+- Hard constraints: the engine supports the hardware, family and dtype; TP divides the heads (kv
+  heads divide TP or TP divides them); the memory fits the budget; the cost stays under
+  max_cost_per_hour. Nothing passing them → NoFeasiblePlanError (exit 3) with the nearest options.
+- Goals (tpot_ms, ttft_ms) are soft: when some configuration fits but none meets them, the closest
+  one is returned with goal_met = false and a decision explaining the gap.
+- Among configurations meeting the goals: first those whose replicas × batch serve the concurrency,
+  then the highest precision (16-bit before fp8 before int8: never quantize needlessly), then the
+  objective (latency: TPOT then fewer devices; throughput: tokens/s; cost: USD per million tokens),
+  then the preferred dtype (bf16 for bf16-trained models where the hardware has it), fewer devices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from lmc.errors import NoFeasiblePlanError, SpecValueError
+from lmc.planner.engines import engine_facts
+from lmc.planner.facts import DTYPE_BYTES, EngineFacts, HardwareFacts, ModelFacts
+from lmc.planner.latency import Timing, efficiency_for, predict
+from lmc.planner.memory import (
+    WEIGHT_ONLY,
+    capacity_bytes,
+    compute_dtype,
+    kv_bytes_per_token,
+    memory_per_device,
+)
+from lmc.planner.plan import Alternative, Decision, MemoryPerDevice, Plan, PlanModel, PlanTarget, Predicted
+
+ENGINE_ORDER = ("neuronx", "deepspeed", "hf")  # ties go to the engine built for the hardware
+MAX_BATCH = 256
+ALTERNATIVES = 8
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Config:
+    engine: str
+    dtype: str
+    tp: int
+    replicas: int
+    batch: int
+    memory: MemoryPerDevice
+    timing: Timing
+    goal_gap: float  # max(predicted/goal) over the goals; ≤ 1 means met
+    over_cost: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.headroom >= 0
+
+    @property
+    def feasible(self) -> bool:
+        return self.fits and not self.over_cost
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.replicas
+
+
+@dataclass
+class Rejection:
+    engine: str
+    dtype: str
+    tp: int
+    replicas: int
+    reason: str
+    order: tuple = field(default=())
+
+
+# --- entry point -----------------------------------------------------------------------------------
+
+def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[str, EngineFacts] | None = None,
+                    *, spec_sha256: str, lmc_version: str, candidates: list[HardwareFacts] | None = None) -> Plan:
+    engines = dict(engine_facts() if engines is None else engines)
+    check_workload(spec, model)
+    check_pins(spec, model, hardware, engines)
+    configs, rejections = enumerate_configs(spec, model, hardware, engines)
+    feasible = [c for c in configs if c.feasible]
+    if not feasible:
+        raise no_feasible_plan(spec, model, hardware, engines, configs, rejections, candidates)
+    chosen, goal_met = choose(spec, model, hardware, feasible)
+    plan = Plan(
+        lmc_version=lmc_version,
+        spec_sha256=spec_sha256,
+        model=PlanModel(id=model.id, family=model.family, parameters=model.parameters, layers=model.layers,
+                        hidden_size=model.hidden_size, attention_heads=model.attention_heads,
+                        kv_heads=model.kv_heads, vocab_size=model.vocab_size),
+        target=PlanTarget(instance=hardware.name, accelerator=hardware.accelerator, devices=hardware.devices,
+                          device_memory_bytes=hardware.device_memory_bytes, instances=chosen.timing.instances_used,
+                          price_per_hour=hardware.price_per_hour),
+        engine=chosen.engine,
+        dtype=chosen.dtype,
+        quantization=quantization(chosen.dtype),
+        tensor_parallel_degree=chosen.tp,
+        replicas=chosen.replicas,
+        batch_size=chosen.batch,
+        max_batch_delay_ms=batch_delay_ms(spec, chosen.batch),
+        job_queue_size=job_queue_size(spec, chosen),
+        max_sequence_length=spec.workload.max_input_tokens + spec.workload.max_output_tokens,
+        memory_per_device=chosen.memory,
+        predicted=predicted(chosen.timing),
+        goal_met=goal_met,
+        decisions=decisions(spec, model, hardware, engines, chosen, goal_met, configs, rejections),
+        alternatives=alternatives(spec, model, hardware, chosen, configs, rejections),
+    )
+    return plan.with_digest()
+
+
+# --- checks on the spec against the facts ----------------------------------------------------------
+
+def check_workload(spec, model: ModelFacts) -> None:
+    task = spec.model.task
+    if model.is_encoder_decoder and task != "text2text-generation":
+        raise SpecValueError("model.task", task, f"{model.id} is an encoder-decoder ({model.family}) model; "
+                                                 'use task = "text2text-generation"')
+    if not model.is_encoder_decoder and task == "text2text-generation":
+        raise SpecValueError("model.task", task, f"{model.id} is a decoder-only ({model.family}) model; "
+                                                 'use task = "text-generation"')
+    load = spec.workload
+    limit = model.max_position_embeddings
+    if limit is not None and not model.is_encoder_decoder and load.max_input_tokens + load.max_output_tokens > limit:
+        raise SpecValueError(
+            "workload.max_input_tokens", load.max_input_tokens,
+            f"max_input_tokens + max_output_tokens = {load.max_input_tokens + load.max_output_tokens} exceeds "
+            f"the {limit} positions of {model.id}; lower them to at most {limit} together")
+
+
+def allowed_dtype(dtype: str, hardware: HardwareFacts) -> str | None:
+    """None when the hardware can serve `dtype`, else why not."""
+    if dtype == "int8":
+        return None if {"fp16", "bf16"} & set(hardware.dtypes) or hardware.kind == "cpu" else \
+            f"{hardware.accelerator} has no 16-bit compute for int8 weight-only matmuls"
+    if dtype == "fp32" and hardware.kind in ("gpu", "cpu"):
+        return None
+    if dtype in hardware.dtypes:
+        return None
+    return f"{hardware.accelerator} has no {dtype} support"
+
+
+def engine_unsupported(engine: EngineFacts, model: ModelFacts, hardware: HardwareFacts) -> str | None:
+    if hardware.kind not in engine.hardware:
+        where = " or ".join(engine.hardware)
+        return f"runs only on {where} hardware, not {hardware.accelerator}"
+    if model.family not in engine.families:
+        return f"does not support family {model.family}"
+    if hardware.kind not in engine.efficiency:
+        return f"has no efficiency figures for {hardware.kind}"
+    return None
+
+
+def tp_degrees(engine: EngineFacts, hardware: HardwareFacts) -> list[int]:
+    """TP degrees the engine may use on this hardware (before model constraints)."""
+    allowed = engine.tp_degrees.get(hardware.accelerator)
+    if allowed is not None:
+        return [tp for tp in allowed if tp <= hardware.devices]
+    return [tp for tp in range(1, hardware.devices + 1) if hardware.devices % tp == 0]
+
+
+def tp_unsupported(tp: int, engine: EngineFacts, model: ModelFacts) -> str | None:
+    if engine.tp_requires_heads_divisible and model.attention_heads % tp:
+        return f"does not divide the {model.attention_heads} attention heads"
+    kv = model.kv_heads
+    if kv % tp and (engine.tp_kv_heads_rule == "divide" or tp % kv):
+        return f"neither divides nor is a multiple of the {kv} kv heads"
+    if engine.tp_requires_heads_divisible and model.intermediate_size % tp:
+        return f"does not divide the MLP width {model.intermediate_size}"
+    return None
+
+
+def _usable_tps(engine: EngineFacts, model: ModelFacts, hardware: HardwareFacts) -> list[int]:
+    return [tp for tp in tp_degrees(engine, hardware) if tp_unsupported(tp, engine, model) is None]
+
+
+def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[str, EngineFacts]) -> None:
+    """Raise SpecValueError (one line, what to do instead) for a pin that cannot work."""
+    pin = spec.pin
+    usable = {name: e for name, e in engines.items() if engine_unsupported(e, model, hardware) is None}
+    if pin.engine is not None:
+        if pin.engine not in engines:
+            raise SpecValueError("pin.engine", pin.engine, f"unknown engine; use one of {', '.join(sorted(engines))}")
+        why = engine_unsupported(engines[pin.engine], model, hardware)
+        if why:
+            others = ", ".join(sorted(usable)) or "none"
+            raise SpecValueError("pin.engine", pin.engine, f"{why}; engines that can: {others}")
+        usable = {pin.engine: engines[pin.engine]}
+    if pin.dtype is not None:
+        why = allowed_dtype(pin.dtype, hardware)
+        if why:
+            fine = [d for d in ("bf16", "fp16", "fp32", "int8", "fp8") if allowed_dtype(d, hardware) is None]
+            raise SpecValueError("pin.dtype", pin.dtype, f"{why}; use {' or '.join(fine[:2])}")
+        if not any(pin.dtype in e.dtypes for e in usable.values()):
+            names = " / ".join(sorted(usable))
+            fine = sorted({d for e in usable.values() for d in e.dtypes})
+            raise SpecValueError("pin.dtype", pin.dtype, f"{names} cannot serve {pin.dtype}; use one of {', '.join(fine)}")
+    if pin.tensor_parallel_degree is not None:
+        tp = pin.tensor_parallel_degree
+        if tp > hardware.devices:
+            raise SpecValueError("pin.tensor_parallel_degree", tp,
+                                 f"exceeds the {hardware.devices} devices of {hardware.name}; "
+                                 f"use one of {_fmt_list(_all_usable_tps(usable, model, hardware))}")
+        reasons = []
+        for engine in usable.values():
+            if tp not in tp_degrees(engine, hardware):
+                allowed = engine.tp_degrees.get(hardware.accelerator)
+                reasons.append(f"{engine.name} on {hardware.accelerator} allows TP degrees {_fmt_list(allowed)}"
+                               if allowed else f"does not divide the {hardware.devices} devices")
+                continue
+            why = tp_unsupported(tp, engine, model)
+            if why is None:
+                break
+            reasons.append(why)
+        else:
+            options = _all_usable_tps(usable, model, hardware)
+            hint = f"try {_fmt_list(options)}" if options else "no TP degree works on this hardware"
+            raise SpecValueError("pin.tensor_parallel_degree", tp, f"{reasons[0]}; {hint}")
+    if pin.replicas is not None:
+        tp = pin.tensor_parallel_degree or 1
+        per_instance = hardware.devices // tp
+        available = per_instance * spec.target.instances
+        if pin.replicas > available:
+            raise SpecValueError("pin.replicas", pin.replicas,
+                                 f"needs {pin.replicas * tp} devices at TP {tp}; {hardware.name} has "
+                                 f"{hardware.devices} × {spec.target.instances} instance(s) = {available} replica(s) "
+                                 f"at most; raise target.instances or lower pin.replicas")
+
+
+def _all_usable_tps(engines: dict[str, EngineFacts], model: ModelFacts, hardware: HardwareFacts) -> list[int]:
+    return sorted({tp for e in engines.values() for tp in _usable_tps(e, model, hardware)})
+
+
+def _fmt_list(values) -> str:
+    values = [str(v) for v in (values or [])]
+    if len(values) <= 1:
+        return "".join(values)
+    return ", ".join(values[:-1]) + " or " + values[-1]
+
+
+# --- enumeration ------------------------------------------------------------------------------------
+
+def batch_sizes(concurrency: int) -> list[int]:
+    top = min(1 << max(concurrency - 1, 0).bit_length(), MAX_BATCH)
+    return [1 << i for i in range(top.bit_length())]
+
+
+def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[str, EngineFacts],
+                      ) -> tuple[list[Config], list[Rejection]]:
+    pin, load, budget, goal = spec.pin, spec.workload, spec.budget, spec.goal
+    configs: list[Config] = []
+    rejections: list[Rejection] = []
+    names = [n for n in ENGINE_ORDER if n in engines] + sorted(n for n in engines if n not in ENGINE_ORDER)
+    for name in names:
+        if pin.engine is not None and name != pin.engine:
+            continue
+        engine = engines[name]
+        why = engine_unsupported(engine, model, hardware)
+        if why:
+            rejections.append(Rejection(name, model.torch_dtype, 1, 0, f"{name} {why}", (3,)))
+            continue
+        efficiency = efficiency_for(engine, model, hardware)
+        for dtype in engine.dtypes:
+            if pin.dtype is not None and dtype != pin.dtype:
+                continue
+            why = allowed_dtype(dtype, hardware)
+            if why:
+                rejections.append(Rejection(name, dtype, 1, 0, why, (3,)))
+                continue
+            for tp in tp_degrees(engine, hardware):
+                if pin.tensor_parallel_degree is not None and tp != pin.tensor_parallel_degree:
+                    continue
+                per_instance = hardware.devices // tp
+                max_replicas = per_instance * spec.target.instances
+                why = tp_unsupported(tp, engine, model)
+                if why:
+                    rejections.append(Rejection(name, dtype, tp, max_replicas, f"TP {tp} {why}", (3,)))
+                    continue
+                for batch in batch_sizes(load.concurrency):
+                    replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / batch))
+                    memory = memory_per_device(model, hardware, engine, efficiency, dtype, tp, batch,
+                                               load.max_input_tokens, load.max_output_tokens,
+                                               budget.memory_fraction, budget.memory_per_device)
+                    timing = predict(model, hardware, engine, dtype, tp, replicas, batch,
+                                     load.max_input_tokens, load.max_output_tokens)
+                    over_cost = (budget.max_cost_per_hour is not None and timing.cost_per_hour is not None
+                                 and timing.cost_per_hour > budget.max_cost_per_hour)
+                    configs.append(Config(name, dtype, tp, replicas, batch, memory, timing,
+                                          goal_gap(goal, timing), over_cost))
+    return configs, rejections
+
+
+def goal_gap(goal, timing: Timing) -> float:
+    gaps = [0.0]
+    if goal.tpot_ms is not None:
+        gaps.append(timing.tpot_ms / goal.tpot_ms)
+    if goal.ttft_ms is not None:
+        gaps.append(timing.ttft_ms / goal.ttft_ms)
+    return max(gaps)
+
+
+# --- choice ----------------------------------------------------------------------------------------
+
+def precision_tier(dtype: str, hardware: HardwareFacts) -> int:
+    if hardware.kind == "cpu":
+        return 0 if dtype == "fp32" else 1 if dtype in ("bf16", "fp16") else 2
+    return {"fp32": 0, "bf16": 0, "fp16": 0, "fp8": 1, "int8": 2}[dtype]
+
+
+def dtype_preference(dtype: str, model: ModelFacts, hardware: HardwareFacts) -> int:
+    """Lower is preferred among equally good plans: the checkpoint's 16-bit dtype, bf16 where native."""
+    order = []
+    if model.torch_dtype in ("bf16", "fp16") and model.torch_dtype in hardware.dtypes:
+        order.append(model.torch_dtype)
+    if model.family == "t5" or model.torch_dtype in ("bf16", "fp32"):
+        order += ["bf16", "fp16"]  # T5 activations overflow fp16; fp32-stored models trained in bf16
+    else:
+        order += ["fp16", "bf16"]
+    order += ["fp32", "fp8", "int8"]
+    return order.index(dtype) if dtype in order else len(order)
+
+
+def objective(optimize: str, config: Config) -> tuple:
+    t = config.timing
+    if optimize == "throughput":
+        return (-round(t.throughput_tokens_per_s, 2), round(t.tpot_ms, 2), config.devices)
+    if optimize == "cost":
+        cost = round(t.cost_per_million_tokens, 4) if t.cost_per_million_tokens is not None else float(config.devices)
+        return (cost, t.instances_used, round(t.tpot_ms, 2))
+    return (round(t.tpot_ms, 2), config.devices, -round(t.throughput_tokens_per_s, 2))
+
+
+def sort_key(spec, model: ModelFacts, hardware: HardwareFacts, config: Config, goal_met: bool) -> tuple:
+    serves = config.replicas * config.batch >= spec.workload.concurrency
+    head = (not serves,)
+    if goal_met:
+        head += (precision_tier(config.dtype, hardware),)
+    else:
+        head += (round(config.goal_gap, 4),)
+    return head + objective(spec.goal.optimize, config) + (
+        dtype_preference(config.dtype, model, hardware), config.devices, ENGINE_ORDER.index(config.engine)
+        if config.engine in ENGINE_ORDER else 9, config.tp, config.batch)
+
+
+def choose(spec, model: ModelFacts, hardware: HardwareFacts, feasible: list[Config]) -> tuple[Config, bool]:
+    meeting = [c for c in feasible if c.goal_gap <= 1.0]
+    goal_met = bool(meeting)
+    pool = meeting or feasible
+    return min(pool, key=lambda c: sort_key(spec, model, hardware, c, goal_met)), goal_met
+
+
+# --- plan fields -----------------------------------------------------------------------------------
+
+def quantization(dtype: str) -> str | None:
+    return {"int8": "int8 weight-only (per-channel scales)", "fp8": "fp8 weight-only"}.get(dtype)
+
+
+def batch_delay_ms(spec, batch: int) -> int:
+    """How long a batch may wait to fill: none for batch 1; ≤ 10% of the TTFT goal; 10 ms for latency,
+    50 ms (DJL's default is 100) for throughput and cost."""
+    if batch == 1:
+        return 0
+    delay = 10 if spec.goal.optimize == "latency" else 50
+    if spec.goal.ttft_ms is not None:
+        delay = min(delay, int(spec.goal.ttft_ms * 0.1))
+    return max(delay, 1)
+
+
+def job_queue_size(spec, config: Config) -> int:
+    """Room for twice the concurrency, and at least four batches per replica."""
+    return max(2 * spec.workload.concurrency, 4 * config.batch * config.replicas, 1)
+
+
+def predicted(t: Timing) -> Predicted:
+    return Predicted(ttft_ms=round(t.ttft_ms, 2), tpot_ms=round(t.tpot_ms, 2),
+                     throughput_tokens_per_s=round(t.throughput_tokens_per_s, 2), load_seconds=round(t.load_seconds, 1),
+                     cost_per_hour=None if t.cost_per_hour is None else round(t.cost_per_hour, 4),
+                     cost_per_million_tokens=None if t.cost_per_million_tokens is None
+                     else round(t.cost_per_million_tokens, 4))
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _best_per_group(spec, model, hardware, configs: list[Config], goal_met: bool) -> dict[tuple, Config]:
+    best: dict[tuple, Config] = {}
+    for c in configs:
+        if not c.feasible:
+            continue
+        key = (c.engine, c.dtype, c.tp)
+        if key not in best or sort_key(spec, model, hardware, c, goal_met) < sort_key(spec, model, hardware, best[key], goal_met):
+            best[key] = c
+    return best
+
+
+def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[str, EngineFacts], chosen: Config,
+              goal_met: bool, configs: list[Config], rejections: list[Rejection]) -> list[Decision]:
+    load, goal = spec.workload, spec.goal
+    t, mem = chosen.timing, chosen.memory
+    engine = engines[chosen.engine]
+    groups = _best_per_group(spec, model, hardware, configs, goal_met)
+    out: list[Decision] = []
+
+    others = sorted((c for (e, d, tp), c in groups.items() if e != chosen.engine),
+                    key=lambda c: sort_key(spec, model, hardware, c, goal_met))
+    if spec.pin.engine:
+        why = "pinned by the spec"
+    elif others:
+        o = others[0]
+        why = (f"ranks first for optimize = {goal.optimize}: TPOT {t.tpot_ms:.2f} ms, "
+               f"{t.throughput_tokens_per_s:.0f} tokens/s; next engine {o.engine} {o.dtype} TP {o.tp} batch {o.batch}: "
+               f"TPOT {o.timing.tpot_ms:.2f} ms, {o.timing.throughput_tokens_per_s:.0f} tokens/s")
+    else:
+        why = "the only engine that supports this model on this hardware"
+    fused = ""
+    if engine.kernel_injection_families:
+        fused = ("; fused kernels (kernel injection) for " + model.family if model.family in engine.kernel_injection_families
+                 else "; AutoTP (no fused kernels for " + model.family + ")")
+    out.append(Decision(key="engine", value=chosen.engine, reason=f"{why}{fused}"))
+
+    weights_total = model.parameters * DTYPE_BYTES[chosen.dtype]
+    if spec.pin.dtype:
+        dwhy = "pinned by the spec"
+    elif chosen.dtype in WEIGHT_ONLY:
+        better = [c for c in groups.values() if precision_tier(c.dtype, hardware) < precision_tier(chosen.dtype, hardware)]
+        dwhy = ("16-bit weights do not fit any layout" if not better else
+                f"16-bit plans miss the goal (best {min(c.goal_gap for c in better):.2f}× the goal)")
+    else:
+        dwhy = f"no quantization needed; {model.torch_dtype} checkpoint"
+        if chosen.dtype == "bf16" and "bf16" in hardware.dtypes:
+            dwhy += f", bf16 native on {hardware.accelerator}"
+    out.append(Decision(key="dtype", value=chosen.dtype,
+                        reason=f"{dwhy}; {weights_total / 1e9:.1f} GB of weights in {chosen.dtype}"))
+    out.append(Decision(key="quantization", value=quantization(chosen.dtype),
+                        reason="weight-only: 1 byte per weight + fp16 per-channel scales; activations and KV in "
+                               f"{compute_dtype(chosen.dtype, model, hardware)}" if chosen.dtype in WEIGHT_ONLY
+                        else "none: weights served in their planned dtype"))
+
+    tps = sorted({c.tp: c for c in groups.values() if c.engine == chosen.engine and c.dtype == chosen.dtype}.items())
+    compare = ", ".join(f"TP {tp}: {c.timing.tpot_ms:.2f} ms" for tp, c in tps if tp != chosen.tp)
+    out.append(Decision(key="tensor_parallel_degree", value=chosen.tp,
+                        reason=("pinned by the spec; " if spec.pin.tensor_parallel_degree else "")
+                        + f"TPOT {t.tpot_ms:.2f} ms, {_gib(mem.total)} of {_gib(mem.capacity)} per device"
+                        + (f" (other fitting degrees: {compare})" if compare else "")
+                        + f"; divides the {model.attention_heads} heads / {model.kv_heads} kv heads"))
+    out.append(Decision(key="replicas", value=chosen.replicas,
+                        reason=("pinned by the spec; " if spec.pin.replicas else "")
+                        + f"{chosen.replicas} × batch {chosen.batch} = {chosen.replicas * chosen.batch} concurrent "
+                        f"sequences for concurrency {load.concurrency}; {chosen.devices} device(s) on "
+                        f"{t.instances_used} instance(s) of {hardware.devices}"))
+    out.append(Decision(key="batch_size", value=chosen.batch,
+                        reason=f"{t.throughput_tokens_per_s:.1f} tokens/s at TPOT {t.tpot_ms:.2f} ms "
+                               f"(optimize = {goal.optimize})"))
+    out.append(Decision(key="max_batch_delay_ms", value=batch_delay_ms(spec, chosen.batch),
+                        reason="no batching at batch 1" if chosen.batch == 1 else
+                        f"{'short wait for latency' if goal.optimize == 'latency' else 'fuller batches'}"
+                        + (f", ≤ 10% of the {goal.ttft_ms:g} ms TTFT goal" if goal.ttft_ms else "")))
+    out.append(Decision(key="job_queue_size", value=job_queue_size(spec, chosen),
+                        reason=f"max(2 × concurrency {load.concurrency}, 4 × batch {chosen.batch} × replicas "
+                               f"{chosen.replicas})"))
+    act = compute_dtype(chosen.dtype, model, hardware)
+    per_token = kv_bytes_per_token(model, chosen.tp, act)
+    seq = load.max_input_tokens + load.max_output_tokens
+    out.append(Decision(key="kv_cache", value=mem.kv_cache,
+                        reason=f"{chosen.batch} sequences × {seq} tokens × {per_token / 1024:.1f} KiB per token "
+                               f"(2 · {model.layers} layers · {-(-model.kv_heads // chosen.tp) if model.kv_heads % chosen.tp else model.kv_heads // chosen.tp}"
+                               f" kv heads per device · {model.head_dim} · {DTYPE_BYTES[act]:g} bytes)"))
+    if chosen.engine == "neuronx":
+        aot = model.family in engine.aot_compile_families
+        out.append(Decision(key="neuron_compile", value="ahead-of-time" if aot else "at-start",
+                            reason="NEFFs compiled at build and shipped in the artifact" if aot else
+                            f"transformers-neuronx cannot serialize {model.family} graphs: compiled at container "
+                            f"start (~{engine.compile_seconds_per_billion_params * model.parameters / 1e9 / 60:.0f} min, "
+                            "in load_seconds)"))
+    gaps = []
+    if goal.tpot_ms is not None:
+        gaps.append(f"TPOT {t.tpot_ms:.2f} ms {'≤' if t.tpot_ms <= goal.tpot_ms else '>'} {goal.tpot_ms:g} ms")
+    if goal.ttft_ms is not None:
+        gaps.append(f"TTFT {t.ttft_ms:.2f} ms {'≤' if t.ttft_ms <= goal.ttft_ms else '>'} {goal.ttft_ms:g} ms")
+    summary = "; ".join(gaps) or "no latency goal given"
+    if not goal_met:
+        summary = (f"no configuration that fits meets the goal; the closest is {chosen.goal_gap:.2f}× it: {summary}; "
+                   "relax the goal, or use faster hardware")
+    out.append(Decision(key="goal", value=goal_met, reason=summary))
+    return out
+
+
+def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
+                 rejections: list[Rejection]) -> list[Alternative]:
+    goal_met = chosen.goal_gap <= 1.0
+    groups = _best_per_group(spec, model, hardware, configs, goal_met)
+    feasible = sorted((c for k, c in groups.items() if k != (chosen.engine, chosen.dtype, chosen.tp)),
+                      key=lambda c: sort_key(spec, model, hardware, c, goal_met))
+    out = []
+    for c in feasible:
+        verdict, reason = "feasible", _describe(spec, c)
+        if c.goal_gap > 1.0 and goal_met:
+            verdict, reason = "rejected", "goal missed: " + reason
+        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
+                               verdict=verdict, reason=reason))
+    # Configurations that do not fit or cost too much: the smallest deficit per (engine, dtype, tp).
+    short: dict[tuple, Config] = {}
+    for c in configs:
+        key = (c.engine, c.dtype, c.tp)
+        if key in groups:
+            continue
+        if key not in short or (c.memory.headroom, -c.batch) > (short[key].memory.headroom, -short[key].batch):
+            short[key] = c
+    for c in sorted(short.values(), key=lambda c: (-c.memory.headroom, c.engine, c.dtype, c.tp)):
+        if c.fits:
+            reason = f"over max cost: ${c.timing.cost_per_hour:.2f}/h > ${spec.budget.max_cost_per_hour:g}/h"
+        else:
+            reason = (f"doesn't fit: needs {_gib(c.memory.total)} per device (weights {_gib(c.memory.weights)}) "
+                      f"> {_gib(c.memory.capacity)} capacity")
+        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
+                               verdict="rejected", reason=reason))
+    for r in sorted(rejections, key=lambda r: (r.engine, r.dtype, r.tp)):
+        out.append(Alternative(engine=r.engine, dtype=r.dtype, tensor_parallel_degree=r.tp, replicas=r.replicas,
+                               verdict="rejected", reason=r.reason))
+    return out[:ALTERNATIVES]
+
+
+def _describe(spec, c: Config) -> str:
+    t = c.timing
+    cost = f", ${t.cost_per_million_tokens:.2f}/M tokens" if t.cost_per_million_tokens is not None else ""
+    return (f"batch {c.batch}: TPOT {t.tpot_ms:.2f} ms, TTFT {t.ttft_ms:.0f} ms, "
+            f"{t.throughput_tokens_per_s:.0f} tokens/s{cost}, {c.devices} device(s)")
+
+
+# --- nothing fits ----------------------------------------------------------------------------------
+
+def no_feasible_plan(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[str, EngineFacts],
+                     configs: list[Config], rejections: list[Rejection],
+                     candidates: list[HardwareFacts] | None) -> NoFeasiblePlanError:
+    budget = spec.budget
+    capacity = capacity_bytes(hardware, budget.memory_fraction, budget.memory_per_device)
+    dtype = spec.pin.dtype or ("bf16" if model.torch_dtype == "bf16" else "fp16")
+    weights = model.parameters * DTYPE_BYTES[dtype]
+    total_mem = hardware.device_memory_bytes * hardware.devices
+    if configs and not any(c.fits for c in configs):
+        message = (f"{model.id} {dtype} needs {weights / 1e9:.1f} GB of weights; {hardware.name} has "
+                   f"{hardware.devices} × {_gib(hardware.device_memory_bytes)} = {_gib(total_mem)} "
+                   f"({_gib(capacity * hardware.devices)} in budget)")
+    elif configs:
+        cheapest = min(c.timing.cost_per_hour or 0 for c in configs if c.fits)
+        message = (f"every configuration that fits costs more than max_cost_per_hour ${budget.max_cost_per_hour:g} "
+                   f"(cheapest ${cheapest:.2f}/h)")
+    else:
+        reasons = sorted({r.reason for r in rejections})
+        message = f"no engine can serve {model.id} on {hardware.name}: " + "; ".join(reasons[:3])
+    details: list[str] = []
+    if configs:
+        closest = max(configs, key=lambda c: (c.memory.headroom, -c.batch))
+        details.append(f"closest: {closest.engine} {closest.dtype} TP {closest.tp} batch {closest.batch} needs "
+                       f"{_gib(closest.memory.total)} per device > {_gib(closest.memory.capacity)}")
+    details += nearest_options(spec, model, hardware, engines, candidates)
+    if len(details) <= 1:
+        details.append("no nearby option fits: a larger instance type or a smaller model is needed")
+    return NoFeasiblePlanError(message, details)
+
+
+def _relaxed(spec, **pin_updates):
+    pin = spec.pin.model_copy(update=pin_updates)
+    return spec.model_copy(update={"pin": pin})
+
+
+def _fits_somewhere(spec, model, hardware, engines) -> Config | None:
+    try:
+        check_pins(spec, model, hardware, engines)
+    except SpecValueError:
+        return None
+    configs, _ = enumerate_configs(spec, model, hardware, engines)
+    feasible = [c for c in configs if c.feasible]
+    if not feasible:
+        return None
+    return choose(spec, model, hardware, feasible)[0]
+
+
+def nearest_options(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[str, EngineFacts],
+                    candidates: list[HardwareFacts] | None) -> list[str]:
+    """Re-plan against alternatives: without the pins, then on other hardware (cheapest first)."""
+    options = []
+    pinned = {k: None for k in ("engine", "dtype", "tensor_parallel_degree", "replicas") if getattr(spec.pin, k) is not None}
+    if pinned:
+        c = _fits_somewhere(_relaxed(spec, **pinned), model, hardware, engines)
+        if c is not None:
+            options.append(f"without the pins ({', '.join('pin.' + k for k in pinned)}): {c.engine} {c.dtype} "
+                           f"TP {c.tp} fits ({_gib(c.memory.total)} of {_gib(c.memory.capacity)} per device)")
+    if spec.budget.memory_fraction < 0.95 and spec.budget.memory_per_device is None:
+        roomy = spec.model_copy(update={"budget": spec.budget.model_copy(update={"memory_fraction": 0.95})})
+        c = _fits_somewhere(roomy, model, hardware, engines)
+        if c is not None:
+            options.append(f"budget.memory_fraction = 0.95: {c.engine} {c.dtype} TP {c.tp} fits")
+    if candidates is None:
+        candidates = _catalog_candidates(hardware)
+    found = 0
+    free = _relaxed(spec, tensor_parallel_degree=None, replicas=None)
+    ranked = sorted((h for h in candidates if h.name != hardware.name and h.kind == hardware.kind),
+                    key=lambda h: (h.price_per_hour if h.price_per_hour is not None else float("inf"), h.name))
+    for other in ranked:
+        c = _fits_somewhere(free, model, other, engines)
+        if c is None:
+            continue
+        price = f", ${other.price_per_hour:.2f}/h" if other.price_per_hour is not None else ""
+        options.append(f"{other.name} ({other.devices} × {_gib(other.device_memory_bytes)}): {c.engine} {c.dtype} "
+                       f"TP {c.tp} fits, {_gib(c.memory.total)} of {_gib(c.memory.capacity)} per device, "
+                       f"TPOT {c.timing.tpot_ms:.1f} ms{price}")
+        found += 1
+        if found == 3:
+            break
+    return options
+
+
+def _catalog_candidates(hardware: HardwareFacts) -> list[HardwareFacts]:
+    """The catalog's instances of the same device kind (empty when no catalog is available)."""
+    try:
+        from lmc.planner import catalog
+        names = catalog.list_instances()
+    except Exception:  # the catalog is optional to the pure search
+        return []
+    out = []
+    for name in names:
+        try:
+            facts = catalog.hardware_facts(name)
+        except Exception:
+            continue
+        if facts.kind == hardware.kind:
+            out.append(facts)
+    return out
