@@ -72,7 +72,7 @@ def make_checkpoint(family: str, out_dir: Path, *, seed: int = 0, vocab_size: in
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     config = make_config(family, vocab_size, **overrides)
-    cls = tf.T5ForConditionalGeneration if family == "t5" else tf.AutoModelForCausalLM
+    cls = tf.AutoModelForSeq2SeqLM if family == "t5" else tf.AutoModelForCausalLM
     model = cls.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
     make_tokenizer(out_dir)

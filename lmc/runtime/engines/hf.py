@@ -132,7 +132,7 @@ class HFEngine:
         compute_dtype = self._compute_dtype(state)
         state = {name: _cast(tensor, compute_dtype) for name, tensor in state.items()}
         model = build_skeleton(config, self.task, compute_dtype)
-        apply_shard(model, normalise_names(state, model), family=self.family, config=config, rank=rank,
+        apply_shard(model, normalise_names(state, model, self.family), family=self.family, config=config, rank=rank,
                     world_size=world_size)
         model = self._finish(model, compute_dtype, device)
         self.model = model

@@ -109,17 +109,34 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
-def normalise_names(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """Map checkpoint names onto the model's: checkpoints saved from the base model lack its prefix."""
+# Where transformers' module names differ from the names checkpoints (and lmc.layouts) use:
+# (checkpoint prefix, module prefix).
+RENAMES = {"gpt_neox": [("embed_out.", "lm_head.")]}
+
+
+def normalise_names(state: dict[str, torch.Tensor], model: nn.Module,
+                    family: str | None = None) -> dict[str, torch.Tensor]:
+    """Map checkpoint names onto the model's: renamed modules, and checkpoints saved without the base prefix."""
     wanted = set(dict(model.named_parameters(remove_duplicate=False))) | set(dict(model.named_buffers()))
     prefix = getattr(model, "base_model_prefix", "")
     out = {}
     for name, tensor in state.items():
+        for old, new in RENAMES.get(family or "", []):
+            if name.startswith(old):
+                name = new + name[len(old):]
         base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
         if base not in wanted and prefix and f"{prefix}.{base}" in wanted:
             name = f"{prefix}.{name}"
         out[name] = tensor
     return out
+
+
+def checkpoint_name(family: str, name: str) -> str:
+    """The inverse of the renames: the name lmc.layouts' rules are written for."""
+    for old, new in RENAMES.get(family, []):
+        if name.startswith(new):
+            return old + name[len(new):]
+    return name
 
 
 def apply_shard(model: nn.Module, state: dict[str, torch.Tensor], *, family: str, config, rank: int, world_size: int,
@@ -144,7 +161,7 @@ def apply_shard(model: nn.Module, state: dict[str, torch.Tensor], *, family: str
         weight = state.pop(weight_name)
         bias = state.pop(f"{module_name}.bias", None)
         scale = state.pop(weight_name + SCALE_SUFFIX, None)
-        kind = kind_of(layout_family, weight_name) if layout_family else "replicate"
+        kind = kind_of(layout_family, checkpoint_name(family, weight_name)) if layout_family else "replicate"
         mode = {"row": "row", "vocab": "gather"}.get(kind, "local")
         if kind == "vocab" and weight.shape[0] == module.out_features:
             mode = "local"  # the vocabulary does not divide by TP: the head is whole on every rank
@@ -183,7 +200,7 @@ def _tie_head(model, module_name, source_name, family, rank, world_size, group) 
     if embedding.device.type == "meta":
         raise ArtifactError(f"shard has neither {module_name + '.weight'!r} nor the embedding {source_name!r} "
                             "it is tied to")
-    split = rank_split(family, f"{module_name}.weight", tuple(embedding.shape), rank, world_size) if family else None
+    split = rank_split(family, checkpoint_name(family, f"{module_name}.weight"), tuple(embedding.shape), rank, world_size) if family else None
     head = model.get_submodule(module_name)
     if split is None or split.dim is None:
         head.weight = embedding
