@@ -33,9 +33,6 @@ Format = Literal["tar.gz", "dir"]
 FORMATS: tuple[str, ...] = ("tar.gz", "dir")
 Progress = Callable[[str], None]
 
-# Checkpoint files copied as they are, when present (the tokenizer's come from the validator).
-CONFIG_FILES = ("config.json", "generation_config.json")
-
 
 @dataclass(frozen=True)
 class BuildResult:
@@ -109,7 +106,7 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
         from lmc.emitters.archive import write_artifact
 
         say(f"writing {out}")
-        written = Path(write_artifact(staging, out, fmt=fmt))
+        written = Path(write_artifact(staging, out, fmt=fmt, move=True) if fmt == "dir" else write_artifact(staging, out, fmt=fmt))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -141,20 +138,11 @@ def _make_staging(out: Path) -> Path:
 
 
 def _copy_checkpoint_files(info: Any, checkpoint: Path, staging: Path) -> None:
-    """config.json, generation_config.json and the tokenizer files, byte for byte."""
-    names = [name for name in CONFIG_FILES if (checkpoint / name).is_file()]
-    names += [Path(p).name if Path(p).is_absolute() else str(p) for p in _tokenizer_files(info)]
-    for name in sorted(set(names)):
-        source = checkpoint / name
+    """config.json and the validator's extra files (generation config, tokenizer), byte for byte."""
+    for name in sorted({"config.json", *info.extra_files}):
         target = staging / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
-
-
-def _tokenizer_files(info: Any) -> list[Path]:
-    files = list(getattr(info, "tokenizer_files", ()) or ())
-    files += list(getattr(info, "extra_files", ()) or ())
-    return [Path(f) for f in files]
+        shutil.copyfile(checkpoint / name, target)
 
 
 def _stage_neuron_weights(info: Any, plan: Plan, model: Any, staging: Path, progress: Progress | None) -> None:
