@@ -144,3 +144,11 @@ def test_missing_sdk_is_one_line(monkeypatch):
 def test_non_neuron_plan_is_an_internal_error(tmp_path):
     with pytest.raises(InternalError, match="neuron_compile_plan called for a deepspeed plan"):
         neuron.neuron_compile_plan(make_plan(), tmp_path)
+
+
+def test_agrees_with_the_planner_on_what_can_be_precompiled():
+    from lmc.planner.engines import engine_facts
+
+    facts = engine_facts()["neuronx"]
+    assert set(facts.families) <= set(neuron.SAMPLING_CLASSES)
+    assert set(facts.aot_compile_families) == set(facts.families) - neuron.NOT_SERIALIZABLE
