@@ -10,7 +10,7 @@ import textwrap
 from lmc.planner.plan import Plan
 
 WIDTH = 100
-BAR = 40
+BAR = 36
 GIB = 2**30
 
 

@@ -1,0 +1,134 @@
+"""The search: pins honoured or rejected with the key path and a fix, infeasible → options, modes, determinism."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmc.errors import NoFeasiblePlanError, SpecValueError
+from lmc.planner import catalog, plan_deployment
+from lmc.planner.engines import reference_model
+from lmc.schema.spec import Spec
+
+G5 = catalog.hardware_facts("ml.g5.12xlarge")
+INF2 = catalog.hardware_facts("ml.inf2.8xlarge")
+GPTJ = reference_model("gpt-j-6b")
+BLOOM = reference_model("bloom-176b")
+LLAMA7 = reference_model("llama-2-7b")
+
+
+def spec(**sections) -> Spec:
+    body = {"model": {"id": "x"}, "target": {"instance": "ml.g5.12xlarge"}}
+    for key, value in sections.items():
+        body[key] = value
+    return Spec.model_validate(body)
+
+
+def plan(s, model=GPTJ, hardware=G5, **kw):
+    return plan_deployment(s, model, hardware, spec_sha256="0" * 64, lmc_version="0.1.0", **kw)
+
+
+def test_pins_are_honoured():
+    p = plan(spec(pin={"engine": "hf", "dtype": "bf16", "tensor_parallel_degree": 2, "replicas": 1}))
+    assert (p.engine, p.dtype, p.tensor_parallel_degree, p.replicas) == ("hf", "bf16", 2, 1)
+    assert p.decision("engine").reason.startswith("pinned by the spec")
+
+
+def test_tp_pin_that_does_not_divide_heads():
+    with pytest.raises(SpecValueError) as err:
+        plan(spec(pin={"tensor_parallel_degree": 3}))
+    assert err.value.key_path == "pin.tensor_parallel_degree"
+    assert str(err.value) == ("pin.tensor_parallel_degree = 3: does not divide the 4 devices; try 1, 2 or 4") or \
+        "does not divide the 16 attention heads" in str(err.value)
+
+
+def test_tp_pin_beyond_devices():
+    with pytest.raises(SpecValueError, match=r"exceeds the 4 devices of ml.g5.12xlarge; use one of 1, 2 or 4"):
+        plan(spec(pin={"tensor_parallel_degree": 8}))
+
+
+def test_engine_pin_on_wrong_hardware_and_family():
+    with pytest.raises(SpecValueError) as err:
+        plan(spec(pin={"engine": "neuronx"}))
+    assert str(err.value) == ("pin.engine = 'neuronx': runs only on neuron hardware, not a10g; "
+                              "engines that can: deepspeed, hf")
+    t5 = catalog.model_facts("google/flan-t5-xxl")
+    with pytest.raises(SpecValueError, match="does not support family t5"):
+        plan(spec(model={"id": "x", "task": "text2text-generation"}, pin={"engine": "neuronx"}), model=t5,
+             hardware=catalog.hardware_facts("ml.inf2.48xlarge"))
+
+
+def test_dtype_pin_the_hardware_lacks():
+    t4 = catalog.hardware_facts("ml.g4dn.12xlarge")
+    with pytest.raises(SpecValueError, match=r"pin.dtype = 'bf16': t4 has no bf16 support; use fp16 or fp32"):
+        plan(spec(pin={"dtype": "bf16"}), hardware=t4)
+
+
+def test_replicas_pin_beyond_devices():
+    with pytest.raises(SpecValueError, match="pin.replicas = 3: needs 6 devices at TP 2.*raise target.instances"):
+        plan(spec(pin={"tensor_parallel_degree": 2, "replicas": 3}))
+
+
+def test_task_and_positions_checked():
+    with pytest.raises(SpecValueError, match='decoder-only.*use task = "text-generation"'):
+        plan(spec(model={"id": "x", "task": "text2text-generation"}))
+    with pytest.raises(SpecValueError) as err:
+        plan(spec(workload={"max_input_tokens": 2000, "max_output_tokens": 256}))
+    assert err.value.key_path == "workload.max_input_tokens"
+    assert "2256 exceeds the 2048 positions" in str(err.value)
+
+
+def test_nothing_fits_names_numbers_and_options():
+    p4de = catalog.hardware_facts("ml.p4de.24xlarge")
+    with pytest.raises(NoFeasiblePlanError) as err:
+        plan(spec(pin={"dtype": "bf16"}), model=BLOOM, candidates=[p4de])
+    message = str(err.value)
+    assert "bigscience/bloom bf16 needs 352.5 GB of weights; ml.g5.12xlarge has 4 × 24.0 GiB = 96.0 GiB" in message
+    assert "(86.4 GiB in budget)" in message
+    assert any(d.startswith("ml.p4de.24xlarge (8 × 80.0 GiB): deepspeed bf16 TP 8 fits") for d in err.value.details)
+    assert err.value.exit_code == 3
+
+
+def test_goal_missed_but_fits_returns_closest_with_goal_met_false():
+    p = plan(spec(goal={"tpot_ms": 1.0}))
+    assert p.goal_met is False
+    assert "no configuration that fits meets the goal" in p.decision("goal").reason
+
+
+def test_no_needless_quantization_but_int8_when_16_bit_misses():
+    relaxed = plan(spec(goal={"tpot_ms": 100}))
+    assert relaxed.dtype in ("fp16", "bf16") and relaxed.quantization is None
+    tight = plan(spec(goal={"tpot_ms": 8}, workload={"concurrency": 1}))  # fp16 TP4: ~9 ms
+    assert tight.dtype == "int8" and tight.quantization.startswith("int8 weight-only")
+
+
+def test_bf16_preferred_for_bf16_model_where_native():
+    p = plan(spec(), model=reference_model("mistral-7b"))
+    assert p.dtype == "bf16"
+
+
+def test_optimize_modes_choose_differently():
+    common = {"workload": {"concurrency": 64, "max_input_tokens": 512, "max_output_tokens": 128},
+              "target": {"instance": "ml.g5.12xlarge", "instances": 2}}
+    latency = plan(spec(goal={"optimize": "latency"}, **common), model=LLAMA7)
+    cost = plan(spec(goal={"optimize": "cost"}, **common), model=LLAMA7)
+    assert latency.predicted.tpot_ms < cost.predicted.tpot_ms
+    assert cost.predicted.cost_per_million_tokens < latency.predicted.cost_per_million_tokens
+    assert cost.target.instances == 1 and latency.target.instances == 2
+
+
+def test_neuron_tp_degrees_and_compile_decision():
+    p = plan(spec(target={"instance": "ml.inf2.8xlarge"}), hardware=INF2)
+    assert p.engine == "neuronx" and p.tensor_parallel_degree in (1, 2)
+    assert p.decision("neuron_compile").value == "at-start"  # GPT-J graphs cannot be serialized
+    with pytest.raises(SpecValueError, match="allows TP degrees 1, 2, 4, 8 or 24"):
+        plan(spec(target={"instance": "ml.inf2.24xlarge"}, pin={"tensor_parallel_degree": 12}),
+             hardware=catalog.hardware_facts("ml.inf2.24xlarge"))
+
+
+def test_plan_is_deterministic_and_digested():
+    s = spec(goal={"tpot_ms": 50, "ttft_ms": 1000}, workload={"concurrency": 8})
+    a, b = plan(s), plan(s)
+    assert a.to_json() == b.to_json()
+    assert a.plan_sha256 == a.model_copy(update={"plan_sha256": ""}).with_digest().plan_sha256 != ""
+    assert len(a.alternatives) <= 8
+    assert a.max_sequence_length == 1024 + 256 and a.job_queue_size >= 16
