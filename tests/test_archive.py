@@ -1,0 +1,201 @@
+"""The artifact archive: byte-identical, sorted, host-free, atomic; the extractor refuses unsafe members."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from lmc.emitters import archive
+from lmc.emitters.archive import archive_listing, extract_artifact, write_artifact
+from lmc.errors import ArtifactError
+
+
+def _tree(root: Path) -> Path:
+    (root / "shards" / "tp2").mkdir(parents=True)
+    (root / "lmc.json").write_text('{"format_version": 1}\n')
+    (root / "serving.properties").write_text("engine=Python\n")
+    (root / "shards" / "tp2" / "rank1.safetensors").write_bytes(os.urandom(0) + bytes(range(256)) * 40)
+    (root / "shards" / "tp2" / "rank0.safetensors").write_bytes(b"\x01" * 5000)
+    (root / "a-file").write_text("sorts before shards/\n")
+    return root
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_same_tree_same_bytes_whatever_mtime_mode_owner(tmp_path):
+    tree = _tree(tmp_path / "tree")
+    first = write_artifact(tree, tmp_path / "a.tar.gz", fmt="tar.gz")
+    for path in tree.rglob("*"):
+        os.utime(path, (1_700_000_000, 1_700_000_000))
+    os.chmod(tree / "serving.properties", 0o600)
+    os.chmod(tree / "lmc.json", 0o755)
+    os.chmod(tree / "shards", 0o700)
+    second = write_artifact(tree, tmp_path / "b.tar.gz", fmt="tar.gz")
+    assert _sha(first) == _sha(second)
+
+
+def test_members_sorted_relative_and_host_free(tmp_path):
+    out = write_artifact(_tree(tmp_path / "tree"), tmp_path / "model.tar.gz", fmt="tar.gz")
+    raw = out.read_bytes()
+    assert raw[4:8] == b"\0\0\0\0"  # gzip mtime 0
+    assert raw[3] & 0x08 == 0  # no FNAME field: the temp file's name is not recorded
+    with tarfile.open(out, "r:gz") as tar:
+        members = tar.getmembers()
+        assert tar.format == tarfile.PAX_FORMAT or all(not m.pax_headers for m in members)
+    names = [m.name for m in members]
+    assert names == sorted(names)
+    assert names == ["a-file", "lmc.json", "serving.properties", "shards", "shards/tp2",
+                     "shards/tp2/rank0.safetensors", "shards/tp2/rank1.safetensors"]
+    for member in members:
+        assert not member.name.startswith("/") and ".." not in member.name.split("/")
+        assert (member.mtime, member.uid, member.gid, member.uname, member.gname) == (0, 0, 0, "", "")
+        assert member.mode == (0o755 if member.isdir() else 0o644)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o644)
+
+
+def test_listing_matches_files(tmp_path):
+    tree = _tree(tmp_path / "tree")
+    listing = archive_listing(write_artifact(tree, tmp_path / "m.tar.gz", fmt="tar.gz"))
+    assert [path for path, _, _ in listing] == ["a-file", "lmc.json", "serving.properties",
+                                                "shards/tp2/rank0.safetensors", "shards/tp2/rank1.safetensors"]
+    for path, size, digest in listing:
+        assert size == (tree / path).stat().st_size and digest == _sha(tree / path)
+
+
+def test_failure_mid_write_leaves_nothing(tmp_path, monkeypatch):
+    tree = _tree(tmp_path / "tree")
+    out = tmp_path / "out" / "model.tar.gz"
+    out.parent.mkdir()
+    calls = []
+    real = archive._add_member
+
+    def flaky(tar, path, rel, is_dir):
+        calls.append(rel)
+        if len(calls) == 4:
+            raise RuntimeError("disk on fire")
+        real(tar, path, rel, is_dir)
+
+    monkeypatch.setattr(archive, "_add_member", flaky)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        write_artifact(tree, out, fmt="tar.gz")
+    assert list(out.parent.iterdir()) == []
+
+
+def test_failure_keeps_previous_archive(tmp_path, monkeypatch):
+    tree = _tree(tmp_path / "tree")
+    out = write_artifact(tree, tmp_path / "model.tar.gz", fmt="tar.gz")
+    before = _sha(out)
+    monkeypatch.setattr(archive, "_add_member", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(ArtifactError) as error:
+        write_artifact(tree, out, fmt="tar.gz")
+    assert str(error.value) == f"{out}: cannot write the artifact: No space left on device"
+    assert _sha(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.tar.gz", "tree"]
+
+
+def test_unwritable_output_path(tmp_path):
+    tree = _tree(tmp_path / "tree")
+    missing = tmp_path / "no" / "such" / "model.tar.gz"
+    with pytest.raises(ArtifactError) as error:
+        write_artifact(tree, missing, fmt="tar.gz")
+    assert str(error.value) == f"{missing}: cannot write the artifact: No such file or directory"
+    with pytest.raises(ArtifactError, match="is a directory; give a file name"):
+        write_artifact(tree, tmp_path, fmt="tar.gz")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_read_only_directory(tmp_path):
+    tree = _tree(tmp_path / "tree")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o555)
+    try:
+        with pytest.raises(ArtifactError) as error:
+            write_artifact(tree, locked / "model.tar.gz", fmt="tar.gz")
+        assert str(error.value) == f"{locked / 'model.tar.gz'}: cannot write the artifact: Permission denied"
+    finally:
+        os.chmod(locked, 0o755)
+
+
+def test_dir_format_same_files_and_overwrite_rules(tmp_path):
+    tree = _tree(tmp_path / "tree")
+    tar_listing = archive_listing(write_artifact(tree, tmp_path / "m.tar.gz", fmt="tar.gz"))
+    out = write_artifact(tree, tmp_path / "d", fmt="dir")
+    assert archive_listing(out) == tar_listing
+    assert (out / "lmc.json").stat().st_mode & 0o777 == 0o644
+    # A previous artifact (it has lmc.json) is replaced; a foreign non-empty directory is not.
+    (out / "stale").write_text("old")
+    write_artifact(tree, out, fmt="dir")
+    assert not (out / "stale").exists()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("keep me")
+    with pytest.raises(ArtifactError, match="is not empty and is not an lmc artifact; refusing to overwrite it"):
+        write_artifact(tree, foreign, fmt="dir")
+    assert (foreign / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "foreign", "m.tar.gz", "tree"]
+
+
+def test_dir_move_empties_the_tree(tmp_path):
+    tree = _tree(tmp_path / "tree")
+    expected = archive_listing(write_artifact(tree, tmp_path / "m.tar.gz", fmt="tar.gz"))
+    out = write_artifact(tree, tmp_path / "d", fmt="dir", move=True)
+    assert archive_listing(out) == expected
+    assert not (tree / "lmc.json").exists()
+
+
+def test_extract_round_trip(tmp_path):
+    tree = _tree(tmp_path / "tree")
+    out = write_artifact(tree, tmp_path / "m.tar.gz", fmt="tar.gz")
+    dest = extract_artifact(out, tmp_path / "x")
+    assert archive_listing(dest) == archive_listing(out)
+
+
+def _evil_archive(path: Path, member: tarfile.TarInfo, data: bytes = b"") -> Path:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        member.size = len(data) if member.isfile() else 0
+        tar.addfile(member, io.BytesIO(data) if member.isfile() else None)
+    path.write_bytes(gzip.compress(buffer.getvalue()))
+    return path
+
+
+@pytest.mark.parametrize("name", ["../x", "a/../../x", "/etc/passwd"])
+def test_extractor_refuses_escaping_paths(tmp_path, name):
+    archive_path = _evil_archive(tmp_path / "evil.tar.gz", tarfile.TarInfo(name), b"pwned")
+    with pytest.raises(ArtifactError) as error:
+        extract_artifact(archive_path, tmp_path / "dest")
+    assert str(error.value).startswith(f"{archive_path}: refusing member {name!r}")
+    assert not (tmp_path / "x").exists() and list((tmp_path / "dest").iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", [tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.CHRTYPE, tarfile.FIFOTYPE])
+def test_extractor_refuses_links_and_devices(tmp_path, kind):
+    member = tarfile.TarInfo("innocent")
+    member.type = kind
+    member.linkname = "/etc/passwd"
+    archive_path = _evil_archive(tmp_path / "evil.tar.gz", member)
+    with pytest.raises(ArtifactError, match="refusing member 'innocent': links and special files are not allowed"):
+        extract_artifact(archive_path, tmp_path / "dest")
+
+
+def test_extract_not_an_archive(tmp_path):
+    bogus = tmp_path / "model.tar.gz"
+    bogus.write_bytes(b"not gzip")
+    with pytest.raises(ArtifactError, match=r"model\.tar\.gz: not a readable \.tar\.gz"):
+        extract_artifact(bogus, tmp_path / "dest")
+
+
+def test_tree_with_symlink_is_refused(tmp_path):
+    tree = _tree(tmp_path / "tree")
+    (tree / "link").symlink_to(tree / "lmc.json")
+    with pytest.raises(ArtifactError, match="link: not a regular file or directory"):
+        write_artifact(tree, tmp_path / "m.tar.gz", fmt="tar.gz")
