@@ -10,7 +10,7 @@ import textwrap
 from lmc.planner.plan import Plan
 
 WIDTH = 100
-BAR = 36
+BAR = 34
 GIB = 2**30
 
 
@@ -59,7 +59,7 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
                         ("runtime", m.runtime_overhead)):
         lines.append(f"  {name:<11} {_bar(value, m.capacity)} {_gib(value)}")
     lines.append(f"  {'total':<11} {_bar(m.total, m.capacity)} {_gib(m.total)} of {_gib(m.capacity).strip()} "
-                 f"capacity, {_gib(m.headroom).strip()} headroom")
+                 f"capacity, {_gib(m.headroom).strip()} free")
     lines.append("")
     lines.append("predicted")
     goal = spec.goal
