@@ -144,3 +144,21 @@ def hf_greedy(checkpoint: Path, prompt: str, max_new_tokens: int) -> list[int]:
             break
         result.append(token)
     return result
+
+
+def build_artifact_with_partitioner(checkpoint: Path, out_dir: Path, tp: int, dtype: str) -> Path:
+    """The same artifact layout, written by the build's own partitioner (lmc.emitters.partition)."""
+    from lmc.emitters.checkpoint import validate_checkpoint
+    from lmc.emitters.partition import partition_checkpoint
+    from lmc.planner.checkpoint_facts import checkpoint_model_facts
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for item in checkpoint.iterdir():
+        if item.suffix != ".safetensors" and item.is_file():
+            shutil.copy(item, out_dir / item.name)
+    facts = checkpoint_model_facts(checkpoint, "test/model")
+    info = validate_checkpoint(checkpoint, facts)
+    partition_checkpoint(info, family=facts.family, dtype=dtype, tp=tp, head_dim=facts.head_dim,
+                         kv_heads=facts.kv_heads, out_dir=out_dir, progress=False)
+    return out_dir

@@ -88,8 +88,14 @@ def eos_token_ids(model_dir: Path, config, tokenizer) -> set[int]:
 
 
 def _cast(tensor, dtype):
-    """Floating tensors into the compute dtype (a no-op for a shard already in the plan's dtype); int8 stays."""
-    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+    """Floating tensors into the compute dtype (a no-op for a shard already in the plan's dtype).
+
+    Quantized weights (int8, fp8) stay as they are: they are dequantized per matmul."""
+    import torch
+
+    if tensor.dtype in (torch.int8, torch.float8_e4m3fn) or not tensor.is_floating_point() or tensor.dtype == dtype:
+        return tensor
+    return tensor.to(dtype)
 
 
 class HFEngine:
@@ -142,16 +148,14 @@ class HFEngine:
         log.info("rank %d/%d loaded %s (%s) on %s", rank, world_size, self.family, self.dtype, device)
 
     def _compute_dtype(self, state: dict):
-        """fp32/fp16/bf16 as planned; int8 computes in the dtype the shard keeps its other tensors in."""
+        """fp32/fp16/bf16 as planned. int8/fp8 weights are dequantized on the fly into fp32 on the CPU (fast
+        there, and exact enough) and fp16 on a GPU."""
         import torch
 
         if self.dtype in TORCH_DTYPES:
             return getattr(torch, TORCH_DTYPES[self.dtype])
-        if self.dtype == "int8":
-            for tensor in state.values():
-                if tensor.is_floating_point() and tensor.dim() >= 2:
-                    return tensor.dtype
-            return torch.float32
+        if self.dtype in ("int8", "fp8"):
+            return torch.float32 if self.device_kind == "cpu" else torch.float16
         raise InternalError(f"the {self.name} engine has no dtype {self.dtype!r}")
 
     def _finish(self, model, compute_dtype, device):

@@ -45,9 +45,10 @@ class ShardedLinear(nn.Module):
         self.world_size = world_size
         self.group = group
         self.out_features, self.in_features = weight.shape
-        if weight.dtype == torch.int8:
+        if scale is not None or weight.dtype in (torch.int8, torch.float8_e4m3fn):
             if scale is None:
-                raise InternalError("an int8 weight arrived without its scale")
+                raise ArtifactError(f"a {weight.dtype} weight of shape {tuple(weight.shape)} has no '{SCALE_SUFFIX}' "
+                                    "tensor beside it in the shard")
             self.register_buffer("weight", weight)
             self.register_buffer("weight_scale", scale.reshape(-1))
         else:
@@ -84,7 +85,7 @@ class ShardedLinear(nn.Module):
         return cached
 
     def extra_repr(self) -> str:
-        dtype = "int8" if self.weight_scale is not None else str(self.weight.dtype)
+        dtype = f"{self.weight.dtype} with scales" if self.weight_scale is not None else str(self.weight.dtype)
         return f"in={self.in_features}, out={self.out_features}, mode={self.mode}, {dtype}"
 
 
@@ -165,7 +166,7 @@ def apply_shard(model: nn.Module, state: dict[str, torch.Tensor], *, family: str
         mode = {"row": "row", "vocab": "gather"}.get(kind, "local")
         if kind == "vocab" and weight.shape[0] == module.out_features:
             mode = "local"  # the vocabulary does not divide by TP: the head is whole on every rank
-        if mode == "local" and weight.dtype != torch.int8:
+        if mode == "local" and scale is None and weight.is_floating_point() and weight.dtype != torch.float8_e4m3fn:
             _fill_linear(module, weight, bias)
         else:
             _replace(model, module_name, ShardedLinear(weight, bias, scale, mode, world_size, group))

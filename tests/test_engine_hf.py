@@ -1,0 +1,215 @@
+"""The hf engine at TP=1: greedy equals HF generate, batching, sampling, stops, streaming, limits, dtypes."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)
+
+try:
+    from _engine_helpers import build_artifact, build_artifact_with_partitioner, hf_greedy, make_checkpoint
+except ImportError:  # tests/ imported as a package
+    from tests._engine_helpers import build_artifact, build_artifact_with_partitioner, hf_greedy, make_checkpoint
+
+from lmc.errors import ArtifactError
+from lmc.runtime.engines import create_engine
+from lmc.runtime.engines.base import GenerationParams, GenerationRequest
+from lmc.runtime.engines.generate import _Row, _safe_prefix, choose_token
+
+PROMPTS = ["the quick brown", "héllo wörld, large models are served"]
+TASKS = {"t5": "text2text-generation"}
+
+
+def _engine(family, artifact, *, dtype="fp32", tp=1, max_len=128):
+    engine = create_engine("hf", family=family, task=TASKS.get(family, "text-generation"), dtype=dtype,
+                           tensor_parallel_degree=tp, max_sequence_length=max_len, batch_size=4, device="cpu")
+    engine.load(artifact, 0, 1)
+    return engine
+
+
+def _req(i, prompt, **params):
+    return GenerationRequest(str(i), prompt, GenerationParams(**params))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama")
+    checkpoint = make_checkpoint("llama", root / "ckpt")
+    return checkpoint, _engine("llama", build_artifact(checkpoint, root / "art", "llama", 1))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt_neox", "opt", "gptj", "bloom", "t5"])
+def test_greedy_equals_hf_generate(family, tmp_path):
+    checkpoint = make_checkpoint(family, tmp_path / "ckpt")
+    engine = _engine(family, build_artifact(checkpoint, tmp_path / "art", family, 1))
+    results = engine.generate([_req(i, p, max_new_tokens=10) for i, p in enumerate(PROMPTS)])
+    for prompt, result in zip(PROMPTS, results):
+        reference = hf_greedy(checkpoint, prompt, 10)
+        assert result.token_ids == reference
+        assert result.finish_reason == ("length" if len(reference) == 10 else "eos")
+
+
+def test_artifact_from_the_build_partitioner_matches_hf(tmp_path):
+    checkpoint = make_checkpoint("gpt_neox", tmp_path / "ckpt")
+    engine = _engine("gpt_neox", build_artifact_with_partitioner(checkpoint, tmp_path / "art", 1, "fp32"))
+    assert engine.generate([_req(0, PROMPTS[0], max_new_tokens=8)])[0].token_ids == hf_greedy(checkpoint, PROMPTS[0], 8)
+
+
+def test_batched_greedy_equals_single_requests(llama):
+    _, engine = llama
+    prompts = ["a", "the quick brown fox jumps over", "héllo"]
+    batched = engine.generate([_req(i, p, max_new_tokens=8) for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        assert batched[i].token_ids == engine.generate([_req(i, prompt, max_new_tokens=8)])[0].token_ids
+        assert batched[i].id == str(i)
+
+
+def test_per_request_parameters_in_one_batch(llama):
+    _, engine = llama
+    results = engine.generate([_req(0, "the quick", max_new_tokens=3), _req(1, "the quick", max_new_tokens=7),
+                               _req(2, "the quick", max_new_tokens=5, do_sample=True, seed=1)])
+    assert [r.generated_tokens for r in results] == [3, 7, 5]
+    assert results[1].token_ids[:3] == results[0].token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llama):
+    _, engine = llama
+    params = dict(max_new_tokens=10, do_sample=True, temperature=1.5, top_k=50, top_p=0.95, seed=1234)
+    alone = engine.generate([_req(0, "the quick", **params)])[0].token_ids
+    again = engine.generate([_req(9, "large models", max_new_tokens=4), _req(0, "the quick", **params)])[1].token_ids
+    other_seed = engine.generate([_req(0, "the quick", **dict(params, seed=99))])[0].token_ids
+    assert alone == again
+    assert alone != other_seed
+
+
+def test_choose_token_filters():
+    logits = torch.tensor([1.0, 5.0, 3.0, -2.0])
+    assert choose_token(logits, GenerationParams(), [], None) == 1
+    # top_k=1 always samples the argmax; a repetition penalty on it moves greedy to the runner-up.
+    generator = torch.Generator().manual_seed(0)
+    assert {choose_token(logits, GenerationParams(do_sample=True, top_k=1), [], generator) for _ in range(20)} == {1}
+    assert choose_token(logits, GenerationParams(repetition_penalty=2.0), [1], None) == 2
+    # top_p small enough keeps only the most likely token.
+    assert {choose_token(logits, GenerationParams(do_sample=True, top_p=0.5), [], generator) for _ in range(20)} == {1}
+    # a negative score is multiplied by the penalty (more negative), as HF does.
+    assert choose_token(torch.tensor([-1.0, -1.5]), GenerationParams(repetition_penalty=2.0), [0], None) == 1
+
+
+def test_stop_sequence_trims_text_and_streaming_never_shows_it(llama):
+    _, engine = llama
+    full = engine.generate([_req(0, "the quick", max_new_tokens=12)])[0]
+    assert len(full.text) > 4
+    stop = full.text[3:5]
+    pieces = []
+    result = engine.generate([_req(0, "the quick", max_new_tokens=12, stop=(stop,))],
+                             on_token=lambda rid, piece: pieces.append(piece))[0]
+    assert result.finish_reason == "stop"
+    assert result.text == full.text[:full.text.find(stop)]
+    assert "".join(pieces) == result.text
+
+
+def test_streaming_pieces_concatenate_to_the_text(llama):
+    _, engine = llama
+    pieces: dict[str, list[str]] = {"0": [], "1": []}
+    results = engine.generate([_req(0, PROMPTS[0], max_new_tokens=9), _req(1, PROMPTS[1], max_new_tokens=5)],
+                              on_token=lambda rid, piece: pieces[rid].append(piece))
+    for result in results:
+        assert "".join(pieces[result.id]) == result.text
+
+
+def test_incremental_detokenization_keeps_multibyte_characters_whole(llama):
+    _, engine = llama
+    text = "héllo 🙂 wörld"
+    # Feed the text one byte-level token at a time so that é, 🙂 and ö arrive split across tokens.
+    tokenizer = engine.tokenizer
+    ids = []
+    for char in text:
+        for token in tokenizer.tokenize(char):
+            ids.extend(tokenizer.convert_tokens_to_ids(list(token)))
+    pieces = []
+    row = _Row(_req(0, "x", max_new_tokens=len(ids)), [1])
+    for token in ids:
+        engine.loop._append(row, token, lambda rid, piece: pieces.append(piece))
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert len(pieces) > 3
+
+
+def test_safe_prefix_holds_back_a_possible_stop():
+    assert _safe_prefix("hello wo", ("world",)) == 6
+    assert _safe_prefix("hello", ("xyz",)) == 5
+    assert _safe_prefix("ab\ufffd", ()) == 2
+
+
+def test_return_full_text_and_counts(llama):
+    _, engine = llama
+    result = engine.generate([_req(0, "the quick", max_new_tokens=4, return_full_text=True)])[0]
+    assert result.text.startswith("the quick")
+    assert result.prompt_tokens == engine.count_tokens("the quick") > 0
+    assert result.generated_tokens == 4
+
+
+def test_prompt_beyond_the_sequence_length_is_a_value_error(llama):
+    _, engine = llama
+    prompt = "the quick brown fox " * 40
+    n = engine.count_tokens(prompt)
+    with pytest.raises(ValueError) as excinfo:
+        engine.generate([_req(0, prompt, max_new_tokens=10)])
+    assert f"the prompt is {n} tokens and max_new_tokens is 10: {n + 10} exceeds the maximum sequence length 128" \
+        in str(excinfo.value)
+
+
+def test_eos_finishes_a_request(tmp_path):
+    checkpoint = make_checkpoint("opt", tmp_path / "ckpt")
+    engine = _engine("opt", build_artifact(checkpoint, tmp_path / "art", "opt", 1))
+    first = engine.generate([_req(0, "the quick", max_new_tokens=3)])[0].token_ids
+    engine.loop.eos_token_ids = {first[1]}
+    result = engine.generate([_req(0, "the quick", max_new_tokens=3)])[0]
+    assert result.finish_reason == "eos"
+    assert result.token_ids == first[:1]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_reduced_precision_tracks_fp32(dtype, tmp_path):
+    checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
+    partition_dtype = "int8" if dtype == "int8" else dtype
+    engine = _engine("llama", build_artifact_with_partitioner(checkpoint, tmp_path / "art", 1, partition_dtype),
+                     dtype=dtype)
+    reference = _engine("llama", build_artifact(checkpoint, tmp_path / "fp32", "llama", 1))
+    ids = torch.tensor([engine.tokenizer("the quick brown fox")["input_ids"]])
+    with torch.no_grad():
+        low = engine.model(input_ids=ids).logits.float()
+        high = reference.model(input_ids=ids).logits
+    cosine = torch.nn.functional.cosine_similarity(low.flatten(), high.flatten(), dim=0)
+    assert cosine > 0.99
+    if dtype == "int8":
+        q_proj = engine.model.model.layers[0].self_attn.q_proj
+        assert q_proj.weight.dtype == torch.int8 and q_proj.weight_scale is not None
+    else:
+        assert engine.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+def test_a_shard_missing_a_tensor_is_an_artifact_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
+    artifact = build_artifact(checkpoint, tmp_path / "art", "llama", 1)
+    shard = artifact / "shards/tp1/rank0.safetensors"
+    tensors = load_file(shard)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, shard)
+    with pytest.raises(ArtifactError) as excinfo:
+        _engine("llama", artifact)
+    assert "shard has no tensor 'model.layers.1.mlp.down_proj.weight'" in str(excinfo.value)
+
+
+def test_a_missing_shard_file_is_an_artifact_error(tmp_path):
+    checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
+    artifact = build_artifact(checkpoint, tmp_path / "art", "llama", 1)
+    engine = create_engine("hf", family="llama", task="text-generation", dtype="fp32", tensor_parallel_degree=1,
+                           max_sequence_length=64, batch_size=1, device="cpu")
+    (artifact / "shards/tp1/rank0.safetensors").unlink()
+    with pytest.raises(ArtifactError) as excinfo:
+        engine.load(artifact, 0, 1)
+    assert "rank0.safetensors: shard file missing" in str(excinfo.value)
