@@ -1,0 +1,106 @@
+"""`python -m lmc runtime` as a process: refusal of an altered artifact, SIGTERM draining, archives."""
+
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from runtime_fakes import expected_text, fake_plan, free_port, write_artifact
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _start(args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "lmc", "runtime", *args], cwd=REPO, env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_ping(url, proc, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        try:
+            if httpx.get(url + "/ping").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("/ping never became 200")
+
+
+def test_an_altered_shard_stops_start_up_with_exit_1_naming_it(tmp_path):
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    shard = model / "shards/tp2/rank0.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[7] ^= 0x01
+    shard.write_bytes(bytes(data))
+    proc = _start(["--model-dir", str(model), "--port", str(free_port())])
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("lmc: error: ") and "shards/tp2/rank0.safetensors: altered" in lines[0]
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path):
+    model = write_artifact(tmp_path / "m", fake_plan(batch_size=2, max_batch_delay_ms=0), {"step_delay_s": 0.05})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _start(["--model-dir", str(model), "--port", str(port), "--host", "127.0.0.1"])
+    try:
+        _wait_ping(url, proc)
+        replies = {}
+
+        def ask(i):
+            replies[i] = httpx.post(url + "/invocations", json={"inputs": f"in flight {i}",
+                                                               "parameters": {"max_new_tokens": 20}}, timeout=30)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)  # admitted: the first batch is generating, the second waits
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        assert httpx.get(url + "/ping").status_code == 503
+        late = httpx.post(url + "/invocations", json={"inputs": "too late"})
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]
+        for thread in threads:
+            thread.join(30)
+        assert {i: r.status_code for i, r in replies.items()} == {0: 200, 1: 200, 2: 200, 3: 200}
+        assert all(r.json() == {"generated_text": expected_text(f"in flight {i}", 20)} for i, r in replies.items())
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serves_an_archive_with_the_sagemaker_serve_word_and_port(tmp_path):
+    model = write_artifact(tmp_path / "m", fake_plan())
+    archive = tmp_path / "model.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(model.rglob("*")):
+            tar.add(path, arcname=path.relative_to(model).as_posix(), recursive=False)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    port = free_port()
+    proc = _start(["serve", str(archive)], env={"SAGEMAKER_BIND_TO_PORT": str(port), "LMC_EXTRACT_DIR": str(scratch)})
+    try:
+        _wait_ping(f"http://127.0.0.1:{port}", proc)
+        reply = httpx.post(f"http://127.0.0.1:{port}/invocations", json={"inputs": "from the archive"})
+        assert reply.json() == {"generated_text": expected_text("from the archive", 32)}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert list(scratch.iterdir()) == []  # the extracted copy is removed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
