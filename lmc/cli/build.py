@@ -26,8 +26,9 @@ def run(args: argparse.Namespace) -> int:
 
     loaded = load_spec(args.spec)
     out = Path(args.output) if args.output else Path(DEFAULT_OUT[args.fmt])
-    result = build_artifact(loaded, out, fmt=args.fmt, allow_pickle=args.allow_pickle,
-                            progress=lambda message: print(f"lmc: {message}", file=sys.stderr))
+    # Stage messages only for a person watching; logs and pipes get the summary (or the one error line).
+    progress = (lambda message: print(f"lmc: {message}", file=sys.stderr)) if sys.stderr.isatty() else None
+    result = build_artifact(loaded, out, fmt=args.fmt, allow_pickle=args.allow_pickle, progress=progress)
     plan = result.plan
     print(f"plan: {plan.model.id} on {plan.target.instance}: {plan.engine} {plan.dtype}, "
           f"TP {plan.tensor_parallel_degree} x {plan.replicas} replica(s), batch {plan.batch_size}, "
