@@ -132,3 +132,11 @@ def test_plan_is_deterministic_and_digested():
     assert a.plan_sha256 == a.model_copy(update={"plan_sha256": ""}).with_digest().plan_sha256 != ""
     assert len(a.alternatives) <= 8
     assert a.max_sequence_length == 1024 + 256 and a.job_queue_size >= 16
+
+
+def test_local_cpu_allows_tp_ranks_as_processes_sharing_memory():
+    local = catalog.local_facts()
+    tiny = reference_model("gpt-j-6b").model_copy(update={"parameters": 60_000_000, "layers": 2, "vocab_size": 1000})
+    p = plan(spec(target={"instance": "local"}, pin={"tensor_parallel_degree": 2}), model=tiny, hardware=local)
+    assert (p.engine, p.dtype, p.tensor_parallel_degree) == ("hf", "fp32", 2)
+    assert p.memory_per_device.capacity == int(local.device_memory_bytes * 0.9) // 2

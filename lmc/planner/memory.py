@@ -198,5 +198,7 @@ def memory_per_device(model: ModelFacts, hardware: HardwareFacts, engine: Engine
     overhead = overhead_bytes(efficiency, tp)
     total = weights + kv + activations + overhead
     capacity = capacity_bytes(hardware, memory_fraction, memory_cap)
+    if hardware.kind == "cpu" and tp > 1:
+        capacity //= tp  # CPU TP ranks are processes sharing one host's memory: each gets its share
     return MemoryPerDevice(weights=weights, kv_cache=kv, activations=activations, runtime_overhead=overhead,
                            total=total, capacity=capacity, headroom=capacity - total)

@@ -154,6 +154,8 @@ def engine_unsupported(engine: EngineFacts, model: ModelFacts, hardware: Hardwar
 
 def tp_degrees(engine: EngineFacts, hardware: HardwareFacts) -> list[int]:
     """TP degrees the engine may use on this hardware (before model constraints)."""
+    if hardware.kind == "cpu":  # TP ranks are processes over gloo sharing the host's memory
+        return [1, 2, 4, 8]
     allowed = engine.tp_degrees.get(hardware.accelerator)
     if allowed is not None:
         return [tp for tp in allowed if tp <= hardware.devices]
@@ -198,7 +200,7 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             raise SpecValueError("pin.dtype", pin.dtype, f"{names} cannot serve {pin.dtype}; use one of {', '.join(fine)}")
     if pin.tensor_parallel_degree is not None:
         tp = pin.tensor_parallel_degree
-        if tp > hardware.devices:
+        if tp > hardware.devices and hardware.kind != "cpu":
             raise SpecValueError("pin.tensor_parallel_degree", tp,
                                  f"exceeds the {hardware.devices} devices of {hardware.name}; "
                                  f"use one of {_fmt_list(_all_usable_tps(usable, model, hardware))}")
@@ -219,7 +221,7 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             raise SpecValueError("pin.tensor_parallel_degree", tp, f"{reasons[0]}; {hint}")
     if pin.replicas is not None:
         tp = pin.tensor_parallel_degree or 1
-        per_instance = hardware.devices // tp
+        per_instance = max(hardware.devices // tp, 1)
         available = per_instance * spec.target.instances
         if pin.replicas > available:
             raise SpecValueError("pin.replicas", pin.replicas,
@@ -271,7 +273,7 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
             for tp in tp_degrees(engine, hardware):
                 if pin.tensor_parallel_degree is not None and tp != pin.tensor_parallel_degree:
                     continue
-                per_instance = hardware.devices // tp
+                per_instance = max(hardware.devices // tp, 1)
                 max_replicas = per_instance * spec.target.instances
                 why = tp_unsupported(tp, engine, model)
                 if why:
