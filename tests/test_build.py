@@ -271,3 +271,10 @@ def test_usage_error_for_unknown_format(capsys, tmp_path):
         main(["build", str(tmp_path / "spec.toml"), "--format", "zip"])
     assert info.value.code == 2
     assert "invalid choice: 'zip'" in capsys.readouterr().err
+
+
+def test_catalog_model_without_path_or_uri_has_nothing_to_pack(tmp_path, capsys):
+    spec = tmp_path / "spec.toml"
+    spec.write_text('[model]\nid = "EleutherAI/gpt-j-6b"\n\n[target]\ninstance = "ml.g5.12xlarge"\n', encoding="utf-8")
+    line = expect_failure(capsys, spec, tmp_path / "model.tar.gz", "nothing to pack", "`path`", "`uri`")
+    assert f"{spec}:1: model" in line
