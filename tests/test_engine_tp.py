@@ -1,0 +1,143 @@
+"""The hf engine at TP=2 over gloo: two processes, each reading only its own shard, greedy = HF generate."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)
+
+try:
+    from _engine_helpers import build_artifact, build_artifact_with_partitioner, free_port, hf_greedy, make_checkpoint
+except ImportError:  # tests/ imported as a package
+    from tests._engine_helpers import (build_artifact, build_artifact_with_partitioner, free_port, hf_greedy,
+                                       make_checkpoint)
+
+PROMPTS = ["the quick brown", "héllo wörld, large models are served"]
+# (case name, family, checkpoint overrides, config vocab size)
+CASES = [
+    ("llama", "llama", {}, 384),
+    ("llama_mqa", "llama", {"num_key_value_heads": 1}, 384),  # TP 2 > 1 kv head: the kv head is replicated
+    ("gpt_neox", "gpt_neox", {}, 384),
+    ("opt", "opt", {}, 384),
+    ("opt_odd_vocab", "opt", {}, 385),  # tied LM head that does not divide: whole on every rank
+    ("gptj", "gptj", {}, 384),
+    ("bloom", "bloom", {}, 384),
+    ("t5", "t5", {}, 384),
+]
+NEW_TOKENS = 10
+
+
+def _rank_main(rank: int, port: int, artifacts: dict, queue) -> None:
+    """One TP rank: load every case's artifact, generate, report tokens, opened shard files and shapes."""
+    torch.set_num_threads(1)
+    opened: list[str] = []
+
+    def audit(event, args):
+        if event == "open" and isinstance(args[0], str) and args[0].endswith(".safetensors"):
+            opened.append(args[0])
+
+    sys.addaudithook(audit)
+    import torch.distributed as dist
+
+    from lmc.runtime.engines import create_engine
+    from lmc.runtime.engines.base import GenerationParams, GenerationRequest
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    out = {}
+    try:
+        for name, (family, artifact, dtype) in artifacts.items():
+            task = "text2text-generation" if family == "t5" else "text-generation"
+            engine = create_engine("hf", family=family, task=task, dtype=dtype, tensor_parallel_degree=2,
+                                   max_sequence_length=128, batch_size=4, device="cpu")
+            del opened[:]
+            engine.load(artifact, rank, 2)
+            pieces = []
+            results = engine.generate(
+                [GenerationRequest(str(i), p, GenerationParams(max_new_tokens=NEW_TOKENS)) for i, p in
+                 enumerate(PROMPTS)] + [GenerationRequest("s", PROMPTS[0], GenerationParams(
+                    max_new_tokens=NEW_TOKENS, do_sample=True, temperature=2.0, seed=7))],
+                on_token=lambda rid, piece: pieces.append(piece))
+            params = sum(p.numel() for p in engine.model.parameters())
+            out[name] = {"tokens": [r.token_ids for r in results], "opened": list(opened), "params": params,
+                         "pieces": len(pieces)}
+    finally:
+        queue.put((rank, out))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    root = tmp_path_factory.mktemp("tp2")
+    checkpoints, artifacts = {}, {}
+    for name, family, overrides, vocab in CASES:
+        checkpoints[name] = make_checkpoint(family, root / name / "ckpt", vocab_size=vocab, **overrides)
+        artifacts[name] = (family, str(build_artifact(checkpoints[name], root / name / "art", family, 2)), "fp32")
+    # The build's own partitioner, int8: checks the runtime reads what the build writes.
+    checkpoints["llama_int8"] = checkpoints["llama"]
+    artifacts["llama_int8"] = ("llama", str(build_artifact_with_partitioner(checkpoints["llama"],
+                                                                            root / "int8", 2, "int8")), "int8")
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    processes = [context.Process(target=_rank_main, args=(rank, free_port_cached(), artifacts, queue))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    results = dict(queue.get(timeout=240) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+    assert [p.exitcode for p in processes] == [0, 0]
+    return checkpoints, artifacts, results
+
+
+_PORT: list[int] = []
+
+
+def free_port_cached() -> int:
+    if not _PORT:
+        _PORT.append(free_port())
+    return _PORT[0]
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES])
+def test_tp2_greedy_equals_hf_generate_on_the_whole_checkpoint(tp2_run, name):
+    checkpoints, _, results = tp2_run
+    reference = [hf_greedy(checkpoints[name], prompt, NEW_TOKENS) for prompt in PROMPTS]
+    assert results[0][name]["tokens"][:2] == reference
+    assert results[1][name]["tokens"] == results[0][name]["tokens"]  # sampling included: rank 0 decides
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES])
+def test_each_rank_opens_only_its_own_shard(tp2_run, name):
+    _, artifacts, results = tp2_run
+    for rank in range(2):
+        opened = results[rank][name]["opened"]
+        assert opened == [os.path.join(artifacts[name][1], f"shards/tp2/rank{rank}.safetensors")]
+
+
+def test_ranks_hold_about_half_the_weights(tp2_run):
+    checkpoints, _, results = tp2_run
+    from safetensors.torch import load_file
+
+    whole = sum(t.numel() for t in load_file(checkpoints["llama"] / "model.safetensors").values())
+    local = results[0]["llama"]["params"]
+    assert whole * 0.4 < local < whole * 0.8  # embeddings and norms are replicated, the rest is halved
+
+
+def test_only_rank0_streams(tp2_run):
+    _, _, results = tp2_run
+    assert results[0]["llama"]["pieces"] > 0
+    assert results[1]["llama"]["pieces"] == 0
+
+
+def test_int8_tp2_from_the_build_partitioner_agrees_across_ranks(tp2_run):
+    _, _, results = tp2_run
+    tokens = results[0]["llama_int8"]["tokens"]
+    assert tokens == results[1]["llama_int8"]["tokens"]
+    assert all(len(t) == NEW_TOKENS for t in tokens)
