@@ -20,6 +20,10 @@ from lmc.schema import load_spec
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "specs").glob("*.toml"))
 CPU_SPEC = ROOT / "specs" / "tiny-llama-cpu.toml"
+GOLDEN = ROOT / "golden"
+
+# syrupy warns that a golden file's name does not contain the test's name: that is the layout.
+pytestmark = pytest.mark.filterwarnings("ignore:.*Can not relate snapshot")
 
 
 @pytest.fixture(scope="session")
@@ -92,3 +96,16 @@ def test_golden_cpu_archive_listing(cpu_checkpoint, tmp_path, snapshot):
     assert main(["build", str(CPU_SPEC), "-o", str(out)]) == 0
     listing = "".join(f"{size:>10}  {digest}  {path}\n" for path, size, digest in archive_listing(out))
     assert listing == snapshot(extension_class=golden_file(CPU_SPEC.stem, "archive.txt"))
+
+
+def test_no_unused_golden_files(cpu_checkpoint):
+    """Every file under golden/ belongs to a spec in specs/ and a check above: stale goldens fail."""
+    expected = {f"{CPU_SPEC.stem}/archive.txt"}
+    for spec in SPECS:
+        if _plan_or_none(spec) is None:
+            expected.add(f"{spec.stem}/plan.txt")
+        else:
+            expected.update(f"{spec.stem}/{name}" for name in ("plan.json", "report.txt", "serving.properties", "model.py"))
+    present = {str(p.relative_to(GOLDEN)) for p in GOLDEN.rglob("*") if p.is_file()}
+    assert present - expected == set(), "golden files no check produces: delete them (or run --snapshot-update)"
+    assert expected - present == set(), "golden files missing: run `pytest --snapshot-update`"
