@@ -1,0 +1,77 @@
+"""`lmc plan` end to end: output modes, exit codes, and no heavy imports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmc.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+GPTJ = ROOT / "specs" / "gpt-j-6b-deepspeed-p3-16xlarge.toml"
+INFEASIBLE = ROOT / "specs" / "bloom-176b-g5-12xlarge.toml"
+
+DESIGN_KEYS = [
+    "lmc_version", "spec_sha256", "plan_sha256", "model", "target", "engine", "dtype", "quantization",
+    "tensor_parallel_degree", "replicas", "batch_size", "max_batch_delay_ms", "job_queue_size",
+    "max_sequence_length", "memory_per_device", "predicted", "goal_met", "decisions", "alternatives",
+]
+
+
+def test_plan_json_has_exactly_the_design_keys(capsys):
+    assert main(["plan", "--json", str(GPTJ)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert list(plan) == DESIGN_KEYS
+    assert list(plan["memory_per_device"]) == ["weights", "kv_cache", "activations", "runtime_overhead",
+                                               "total", "capacity", "headroom"]
+    assert list(plan["predicted"]) == ["ttft_ms", "tpot_ms", "throughput_tokens_per_s", "load_seconds",
+                                       "cost_per_hour", "cost_per_million_tokens"]
+    memory = plan["memory_per_device"]
+    assert all(isinstance(v, int) for v in memory.values())
+    assert memory["total"] == memory["weights"] + memory["kv_cache"] + memory["activations"] + memory["runtime_overhead"]
+    assert memory["headroom"] == memory["capacity"] - memory["total"]
+    assert plan["engine"] == "deepspeed"  # pinned in the spec
+    assert all({"key", "value", "reason"} == set(d) for d in plan["decisions"])
+
+
+def test_plan_digest_covers_the_plan(capsys):
+    main(["plan", "--json", str(GPTJ)])
+    plan = json.loads(capsys.readouterr().out)
+    from lmc.planner.plan import Plan
+
+    rebuilt = Plan.model_validate({**plan, "plan_sha256": ""}).with_digest()
+    assert rebuilt.plan_sha256 == plan["plan_sha256"]
+    tampered = Plan.model_validate({**plan, "batch_size": plan["batch_size"] + 1, "plan_sha256": ""}).with_digest()
+    assert tampered.plan_sha256 != plan["plan_sha256"]
+
+
+def test_human_view_shows_memory_bars_and_goal(capsys):
+    assert main(["plan", str(GPTJ)]) == 0
+    out = capsys.readouterr().out
+    assert "█" in out and "capacity" in out
+    assert "goal 50 ms" in out
+
+
+def test_infeasible_exits_3_and_names_what_would_fit(capsys):
+    assert main(["plan", str(INFEASIBLE)]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("lmc: no feasible plan: bigscience/bloom fp16 needs 352.5 GB of weights")
+    assert "ml.p4de.24xlarge" in err or "ml.p5" in err
+
+
+@pytest.mark.parametrize("spec", sorted((ROOT / "specs").glob("*.toml"))[:6], ids=lambda p: p.stem)
+def test_planning_leaves_torch_unimported(spec):
+    code = (
+        "import sys\n"
+        "from lmc.cli.main import main\n"
+        f"rc = main(['plan', '--json', {str(spec)!r}])\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'deepspeed', 'numpy', 'safetensors', 'jinja2')"
+        " if m in sys.modules)\n"
+        "print('HEAVY', heavy, rc, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert "HEAVY [] " in proc.stderr, proc.stderr
