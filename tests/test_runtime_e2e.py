@@ -1,0 +1,121 @@
+"""End to end: `lmc build` a tiny random checkpoint, serve it with the runtime (real hf engine in
+spawned TP worker processes over gloo), and compare greedy output with HF `generate` on the
+unpartitioned checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)
+
+from lmc.cli.main import main  # noqa: E402
+from lmc.runtime.server import Runtime  # noqa: E402
+from lmc.runtime.startup import open_artifact  # noqa: E402
+from lmc.runtime.workers import AUDIT_ENV  # noqa: E402
+from runtime_fakes import ServerThread  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["the quick brown fox", "Hello, world! How are you"]
+NEW_TOKENS = 8
+
+SPEC = """\
+[model]
+id = "tiny/{family}"
+path = "{path}"
+
+[target]
+instance = "local"
+profile = "cpu2.toml"
+
+[workload]
+max_input_tokens = 32
+max_output_tokens = 16
+concurrency = 4
+
+[pin]
+engine = "hf"
+dtype = "fp32"
+tensor_parallel_degree = {tp}
+replicas = {replicas}
+"""
+# `local` is the whole CPU as one device; TP ranks on a CPU are processes, so describe two devices.
+CPU_PROFILE = 'base = "local"\ndevices = 2\ndevice_memory_bytes = "8GiB"\n'
+
+
+def build(tmp_path: Path, family: str, tp: int, replicas: int = 1) -> tuple[Path, Path]:
+    from lmc.testing.checkpoints import make_checkpoint
+
+    checkpoint = make_checkpoint(family, tmp_path / "ckpt")
+    (tmp_path / "cpu2.toml").write_text(CPU_PROFILE)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(family=family, path=checkpoint.as_posix(), tp=tp, replicas=replicas))
+    out = tmp_path / "artifact"
+    assert main(["build", str(spec), "--format", "dir", "-o", str(out)]) == 0
+    return checkpoint, out
+
+
+def hf_reference(checkpoint: Path, prompts: list[str], max_new_tokens: int) -> list[tuple[str, int]]:
+    """HF generate, greedy, on the unpartitioned checkpoint: (decoded new text, new token count) each."""
+    import transformers as tf
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(checkpoint)
+    model = tf.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    answers = []
+    for prompt in prompts:
+        inputs = tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id or 0)
+        ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+        if model.config.eos_token_id in ids:
+            ids = ids[:ids.index(model.config.eos_token_id)]
+        answers.append((tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), len(ids)))
+    return answers
+
+
+def serve_and_compare(checkpoint: Path, artifact_dir: Path, worker_env: dict | None = None) -> dict:
+    artifact = open_artifact(artifact_dir)
+    runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=120, worker_env=worker_env)
+    with ServerThread(runtime) as server:
+        server.wait_ready(180)
+        batch = httpx.post(server.url + "/invocations", timeout=120,
+                           json={"inputs": PROMPTS, "parameters": {"max_new_tokens": NEW_TOKENS}})
+        assert batch.status_code == 200, batch.text
+        streamed = httpx.post(server.url + "/invocations", timeout=120,
+                              json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": NEW_TOKENS}, "stream": True})
+        lines = [json.loads(line) for line in streamed.text.splitlines()]
+    reference = hf_reference(checkpoint, PROMPTS, NEW_TOKENS)
+    assert [answer["generated_text"] for answer in batch.json()] == [text for text, _ in reference]
+    text, count = reference[0]
+    assert "".join(line["token"]["text"] for line in lines[:-1]) == lines[-1]["generated_text"] == text
+    assert lines[-1]["details"]["generated_tokens"] == count
+    return artifact.plan
+
+
+def test_llama_gqa_at_tp2_matches_hf_and_each_rank_reads_only_its_shard(tmp_path):
+    checkpoint, artifact = build(tmp_path, "llama", tp=2)
+    audit = tmp_path / "audit" / "opens"
+    audit.parent.mkdir()
+    plan = serve_and_compare(checkpoint, artifact, worker_env={AUDIT_ENV: str(audit)})
+    assert plan["tensor_parallel_degree"] == 2 and plan["model"]["kv_heads"] < plan["model"]["attention_heads"]
+    opened = {log.name.split(".")[1]: log.read_text().splitlines() for log in audit.parent.iterdir()}
+    assert set(opened) == {"g0r0", "g0r1"}
+    for rank in (0, 1):
+        shards = {Path(p).name for p in opened[f"g0r{rank}"] if p.endswith(".safetensors")}
+        assert shards == {f"rank{rank}.safetensors"}, shards
+
+
+def test_llama_tp1_with_two_replicas_matches_hf(tmp_path):
+    checkpoint, artifact = build(tmp_path, "llama", tp=1, replicas=2)
+    plan = serve_and_compare(checkpoint, artifact)
+    assert (plan["tensor_parallel_degree"], plan["replicas"]) == (1, 2)
+
+
+def test_gpt_neox_at_tp2_matches_hf(tmp_path):
+    checkpoint, artifact = build(tmp_path, "gpt_neox", tp=2)
+    serve_and_compare(checkpoint, artifact)
