@@ -4,9 +4,10 @@
 `out_dir`. Each file holds, under the checkpoint's own tensor names, exactly the slice of every
 tensor that lmc.layouts.rank_split gives rank r — the slices the runtime rebuilds its modules from.
 
-Memory stays bounded by the largest tensor, not the model: tensors are read one at a time with
-positioned reads (no mmap, whose touched pages would count as resident), each rank's slice is cast
-and written at its offset in that rank's file, then dropped. Each source tensor is read once.
+Memory stays bounded by the largest tensor, not the model: tensors are processed one at a time,
+each mapped alone (lmc.emitters.safetensors_stream.mapped_tensor: zero-copy, unmapped when done),
+each rank's slice cast and written at its offset in that rank's file, then dropped. Each source
+tensor is read once. Measured by bench/partition_bench.py.
 
 Dtypes (`dtype`, the plan's):
   fp32, fp16, bf16  every floating-point tensor cast to it; integer/bool tensors kept as they are.
@@ -28,13 +29,13 @@ lmc.quantization = "per-row-symmetric" and lmc.scale_suffix = "_scale".
 from __future__ import annotations
 
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from lmc.emitters.checkpoint import CheckpointInfo
-from lmc.emitters.safetensors_stream import StreamingWriter, TensorEntry, read_tensor
+from lmc.emitters.safetensors_stream import StreamingWriter, TensorEntry, mapped_tensor
 from lmc.errors import CheckpointError, InternalError
 from lmc.layouts import Split, kind_of, local_shape, rank_split, shard_path
 
@@ -78,6 +79,7 @@ def partition_checkpoint(info: CheckpointInfo, *, family: str, dtype: str, tp: i
         metadata.update({"lmc.quantization": "per-row-symmetric", "lmc.scale_suffix": SCALE_SUFFIX})
     total = sum(plan.source.nbytes for plan in plans)
     with ExitStack() as stack:
+        stack.enter_context(_one_thread())
         writers = [stack.enter_context(StreamingWriter(path, _entries(plans, rank), dict(metadata, **{"lmc.rank": str(rank)})))
                    for rank, path in enumerate(paths)]
         bar = stack.enter_context(_progress_bar(total, _show_progress(progress)))
@@ -119,19 +121,21 @@ def _write_tensor(plan: _TensorPlan, writers: list[StreamingWriter], dtype: str)
 
     from lmc.emitters.safetensors_stream import torch_dtype
 
-    source = read_tensor(plan.file, plan.source)
-    scale = _row_scales(source, _QUANT_MAX[dtype]) if plan.quantize else None
-    out_dtype = torch_dtype(plan.out_code)
-    for writer, split in zip(writers, plan.splits):
-        part = source if split.dim is None else torch.narrow(source, split.dim, split.start, split.stop - split.start)
-        if scale is None:
-            writer.write(plan.name, part.to(out_dtype).contiguous())
-            continue
-        part_scale = scale[split.start:split.stop] if split.dim == 0 else scale
-        writer.write(plan.name, _quantize(part, part_scale, dtype))
-        writer.write(plan.name + SCALE_SUFFIX, part_scale.contiguous())
-        del part_scale
-    del source, part
+    with mapped_tensor(plan.file, plan.source) as source:
+        scale = _row_scales(source, _QUANT_MAX[dtype]) if plan.quantize else None
+        out_dtype = torch_dtype(plan.out_code)
+        for writer, split in zip(writers, plan.splits):
+            part = source if split.dim is None else torch.narrow(source, split.dim, split.start, split.stop - split.start)
+            if scale is None:
+                # .to() copies unless the dtype is unchanged; either way nothing else keeps a view of the map.
+                writer.write(plan.name, part.to(out_dtype).contiguous())
+            else:
+                part_scale = scale[split.start:split.stop] if split.dim == 0 else scale
+                writer.write(plan.name, _quantize(part, part_scale, dtype))
+                writer.write(plan.name + SCALE_SUFFIX, part_scale.contiguous())
+                del part_scale
+            del part
+        del source
 
 
 def _row_scales(weight: "torch.Tensor", qmax: float) -> "torch.Tensor":
@@ -157,6 +161,20 @@ def _quantize(part: "torch.Tensor", scale: "torch.Tensor", dtype: str) -> "torch
         else:
             out[start:start + rows.shape[0]] = rows.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
     return out
+
+
+@contextmanager
+def _one_thread():
+    """Casting and slicing are memory-bound: more intra-op threads gain nothing and, on a busy
+    build host, spin-wait for cores (measured 4x slower with 2 threads than 1 on a loaded 2-core host)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _show_progress(progress: Any) -> bool:

@@ -1,9 +1,10 @@
 """Safetensors without loading whole files: parse and check a header, read one tensor (or a slice
 along one dimension), and write a file tensor by tensor with memory bounded by one tensor.
 
-Reading uses plain positioned reads (`os.pread`), not mmap: pages of a mapped file count in the
-process's resident memory, so mapping a 2 GB checkpoint and reading it through would make the
-partitioner's peak RSS grow with the model instead of with its largest tensor.
+Whole files are never mapped: pages of a mapped file count in the process's resident memory, so
+mapping a 2 GB checkpoint and reading it through would make the partitioner's peak RSS grow with
+the model instead of with its largest tensor. `read_tensor` uses plain reads; `mapped_tensor` maps
+one tensor's bytes for the time it takes to process them.
 
 The writer lays tensors out the way `safetensors.torch.save_file` does (largest element size first,
 then by name, so every tensor is naturally aligned behind a header padded with spaces to 8 bytes)
@@ -14,11 +15,13 @@ Given the same entries and metadata the bytes are the same.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
 
 from lmc.errors import CheckpointError, InternalError
 
@@ -174,6 +177,36 @@ def read_tensor(path: Path, entry: TensorEntry, *, dim: int | None = None, start
     part = torch.narrow(whole, dim, start, stop - start).contiguous()
     del whole
     return part
+
+
+@contextmanager
+def mapped_tensor(path: Path, entry: TensorEntry) -> Iterator["torch.Tensor"]:
+    """The tensor `entry` of `path` as a zero-copy view of a private map of its own bytes only.
+
+    Only this tensor's pages are mapped, and only until the block ends, so resident memory stays
+    bounded by one tensor while saving the copy a read makes. Callers must drop every view of the
+    tensor before the block ends (the map cannot close while a view still points into it).
+    """
+    import torch
+
+    start = entry.begin - entry.begin % mmap.ALLOCATIONGRANULARITY
+    length = entry.end - start
+    if entry.nbytes == 0:
+        yield torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+        return
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), length, offset=start, access=mmap.ACCESS_COPY)
+    try:
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=entry.nbytes, offset=entry.begin - start)
+        tensor = flat.view(torch_dtype(entry.dtype)).reshape(entry.shape)
+        del flat
+        yield tensor
+        del tensor
+    finally:
+        try:
+            mapping.close()
+        except BufferError:  # a view escaped: the map closes when it is collected
+            pass
 
 
 def _read_bytes(path: Path, offset: int, nbytes: int, code: str) -> "torch.Tensor":
