@@ -59,7 +59,7 @@ def test_gather_reproduces_checkpoint(checkpoints, family, tp, tmp_path):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("family", ["llama", "gpt_neox", "t5", "mixtral"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_rank_files_hold_local_shapes_and_slices(checkpoints, family, tp, tmp_path):
     _, facts, original = checkpoints[family]
     paths = _partition(checkpoints, family, tp, "fp32", tmp_path)
@@ -172,3 +172,12 @@ def test_streaming_writer_removes_file_when_a_tensor_is_missing(tmp_path):
     writer.write("a", torch.zeros(2))
     with pytest.raises(Exception, match="1 declared tensors never written"):
         writer.close()
+
+
+def test_progress_bar_when_asked(checkpoints, tmp_path, capsys):
+    _partition(checkpoints, "opt", 1, "fp16", tmp_path / "quiet")
+    assert "partitioning" not in capsys.readouterr().err
+    info, facts, _ = checkpoints["opt"]
+    partition_checkpoint(info, family="opt", dtype="fp16", tp=1, head_dim=facts.head_dim, kv_heads=facts.kv_heads,
+                         out_dir=tmp_path / "loud", progress=True)
+    assert "partitioning" in capsys.readouterr().err

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from lmc.emitters.safetensors_stream import Header, StreamingWriter, dtype_code, read_header
 from lmc.errors import CheckpointError
@@ -153,10 +153,6 @@ def _check_index_agrees(path: Path, tensors: dict[str, TensorInfo]) -> None:
             raise CheckpointError(f"{tensors[name].file}: holds {name!r}, but {index.name} places it in {file_name}")
 
 
-# Expected shapes, per family: (pattern, shape function of the facts, what the dims are). A None dim is not checked.
-_Shape = Callable[[ModelFacts], tuple]
-
-
 def _dims(f: ModelFacts) -> dict[str, int]:
     return dict(V=f.vocab_size, H=f.hidden_size, A=f.attention_heads * f.head_dim, K=f.kv_heads * f.head_dim,
                 I=f.intermediate_size, E=f.num_experts, N=f.attention_heads)
@@ -166,7 +162,7 @@ def _rules(*rules: tuple[str, str]) -> list[tuple[re.Pattern, str]]:
     return [(re.compile(pattern), spec) for pattern, spec in rules]
 
 
-# Shape specs are dim letters from _dims ("3A" = three times A; "_" = any).
+# Expected shapes per family: pattern -> dims as letters from _dims ("3A" = three times A; "_" = not checked).
 _LLAMA = _rules(
     (r"embed_tokens\.weight$", "V H"), (r"^lm_head\.weight$", "V H"),
     (r"\.self_attn\.q_proj\.weight$", "A H"), (r"\.self_attn\.q_proj\.bias$", "A"),
