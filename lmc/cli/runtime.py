@@ -47,17 +47,31 @@ def _float_env(name: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import multiprocessing
+
     from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES, Runtime, serve
-    from lmc.runtime.startup import default_request_timeout_s, open_artifact, resolve_port
+    from lmc.runtime.startup import default_request_timeout_s, open_artifact, resolve_port, verify_hashes
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = _artifact_path(args)
     port = resolve_port(args.port)
-    artifact = open_artifact(path)  # verify before anything loads
+    artifact = open_artifact(path, check_hashes=False)  # the manifest, every file present, sizes
     try:
         timeout = args.request_timeout or _float_env("LMC_REQUEST_TIMEOUT_S") or default_request_timeout_s(artifact.plan)
         max_body = args.max_body_bytes or int(_float_env("LMC_MAX_BODY_BYTES") or DEFAULT_MAX_BODY_BYTES)
-        runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body)
+        # Workers start now and import their engine's libraries while the hashes are checked; they
+        # touch nothing from the artifact (not even model.py) until the gate opens.
+        gate = multiprocessing.get_context("spawn").Event()
+        runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body,
+                          worker_gate=gate)
+        runtime.scheduler.start_groups()
+        try:
+            verify_hashes(artifact.model_dir, artifact.manifest)
+        except BaseException:
+            runtime.scheduler.stop_groups()
+            raise
+        gate.set()
+        logging.getLogger("lmc.runtime").info("verified %d files against lmc.json", len(artifact.manifest["files"]))
         logging.getLogger("lmc.runtime").info(
             "serving %s on %s:%d: engine %s, %d group(s) x TP %d, batch %d, queue %d, timeout %gs",
             artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,

@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -88,15 +89,32 @@ class Scheduler:
         self._batch_ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._early: list[tuple] = []  # events that arrived before the event loop ran
+        self._loop_lock = threading.Lock()
         self._stopping = False
 
     # -- lifecycle
 
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        for index, group in enumerate(self.groups):
+    def start_groups(self) -> None:
+        """Spawn the worker processes; may run before the event loop (to overlap with start-up work)."""
+        for group in self.groups:
             group.start()
+
+    def start(self) -> None:
+        with self._loop_lock:
+            self._loop = asyncio.get_running_loop()
+            early, self._early = self._early, []
+        for fn, args in early:
+            self._loop.call_soon(fn, *args)
+        self.start_groups()
+        for index in range(len(self.groups)):
             self._tasks.append(asyncio.create_task(self._dispatch(index), name=f"lmc-dispatch-{index}"))
+
+    def stop_groups(self) -> None:
+        """Stop the workers without an event loop (start-up failed before serving)."""
+        self._stopping = True
+        for group in self.groups:
+            group.stop()
 
     async def stop(self) -> None:
         self._stopping = True
@@ -158,7 +176,11 @@ class Scheduler:
     # -- events from supervisor threads
 
     def _call(self, fn, *args) -> None:
-        if self._loop is not None and not self._loop.is_closed():
+        with self._loop_lock:
+            if self._loop is None:
+                self._early.append((fn, args))
+                return
+        if not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(fn, *args)
             except RuntimeError:  # loop closed during shutdown
@@ -231,7 +253,8 @@ class Runtime:
 
     def __init__(self, model_dir: Path, plan: dict[str, Any], *, request_timeout_s: float,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, group_factory: Callable[[int, Any], Any] | None = None,
-                 worker_env: dict[str, str] | None = None, text_tools: TextTools | None = None):
+                 worker_env: dict[str, str] | None = None, text_tools: TextTools | None = None,
+                 worker_gate=None):
         self.model_dir = Path(model_dir)
         self.plan = plan
         self.model_name = str((plan.get("model") or {}).get("id") or self.model_dir.name)
@@ -242,7 +265,7 @@ class Runtime:
         self.metrics = Metrics(int(plan["batch_size"]))
         if group_factory is None:
             def group_factory(index: int, events) -> WorkerGroup:
-                return WorkerGroup(self.model_dir, plan, index, events, extra_env=worker_env)
+                return WorkerGroup(self.model_dir, plan, index, events, extra_env=worker_env, gate=worker_gate)
         self.scheduler = Scheduler(plan, self.metrics, group_factory, request_timeout_s)
         self.accepting = True
         self._in_flight = 0

@@ -89,6 +89,7 @@ class WorkerSpec:
     world_size: int
     backend: str  # "gloo" | "nccl" | "none"
     env: dict[str, str] = field(default_factory=dict)
+    engine: str = ""  # the plan's engine: which libraries to import while start-up verification runs
 
 
 def load_model_module(model_dir: Path):
@@ -115,13 +116,32 @@ def _install_open_audit(log_path: str, rank: int, group: int) -> None:
     sys.addaudithook(hook)
 
 
-def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
+def _warm_imports(engine: str) -> None:
+    """Import the engine's libraries (seconds of a cold start) before the artifact is verified.
+    Nothing from the artifact is touched here: its model.py is imported only after the gate."""
+    if engine in ("hf", "deepspeed"):
+        import torch  # noqa: F401
+        import transformers.modeling_utils  # noqa: F401
+        from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+
+
+def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
     """Entry point of one spawned rank. Exits when told to stop, when the front end goes away, or
-    (non-zero) when a peer dies."""
+    (non-zero) when a peer dies. With a `gate` (an Event), waits for it before touching the
+    artifact: the front end sets it once every file's sha256 is verified."""
+    started = time.monotonic()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[g{spec.group}r{spec.rank}]: %(message)s")
     os.environ.update(spec.env)
     if os.environ.get(AUDIT_ENV):
         _install_open_audit(os.environ[AUDIT_ENV], spec.rank, spec.group)
+    if gate is not None and not gate.is_set():
+        try:
+            _warm_imports(spec.engine)
+        except ImportError:
+            pass  # the engine reports what is missing, with its own message, when it loads
+        log.info("libraries imported in %.1fs; waiting for the artifact to be verified", time.monotonic() - started)
+        gate.wait()
     control = None
     if spec.world_size > 1:
         import datetime
@@ -144,6 +164,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
         if conn is not None:
             conn.send(("load_failed", f"{type(exc).__name__}: {exc}"))
         raise
+    log.info("loaded rank %d/%d in %.1fs since the process started", spec.rank, spec.world_size, time.monotonic() - started)
     if conn is not None:
         conn.send(("ready",))
     _serve_loop(engine, spec, conn, control)
@@ -216,7 +237,7 @@ class WorkerGroup:
     """One replica: spawns its ranks, restarts them when one dies, forwards their messages."""
 
     def __init__(self, model_dir: Path, plan: dict[str, Any], group: int, events: GroupEvents,
-                 extra_env: dict[str, str] | None = None, restart_backoff_s: float = 0.5):
+                 extra_env: dict[str, str] | None = None, restart_backoff_s: float = 0.5, gate=None):
         self.model_dir = Path(model_dir)
         self.plan = plan
         self.group = group
@@ -226,6 +247,7 @@ class WorkerGroup:
         kind = device_kind(plan)
         self.backend = "none" if self.world_size == 1 else ("nccl" if kind == "gpu" else "gloo")
         self.restart_backoff_s = restart_backoff_s
+        self.gate = gate
         self.restarts = 0
         self.ready = False
         self.pids: list[int] = []
@@ -239,6 +261,8 @@ class WorkerGroup:
     # -- public, called from the event loop
 
     def start(self) -> None:
+        if self._thread is not None:
+            return
         self._thread = threading.Thread(target=self._supervise, name=f"lmc-group-{self.group}", daemon=True)
         self._thread.start()
 
@@ -263,6 +287,11 @@ class WorkerGroup:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
+        if not self.ready:  # still loading (or waiting at the gate): nothing to finish
+            timeout_s = 0.0
+            for proc in list(self._procs):
+                if proc.is_alive():
+                    proc.kill()
         with self._send_lock:
             if self._conn is not None:
                 try:
@@ -300,8 +329,9 @@ class WorkerGroup:
         for rank in range(self.world_size):
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(self.world_size), **device_env(self.plan, self.group, rank), **self.extra_env}
-            spec = WorkerSpec(str(self.model_dir), self.group, rank, self.world_size, self.backend, env)
-            proc = _MP.Process(target=worker_main, args=(spec, child if rank == 0 else None),
+            spec = WorkerSpec(str(self.model_dir), self.group, rank, self.world_size, self.backend, env,
+                              engine=str(self.plan.get("engine", "")))
+            proc = _MP.Process(target=worker_main, args=(spec, child if rank == 0 else None, self.gate),
                                name=f"lmc-worker-g{self.group}r{rank}", daemon=True)
             proc.start()
             procs.append(proc)

@@ -1,0 +1,175 @@
+"""Cold-start bench: process start -> /ping 200 for `lmc runtime` on a built artifact, against loading
+the same checkpoint with `from_pretrained` and partitioning it at start (what a container does
+without lmc), both at TP=2 on this CPU.
+
+Builds a ~1 GB fp32 random Llama (--size), `lmc build`s it (hf engine, fp32, TP=2, --format dir),
+then times, from a warm page cache, alternately --runs times each:
+
+  lmc       `python -m lmc runtime --model-dir ARTIFACT`: verify every file's sha256, start 2 worker
+            processes (gloo), each reading only its own pre-partitioned shard; until GET /ping is 200.
+  baseline  2 rank processes (gloo), each `AutoModelForCausalLM.from_pretrained(checkpoint)` of the
+            whole model, then slicing its part with lmc.layouts (the same split the build makes);
+            until both ranks hold their part. No HTTP server: the baseline is flattered, not lmc.
+
+Reports the best time of each and lmc / baseline. Target <= 0.5. Exit status 1 when missed.
+Usage: python bench/cold_start_bench.py [--size 1.0] [--runs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET_RATIO = 0.5
+DIMS = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=8)
+
+SPEC = """\
+[model]
+id = "bench/llama-1gb"
+path = "{path}"
+
+[target]
+instance = "local"
+profile = "cpu2.toml"
+
+[workload]
+max_input_tokens = 64
+max_output_tokens = 32
+concurrency = 4
+
+[pin]
+engine = "hf"
+dtype = "fp32"
+tensor_parallel_degree = 2
+replicas = 1
+"""
+CPU_PROFILE = 'base = "local"\ndevices = 2\ndevice_memory_bytes = "16GiB"\n'
+
+_BASELINE_RANK = r"""
+import os, sys
+import torch, torch.distributed as dist, transformers
+from lmc.layouts import rank_split
+torch.set_num_threads(1)
+checkpoint, family, rank, tp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+dist.init_process_group("gloo", rank=rank, world_size=tp)
+model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+config = model.config
+head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+shard = {}
+for name, tensor in model.state_dict().items():
+    split = rank_split(family, name, tuple(tensor.shape), rank, tp, head_dim=head_dim, kv_heads=kv_heads)
+    shard[name] = tensor if split.dim is None else tensor.narrow(split.dim, split.start, split.stop - split.start).clone()
+del model
+dist.barrier()
+print("ready", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build(root: Path, size_gb: float) -> tuple[Path, Path]:
+    import torch
+
+    from lmc.cli.main import main
+    from lmc.testing.checkpoints import make_checkpoint
+
+    torch.set_num_threads(2)
+    checkpoint = make_checkpoint("llama", root / "ckpt", size_bytes=int(size_gb * 1e9), **DIMS)
+    (root / "cpu2.toml").write_text(CPU_PROFILE)
+    spec = root / "spec.toml"
+    spec.write_text(SPEC.format(path=checkpoint.as_posix()))
+    out = root / "artifact"
+    if main(["build", str(spec), "--format", "dir", "-o", str(out)]) != 0:
+        raise SystemExit("lmc build failed")
+    return checkpoint, out
+
+
+def time_lmc(artifact: Path) -> float:
+    import httpx
+
+    port = _free_port()
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "lmc", "runtime", "--model-dir", str(artifact), "--port", str(port),
+                             "--host", "127.0.0.1"], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"lmc runtime exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ping", timeout=1).status_code == 200:
+                    return time.monotonic() - start
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def time_baseline(checkpoint: Path, tp: int = 2) -> float:
+    port = _free_port()
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", _BASELINE_RANK, str(checkpoint), "llama", str(rank), str(tp)],
+                              env=dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(tp)]
+    for proc in procs:
+        line = proc.stdout.readline()
+        if line.strip() != "ready":
+            raise SystemExit(f"baseline rank failed: {proc.stderr.read()[-2000:]}")
+    seconds = time.monotonic() - start
+    for proc in procs:
+        proc.wait(60)
+    return seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=float, default=1.0, help="checkpoint size in GB (1e9 bytes)")
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--tmp", type=Path, default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="lmc-cold-start-", dir=args.tmp) as tmp:
+        checkpoint, artifact = build(Path(tmp), args.size)
+        weights = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
+        os.sync()
+        lmc_times, base_times = [], []
+        for _ in range(args.runs):
+            base_times.append(time_baseline(checkpoint))
+            lmc_times.append(time_lmc(artifact))
+            print(f"baseline {base_times[-1]:.2f} s   lmc runtime {lmc_times[-1]:.2f} s")
+    ratio = min(lmc_times) / min(base_times)
+    verdict = "ok" if ratio <= TARGET_RATIO else "MISSED"
+    print(json.dumps({"weights_bytes": weights, "tp": 2, "lmc_runtime_s": round(min(lmc_times), 2),
+                      "from_pretrained_and_partition_s": round(min(base_times), 2), "ratio": round(ratio, 3),
+                      "target": TARGET_RATIO, "verdict": verdict}))
+    return 0 if ratio <= TARGET_RATIO else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
