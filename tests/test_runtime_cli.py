@@ -37,7 +37,9 @@ def _wait_ping(url, proc, timeout_s=60):
 
 
 def test_an_altered_shard_stops_start_up_with_exit_1_naming_it(tmp_path):
-    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    record = tmp_path / "record"
+    record.mkdir()
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2), {"record_dir": str(record)})
     shard = model / "shards/tp2/rank0.safetensors"
     data = bytearray(shard.read_bytes())
     data[7] ^= 0x01
@@ -48,6 +50,7 @@ def test_an_altered_shard_stops_start_up_with_exit_1_naming_it(tmp_path):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert lines[0].startswith("lmc: error: ") and "shards/tp2/rank0.safetensors: altered" in lines[0]
+    assert list(record.iterdir()) == []  # no worker got as far as loading the engine
 
 
 def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path):
