@@ -35,10 +35,19 @@ from types import ModuleType
 from typing import Any, Iterator
 
 from lmc.errors import InternalError, LmcError, MissingDependencyError
+from lmc.neuron_sdk import (  # noqa: F401 (re-exported: the build's view of the shared conventions)
+    AMP,
+    COMPILED_DIR,
+    NEURON_DIR,
+    NEURON_PIP_INDEX,
+    NEURON_SDK_PINS,
+    NOT_SERIALIZABLE,
+    SAMPLING_CLASSES,
+    from_pretrained_kwargs,
+    int8_neuron_config,
+)
 from lmc.planner.plan import Plan
 
-NEURON_DIR = "neuron"
-COMPILED_DIR = "neuron/compiled"
 COMPILE_RECORD = "neuron/compile.json"
 README = "neuron/README.md"
 WEIGHTS_FILE = "model.safetensors"
@@ -46,32 +55,6 @@ WEIGHTS_FILE = "model.safetensors"
 # The Neuron compiler's default level (-O2): balanced compile time and speed. LMI reads the same
 # value from option.neuron_optimize_level, so a container-start compile matches a build-time one.
 NEURON_OPTIMIZE_LEVEL = 2
-
-# One Neuron SDK release (2.18), as its packages pin each other; NEFFs only load under the compiler
-# version that produced them, so the build host and the container must agree.
-NEURON_SDK_PINS: dict[str, str] = {
-    "transformers-neuronx": "0.10.0.21",
-    "torch-neuronx": "2.1.2.2.1.0",
-    "neuronx-cc": "2.13.66.0",
-}
-NEURON_PIP_INDEX = "https://pip.repos.neuron.amazonaws.com"
-
-# transformers-neuronx sampling class per family (exported at the package's top level).
-SAMPLING_CLASSES: dict[str, str] = {
-    "llama": "LlamaForSampling",
-    "mistral": "MistralForSampling",
-    "mixtral": "MixtralForSampling",
-    "qwen2": "Qwen2ForSampling",
-    "opt": "OPTForSampling",
-    "bloom": "BloomForSampling",
-    "gptj": "GPTJForSampling",
-    "gpt_neox": "GPTNeoXForSampling",
-}
-# Families whose compiled graphs transformers-neuronx cannot save and load.
-NOT_SERIALIZABLE: frozenset[str] = frozenset({"gptj", "gpt_neox"})
-
-# transformers-neuronx `amp` spelling of the plan's dtype; int8 is weight-only: f16 compute.
-AMP: dict[str, str] = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "f16"}
 
 MISSING_SDK_MESSAGE = (
     "the neuronx build compiles Neuron graphs ahead of time with the Neuron SDK, which is not installed: "
@@ -137,12 +120,9 @@ def neuron_compile_plan(plan: Plan, checkpoint: Path) -> CompileSpec:
         family=family,
         class_name=sampling_class(family),
         checkpoint=Path(checkpoint),
-        from_pretrained={
-            "batch_size": plan.batch_size,
-            "tp_degree": plan.tensor_parallel_degree,
-            "n_positions": plan.max_sequence_length,
-            "amp": AMP[plan.dtype],
-        },
+        from_pretrained=from_pretrained_kwargs(dtype=plan.dtype, batch_size=plan.batch_size,
+                                               tp_degree=plan.tensor_parallel_degree,
+                                               n_positions=plan.max_sequence_length),
         quantize_int8=plan.dtype == "int8",
         neuron_cc_flags=neuron_cc_flags(),
         serializable=family not in NOT_SERIALIZABLE,
@@ -174,8 +154,7 @@ def run_neuron_compile(spec: CompileSpec, sdk: ModuleType) -> list[Path]:
             f"{NEURON_SDK_PINS['transformers-neuronx']} --extra-index-url {NEURON_PIP_INDEX}")
     kwargs = dict(spec.from_pretrained)
     if spec.quantize_int8:
-        kwargs["neuron_config"] = sdk.NeuronConfig(
-            quant=sdk.QuantizationConfig(quant_dtype="s8", dequant_dtype=kwargs["amp"]))
+        kwargs["neuron_config"] = int8_neuron_config(sdk, kwargs["amp"])
     out = spec.compiled_dir
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -18,18 +18,11 @@ import os
 from pathlib import Path
 
 from lmc.errors import InternalError, MissingDependencyError
+from lmc.neuron_sdk import AMP, COMPILED_DIR, NEURON_PIP_INDEX, SAMPLING_CLASSES, from_pretrained_kwargs, int8_neuron_config
 from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult, TokenCallback
 
 log = logging.getLogger(__name__)
 
-COMPILED_DIR = "neuron/compiled"  # as lmc/emitters/neuron.py writes it
-NEURON_PIP_INDEX = "https://pip.repos.neuron.amazonaws.com"
-SAMPLING_CLASSES = {
-    "llama": "LlamaForSampling", "mistral": "MistralForSampling", "mixtral": "MixtralForSampling",
-    "qwen2": "Qwen2ForSampling", "opt": "OPTForSampling", "bloom": "BloomForSampling",
-    "gptj": "GPTJForSampling", "gpt_neox": "GPTNeoXForSampling",
-}
-AMP = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "f16"}
 MISSING_SDK = ("the neuronx engine needs the Neuron SDK, which is not installed: pip install transformers-neuronx "
                f"torch-neuronx neuronx-cc --extra-index-url {NEURON_PIP_INDEX}, and serve on a Neuron host "
                "(inf2/trn1) or in the LMI Neuron container")
@@ -76,11 +69,10 @@ class NeuronxEngine:
         if cls is None:
             raise MissingDependencyError(f"the installed transformers-neuronx has no {class_name}; install the "
                                          f"release the artifact was compiled with (--extra-index-url {NEURON_PIP_INDEX})")
-        kwargs = {"batch_size": self.batch_size, "tp_degree": self.tp, "n_positions": self.max_sequence_length,
-                  "amp": AMP[self.dtype]}
+        kwargs = from_pretrained_kwargs(dtype=self.dtype, batch_size=self.batch_size, tp_degree=self.tp,
+                                        n_positions=self.max_sequence_length)
         if self.dtype == "int8":
-            kwargs["neuron_config"] = sdk.NeuronConfig(
-                quant=sdk.QuantizationConfig(quant_dtype="s8", dequant_dtype=kwargs["amp"]))
+            kwargs["neuron_config"] = int8_neuron_config(sdk, kwargs["amp"])
         log.info("neuronx: %s on NeuronCores %s", class_name, os.environ.get("NEURON_RT_VISIBLE_CORES", "(all)"))
         model = cls.from_pretrained(str(model_dir), **kwargs)
         compiled = model_dir / COMPILED_DIR

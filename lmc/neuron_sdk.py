@@ -1,0 +1,47 @@
+"""transformers-neuronx conventions shared by the build (AOT compile) and the runtime (loading).
+
+Pure data and one argument builder: neither side imports the other, and nothing here imports the SDK.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# One Neuron SDK release (2.18), as its packages pin each other; NEFFs only load under the compiler
+# version that produced them, so the build host and the container must agree.
+NEURON_SDK_PINS: dict[str, str] = {
+    "transformers-neuronx": "0.10.0.21",
+    "torch-neuronx": "2.1.2.2.1.0",
+    "neuronx-cc": "2.13.66.0",
+}
+NEURON_PIP_INDEX = "https://pip.repos.neuron.amazonaws.com"
+
+NEURON_DIR = "neuron"
+COMPILED_DIR = "neuron/compiled"  # where the build saves the NEFFs and the runtime loads them
+
+# transformers-neuronx sampling class per family (exported at the package's top level).
+SAMPLING_CLASSES: dict[str, str] = {
+    "llama": "LlamaForSampling",
+    "mistral": "MistralForSampling",
+    "mixtral": "MixtralForSampling",
+    "qwen2": "Qwen2ForSampling",
+    "opt": "OPTForSampling",
+    "bloom": "BloomForSampling",
+    "gptj": "GPTJForSampling",
+    "gpt_neox": "GPTNeoXForSampling",
+}
+# Families whose compiled graphs transformers-neuronx cannot save and load.
+NOT_SERIALIZABLE: frozenset[str] = frozenset({"gptj", "gpt_neox"})
+
+# transformers-neuronx `amp` spelling of the plan's dtype; int8 is weight-only: f16 compute.
+AMP: dict[str, str] = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "f16"}
+
+
+def from_pretrained_kwargs(*, dtype: str, batch_size: int, tp_degree: int, n_positions: int) -> dict[str, Any]:
+    """The plain `<Family>ForSampling.from_pretrained` arguments for a plan (JSON-serializable)."""
+    return {"batch_size": batch_size, "tp_degree": tp_degree, "n_positions": n_positions, "amp": AMP[dtype]}
+
+
+def int8_neuron_config(sdk: Any, amp: str) -> Any:
+    """Weight-only int8: weights stored as s8, dequantized to the compute dtype `amp`."""
+    return sdk.NeuronConfig(quant=sdk.QuantizationConfig(quant_dtype="s8", dequant_dtype=amp))
