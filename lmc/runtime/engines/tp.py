@@ -170,6 +170,10 @@ def apply_shard(model: nn.Module, state: dict[str, torch.Tensor], *, family: str
             _fill_linear(module, weight, bias)
         else:
             _replace(model, module_name, ShardedLinear(weight, bias, scale, mode, world_size, group))
+    if family == "mixtral":  # MoE: hub expert names into transformers' fused experts (moe.py)
+        from lmc.runtime.engines.moe import load_moe_blocks
+
+        load_moe_blocks(model, state, world_size=world_size, group=group)
     _load_rest(model, state)
     for module_name, source_name in tied_heads:
         _tie_head(model, module_name, source_name, layout_family, rank, world_size, group)
