@@ -17,6 +17,7 @@ import logging
 import math
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import sys
@@ -89,7 +90,8 @@ class WorkerSpec:
     world_size: int
     backend: str  # "gloo" | "nccl" | "none"
     env: dict[str, str] = field(default_factory=dict)
-    engine: str = ""  # the plan's engine: which libraries to import while start-up verification runs
+    engine: str = ""  # the plan's engine and model family: which libraries to import while
+    family: str = ""  # start-up verification runs
 
 
 def load_model_module(model_dir: Path):
@@ -116,13 +118,19 @@ def _install_open_audit(log_path: str, rank: int, group: int) -> None:
     sys.addaudithook(hook)
 
 
-def _warm_imports(engine: str) -> None:
+def _warm_imports(engine: str, family: str) -> None:
     """Import the engine's libraries (seconds of a cold start) before the artifact is verified.
-    Nothing from the artifact is touched here: its model.py is imported only after the gate."""
+    Nothing from the artifact is read here: its model.py is imported only after the gate; the
+    family name only picks which transformers module to import."""
     if engine in ("hf", "deepspeed"):
         import torch  # noqa: F401
         import transformers.modeling_utils  # noqa: F401
-        from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+        from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+
+        if re.fullmatch(r"[a-z0-9_]+", family):
+            importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    if engine == "deepspeed":
+        import deepspeed  # noqa: F401
 
 
 def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
@@ -137,7 +145,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
         _install_open_audit(os.environ[AUDIT_ENV], spec.rank, spec.group)
     if gate is not None and not gate.is_set():
         try:
-            _warm_imports(spec.engine)
+            _warm_imports(spec.engine, spec.family)
         except ImportError:
             pass  # the engine reports what is missing, with its own message, when it loads
         log.info("libraries imported in %.1fs; waiting for the artifact to be verified", time.monotonic() - started)
@@ -330,7 +338,8 @@ class WorkerGroup:
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(self.world_size), **device_env(self.plan, self.group, rank), **self.extra_env}
             spec = WorkerSpec(str(self.model_dir), self.group, rank, self.world_size, self.backend, env,
-                              engine=str(self.plan.get("engine", "")))
+                              engine=str(self.plan.get("engine", "")),
+                              family=str((self.plan.get("model") or {}).get("family", "")))
             proc = _MP.Process(target=worker_main, args=(spec, child if rank == 0 else None, self.gate),
                                name=f"lmc-worker-g{self.group}r{rank}", daemon=True)
             proc.start()
