@@ -155,6 +155,7 @@ class Scheduler:
                 continue
             if not self._ready[index].is_set():  # went down while we waited for work
                 self.batcher.requeue(jobs)
+                await asyncio.sleep(0)
                 continue
             batch_id = next(self._batch_ids)
             self._batches[batch_id] = {job.id: job for job in jobs}
@@ -162,9 +163,11 @@ class Scheduler:
             self._batch_done[batch_id] = done
             try:
                 group.submit(batch_id, [job.request for job in jobs], [job.id for job in jobs if job.stream])
-            except RuntimeError:
+            except RuntimeError:  # it went down; its on_down is still on its way to this loop
                 del self._batches[batch_id], self._batch_done[batch_id]
                 self.batcher.requeue(jobs)
+                self._ready[index].clear()  # wait for on_ready instead of spinning on the same batch
+                await asyncio.sleep(0)
                 continue
             self.metrics.batch_size.observe(len(jobs))
             try:
