@@ -119,3 +119,37 @@ def test_llama_tp1_with_two_replicas_matches_hf(tmp_path):
 def test_gpt_neox_at_tp2_matches_hf(tmp_path):
     checkpoint, artifact = build(tmp_path, "gpt_neox", tp=2)
     serve_and_compare(checkpoint, artifact)
+
+
+GPU_SPEC = """\
+[model]
+id = "tiny/llama"
+path = "{path}"
+
+[target]
+instance = "ml.g5.xlarge"
+
+[workload]
+max_input_tokens = 32
+max_output_tokens = 16
+concurrency = 2
+
+[pin]
+engine = "hf"
+dtype = "fp32"
+tensor_parallel_degree = 1
+"""
+
+
+@pytest.mark.gpu
+def test_llama_on_one_gpu_matches_hf(tmp_path):
+    """The same path on CUDA: the worker is pinned with CUDA_VISIBLE_DEVICES and loads on cuda:0."""
+    from lmc.testing.checkpoints import make_checkpoint
+
+    checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
+    spec = tmp_path / "spec.toml"
+    spec.write_text(GPU_SPEC.format(path=checkpoint.as_posix()))
+    out = tmp_path / "artifact"
+    assert main(["build", str(spec), "--format", "dir", "-o", str(out)]) == 0
+    plan = serve_and_compare(checkpoint, out)
+    assert plan["target"]["accelerator"] == "a10g"
