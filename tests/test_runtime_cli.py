@@ -18,9 +18,9 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _start(args, env=None):
+def _start(args, env=None, new_session=False):
     return subprocess.Popen([sys.executable, "-m", "lmc", "runtime", *args], cwd=REPO, env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=new_session)
 
 
 def _wait_ping(url, proc, timeout_s=60):
@@ -53,11 +53,12 @@ def test_an_altered_shard_stops_start_up_with_exit_1_naming_it(tmp_path):
     assert list(record.iterdir()) == []  # no worker got as far as loading the engine
 
 
-def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path):
+@pytest.mark.parametrize("whole_group", [False, True], ids=["to-the-front-end", "to-the-process-group"])
+def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path, whole_group):
     model = write_artifact(tmp_path / "m", fake_plan(batch_size=2, max_batch_delay_ms=0), {"step_delay_s": 0.05})
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _start(["--model-dir", str(model), "--port", str(port), "--host", "127.0.0.1"])
+    proc = _start(["--model-dir", str(model), "--port", str(port), "--host", "127.0.0.1"], new_session=True)
     try:
         _wait_ping(url, proc)
         replies = {}
@@ -70,7 +71,10 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path):
         for thread in threads:
             thread.start()
         time.sleep(0.3)  # admitted: the first batch is generating, the second waits
-        proc.send_signal(signal.SIGTERM)
+        if whole_group:  # as systemd or a shell would: the workers get it too
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:  # as docker stop does: PID 1 only
+            proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         assert httpx.get(url + "/ping").status_code == 503
         late = httpx.post(url + "/invocations", json={"inputs": "too late"})

@@ -289,6 +289,9 @@ class Runtime:
         if self.accepting:
             log.info("draining: %d request(s) in flight", self._in_flight)
         self.accepting = False
+        for group in self.scheduler.groups:
+            # A SIGTERM sent to the whole process group reaches the workers too: do not restart them.
+            group.restart_on_death = False
 
     async def wait_idle(self, timeout_s: float) -> bool:
         try:

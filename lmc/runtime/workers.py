@@ -138,7 +138,11 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
     (non-zero) when a peer dies. With a `gate` (an Event), waits for it before touching the
     artifact: the front end sets it once every file's sha256 is verified."""
     started = time.monotonic()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
+    # The front end decides when workers stop: a Ctrl-C or a SIGTERM sent to the whole process group
+    # must not kill them under the requests it is draining. They still exit when the front end goes
+    # away (rank 0 reads EOF, the other ranks' collectives fail) and on SIGKILL.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[g{spec.group}r{spec.rank}]: %(message)s")
     os.environ.update(spec.env)
     if os.environ.get(AUDIT_ENV):
@@ -263,6 +267,7 @@ class WorkerGroup:
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
         self._stopping = threading.Event()
+        self.restart_on_death = True  # False while the server drains: a rank killed then is not replaced
         self._in_flight: int | None = None
         self._thread: threading.Thread | None = None
 
@@ -322,7 +327,7 @@ class WorkerGroup:
             else:
                 reason = self._pump()
             self._down(reason)
-            if self._stopping.is_set():
+            if self._stopping.is_set() or not self.restart_on_death:
                 return
             self.restarts += 1
             log.error("worker group %d went down (%s); restarting (restart %d)", self.group, reason, self.restarts)
