@@ -75,3 +75,13 @@ def test_planning_leaves_torch_unimported(spec):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert "HEAVY [] " in proc.stderr, proc.stderr
+
+
+def test_quantization_reason_names_the_concurrency_it_buys(capsys):
+    """GPT-J on one V100: fp16 fits only 2 sequences of the 4 asked for, so int8 is chosen, and says so."""
+    assert main(["plan", "--json", str(ROOT / "specs" / "gpt-j-6b-deepspeed-p3-2xlarge.toml")]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["dtype"] == "int8"
+    reason = next(d["reason"] for d in plan["decisions"] if d["key"] == "dtype")
+    assert "16-bit weights leave room for at most 2 concurrent sequences" in reason
+    assert "of the 4 the workload asks for" in reason

@@ -397,6 +397,23 @@ def _best_per_group(spec, model, hardware, configs: list[Config], goal_met: bool
     return best
 
 
+def _why_quantized(spec, hardware: HardwareFacts, chosen: Config, configs: list[Config]) -> str:
+    """Why a weight-only dtype beat every higher-precision plan that fits: room, concurrency or speed."""
+    better = [c for c in configs if c.feasible
+              and precision_tier(c.dtype, hardware) < precision_tier(chosen.dtype, hardware)]
+    if not better:
+        return "16-bit weights do not fit any layout"
+    wanted = spec.workload.concurrency
+    holding = [c for c in better if c.replicas * c.batch >= wanted]
+    if not holding:
+        most = max(better, key=lambda c: (c.replicas * c.batch, -c.goal_gap))
+        return (f"16-bit weights leave room for at most {most.replicas * most.batch} concurrent sequences "
+                f"({most.dtype} TP {most.tp}: batch {most.batch} × {most.replicas} replica(s)) of the {wanted} "
+                "the workload asks for")
+    return (f"16-bit plans that hold {wanted} concurrent sequences miss the goal "
+            f"(best {min(c.goal_gap for c in holding):.2f}× the goal)")
+
+
 def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[str, EngineFacts], chosen: Config,
               goal_met: bool, configs: list[Config], rejections: list[Rejection]) -> list[Decision]:
     load, goal = spec.workload, spec.goal
@@ -426,9 +443,7 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
     if spec.pin.dtype:
         dwhy = "pinned by the spec"
     elif chosen.dtype in WEIGHT_ONLY:
-        better = [c for c in groups.values() if precision_tier(c.dtype, hardware) < precision_tier(chosen.dtype, hardware)]
-        dwhy = ("16-bit weights do not fit any layout" if not better else
-                f"16-bit plans miss the goal (best {min(c.goal_gap for c in better):.2f}× the goal)")
+        dwhy = _why_quantized(spec, hardware, chosen, configs)
     else:
         dwhy = f"no quantization needed; {model.torch_dtype} checkpoint"
         if chosen.dtype == "bf16" and "bf16" in hardware.dtypes:
