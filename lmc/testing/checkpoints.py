@@ -258,3 +258,20 @@ def _write_tokenizer(out_dir: Path, family: str) -> None:
         tokenizer_config["chat_template"] = CHAT_TEMPLATE
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
     _write_json(out_dir / "special_tokens_map.json", special)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m lmc.testing FAMILY OUT_DIR [--seed N]`: write a tiny random checkpoint."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lmc.testing", description=main.__doc__)
+    parser.add_argument("family", choices=FAMILIES)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(make_checkpoint(args.family, args.out_dir, seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
