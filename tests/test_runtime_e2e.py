@@ -153,3 +153,44 @@ def test_llama_on_one_gpu_matches_hf(tmp_path):
     assert main(["build", str(spec), "--format", "dir", "-o", str(out)]) == 0
     plan = serve_and_compare(checkpoint, out)
     assert plan["target"]["accelerator"] == "a10g"
+
+
+CONCURRENT_PROMPTS = ["the quick brown fox", "Hello, world! How are you", "a", "once upon a time there was",
+                      "1 2 3 4 5 6 7 8", "The cat sat on", "lmc compiles deployments", "?"]
+
+
+def test_64_concurrent_clients_get_the_reference_answers(tmp_path):
+    """64 clients at once against the real engine (TP 2, dynamic batching): no errors, and every
+    greedy answer equals HF generate on the unpartitioned checkpoint for its prompt."""
+    import asyncio
+
+    from lmc.testing.checkpoints import make_checkpoint
+
+    checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
+    (tmp_path / "cpu2.toml").write_text(CPU_PROFILE)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(family="llama", path=checkpoint.as_posix(), tp=2, replicas=1)
+                    .replace("concurrency = 4", "concurrency = 64"))
+    out = tmp_path / "artifact"
+    assert main(["build", str(spec), "--format", "dir", "-o", str(out)]) == 0
+    artifact = open_artifact(out)
+    assert artifact.plan["job_queue_size"] >= 64 and artifact.plan["batch_size"] > 1
+
+    async def ask_all(url: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(
+                client.post(url + "/invocations", json={"inputs": CONCURRENT_PROMPTS[i % len(CONCURRENT_PROMPTS)],
+                                                        "parameters": {"max_new_tokens": 6}})
+                for i in range(64)))
+
+    runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=300)
+    with ServerThread(runtime) as server:
+        server.wait_ready(180)
+        answers = asyncio.run(ask_all(server.url))
+        metrics = httpx.get(server.url + "/metrics").text
+    assert [a.status_code for a in answers] == [200] * 64, [a.text for a in answers if a.status_code != 200][:3]
+    reference = [text for text, _ in hf_reference(checkpoint, CONCURRENT_PROMPTS, 6)]
+    for i, answer in enumerate(answers):
+        assert answer.json()["generated_text"] == reference[i % len(CONCURRENT_PROMPTS)], i
+    batches = [line for line in metrics.splitlines() if line.startswith("lmc_batch_size_count")]
+    assert batches and float(batches[0].split()[-1]) < 64, "requests were batched, not served one by one"
