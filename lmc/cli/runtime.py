@@ -47,21 +47,25 @@ def _float_env(name: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import multiprocessing
-
-    from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES, Runtime, serve
-    from lmc.runtime.startup import default_request_timeout_s, open_artifact, resolve_port, verify_hashes
+    from lmc.runtime.startup import open_artifact, resolve_port, verify_hashes
+    from lmc.runtime.workers import mp_context, start_process_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = _artifact_path(args)
     port = resolve_port(args.port)
     artifact = open_artifact(path, check_hashes=False)  # the manifest, every file present, sizes
     try:
+        # First, so the engine's imports (seconds) overlap everything else: the fork server imports
+        # them once and every rank is forked from it. It touches nothing from the artifact.
+        start_process_server(artifact.plan)
+        from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES, Runtime, serve
+        from lmc.runtime.startup import default_request_timeout_s
+
         timeout = args.request_timeout or _float_env("LMC_REQUEST_TIMEOUT_S") or default_request_timeout_s(artifact.plan)
         max_body = args.max_body_bytes or int(_float_env("LMC_MAX_BODY_BYTES") or DEFAULT_MAX_BODY_BYTES)
-        # Workers start now and import their engine's libraries while the hashes are checked; they
-        # touch nothing from the artifact (not even model.py) until the gate opens.
-        gate = multiprocessing.get_context("spawn").Event()
+        # Workers start now and wait at the gate; they touch nothing from the artifact (not even
+        # model.py) until every file's sha256 is verified.
+        gate = mp_context().Event()
         runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body,
                           worker_gate=gate)
         runtime.scheduler.start_groups()

@@ -30,7 +30,12 @@ from typing import Any, Protocol
 
 log = logging.getLogger("lmc.runtime")
 
-_MP = multiprocessing.get_context("spawn")
+# Ranks are forked from a fork server that imported torch, transformers and the engine once, at the very
+# start of `lmc runtime` (start_process_server): a rank then costs a fork, not seconds of imports, and a
+# restarted group starts as fast. The server is a fresh interpreter (not a fork of the threaded front
+# end) and starts no threads or CUDA context while importing, so forking it is safe; torch.distributed
+# is initialised after the fork, in each rank.
+_MP = multiprocessing.get_context("forkserver")
 # Rank 0 broadcasts a no-op this often while idle: the other ranks' collectives never reach the
 # process-group timeout, and a dead peer is noticed even with no traffic.
 HEARTBEAT_S = 30.0
@@ -133,8 +138,49 @@ def _warm_imports(engine: str, family: str) -> None:
         import deepspeed  # noqa: F401
 
 
+def mp_context():
+    """The multiprocessing context worker processes (and the objects they share) come from."""
+    return _MP
+
+
+def preload_modules(plan: dict[str, Any]) -> list[str]:
+    """What the fork server imports before forking ranks: the engine's libraries, the model family's
+    transformers module and lmc's worker code. Missing ones are skipped (the engine reports them)."""
+    engine = str(plan.get("engine", ""))
+    family = str((plan.get("model") or {}).get("family", ""))
+    modules = ["lmc.runtime.workers"]
+    if engine in ("hf", "deepspeed"):
+        modules += ["torch", "torch.distributed", "transformers", "transformers.modeling_utils",
+                    "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+                    "transformers.tokenization_utils_fast", "lmc.runtime.engines.hf", "lmc.runtime.engines.tp",
+                    "lmc.runtime.engines.generate", "lmc.safetensors_header"]
+        if re.fullmatch(r"[a-z0-9_]+", family):
+            modules.append(f"transformers.models.{family}.modeling_{family}")
+        if engine == "deepspeed" and device_kind(plan) == "cpu":
+            # On GPUs deepspeed probes CUDA at import; a process that touched CUDA must not fork.
+            modules.append("deepspeed")
+    return modules
+
+
+def start_process_server(plan: dict[str, Any]) -> None:
+    """Start the fork server now, importing `preload_modules(plan)` in the background: call it first
+    thing, so those seconds overlap the artifact's verification. Main thread only.
+
+    The server ignores SIGTERM (the disposition is inherited across exec): a SIGTERM sent to the
+    container's whole process group must not take it down, and with it every rank's sentinel, while
+    the front end drains. It exits by itself when the front end does."""
+    from multiprocessing import forkserver
+
+    _MP.set_forkserver_preload(preload_modules(plan))
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
-    """Entry point of one spawned rank. Exits when told to stop, when the front end goes away, or
+    """Entry point of one rank (forked from the fork server). Exits when told to stop, when the front end goes away, or
     (non-zero) when a peer dies. With a `gate` (an Event), waits for it before touching the
     artifact: the front end sets it once every file's sha256 is verified."""
     started = time.monotonic()
@@ -145,6 +191,9 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[g{spec.group}r{spec.rank}]: %(message)s")
     os.environ.update(spec.env)
+    if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        # torch was imported in the fork server, before this rank's OMP_NUM_THREADS was set.
+        sys.modules["torch"].set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     if os.environ.get(AUDIT_ENV):
         _install_open_audit(os.environ[AUDIT_ENV], spec.rank, spec.group)
     if gate is not None and not gate.is_set():

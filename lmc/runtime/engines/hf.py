@@ -21,19 +21,47 @@ TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def read_shard(path: Path) -> dict:
-    """This rank's tensors. The one place weights are read: through Python's open(), so audits see it."""
-    from safetensors.torch import load
+    """This rank's tensors, mapped from the file without copying. The one place weights are read:
+    through Python's open(), so audits see it.
+
+    The file is mapped copy-on-write (pages come from the page cache and are shared until written;
+    a write goes to a private copy, never to the file), and every tensor is a view of the mapping,
+    so loading costs page faults instead of two full copies. The views keep the mapping alive."""
+    import mmap
+
+    import torch
+
+    from lmc.safetensors_header import DTYPES, HeaderError, header_length, parse_header
 
     try:
         with open(path, "rb") as handle:
-            data = handle.read()
+            size = os.fstat(handle.fileno()).st_size
+            try:
+                raw = handle.read(header_length(handle.read(8), size))
+                entries = parse_header(raw, size)
+            except HeaderError as exc:
+                raise ArtifactError(f"{path}: not a readable safetensors file ({exc})") from None
+            # Python's mmap refuses to map an empty range: a file of only a header has no data to map.
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + len(raw) else None
     except FileNotFoundError:
         raise ArtifactError(f"{path}: shard file missing; was the artifact built for this tensor-parallel degree?") \
             from None
-    try:
-        return load(data)
-    except Exception as exc:  # safetensors raises its own error types
-        raise ArtifactError(f"{path}: not a readable safetensors file ({exc})") from None
+    except OSError as exc:
+        raise ArtifactError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    state = {}
+    for name, entry in entries.items():
+        itemsize, torch_name = DTYPES[entry.dtype]
+        dtype = getattr(torch, torch_name)
+        if entry.end == entry.begin:
+            state[name] = torch.empty(entry.shape, dtype=dtype)
+            continue
+        raw_bytes = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.end - entry.begin, offset=entry.begin)
+        if entry.begin % itemsize:
+            # The format does not promise alignment (lmc's writer aligns every tensor): an unaligned
+            # element type cannot view the mapping, so this one tensor is copied.
+            raw_bytes = raw_bytes.clone()
+        state[name] = raw_bytes.view(dtype).reshape(entry.shape)
+    return state
 
 
 def resolve_device(device: str, rank: int):
