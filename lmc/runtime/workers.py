@@ -201,7 +201,9 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
             _warm_imports(spec.engine, spec.family)
         except ImportError:
             pass  # the engine reports what is missing, with its own message, when it loads
-        log.info("libraries imported in %.1fs; waiting for the artifact to be verified", time.monotonic() - started)
+        # Debug only: ranks forked from the preloaded fork server get here at once, and a start-up that
+        # fails verification must print its one-line error alone.
+        log.debug("libraries imported in %.1fs; waiting for the artifact to be verified", time.monotonic() - started)
         gate.wait()
     control = None
     if spec.world_size > 1:
