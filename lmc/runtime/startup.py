@@ -98,11 +98,14 @@ class Artifact:
 def verify_hashes(model_dir: Path, manifest: dict[str, Any], threads: int | None = None) -> None:
     """Check every listed file's sha256, several files at once (hashlib releases the GIL, and the
     per-rank shards are separate files). Raises ArtifactError naming the first altered file in
-    manifest order, whatever order the hashes finish in."""
+    manifest order, whatever order the hashes finish in.
+
+    By default one core is left to the fork server, whose imports run at the same time and are
+    the longer of the two on small hosts (1 GB hashes in about a second per core)."""
     from concurrent.futures import ThreadPoolExecutor
 
     entries = list(manifest["files"].items())
-    threads = threads or min(8, os.cpu_count() or 1)
+    threads = threads or min(8, max(1, (os.cpu_count() or 1) - 1))
     # Largest first, so one big shard does not start last and finish alone.
     order = sorted(entries, key=lambda item: -int(item[1]["size"]))
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lmc-verify") as pool:

@@ -12,6 +12,7 @@ The front end never imports torch: only the worker processes do (inside `worker_
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import math
@@ -148,7 +149,7 @@ def preload_modules(plan: dict[str, Any]) -> list[str]:
     transformers module and lmc's worker code. Missing ones are skipped (the engine reports them)."""
     engine = str(plan.get("engine", ""))
     family = str((plan.get("model") or {}).get("family", ""))
-    modules = ["lmc.runtime.workers"]
+    modules = ["lmc.runtime.preload", "lmc.runtime.workers"]  # preload first: it pauses the collector
     if engine in ("hf", "deepspeed"):
         modules += ["torch", "torch.distributed", "transformers", "transformers.modeling_utils",
                     "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
@@ -191,6 +192,11 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[g{spec.group}r{spec.rank}]: %(message)s")
     os.environ.update(spec.env)
+    # The fork server imported everything with the collector off (lmc.runtime.preload): what it imported
+    # lives as long as the process, so keep it out of every collection (no scans, no copy-on-write
+    # of those pages) and collect what this rank allocates from now on.
+    gc.freeze()
+    gc.enable()
     if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         # torch was imported in the fork server, before this rank's OMP_NUM_THREADS was set.
         sys.modules["torch"].set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
@@ -228,6 +234,11 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
             conn.send(("load_failed", f"{type(exc).__name__}: {exc}"))
         raise
     log.info("loaded rank %d/%d in %.1fs since the process started", spec.rank, spec.world_size, time.monotonic() - started)
+    if spec.world_size > 1:
+        import torch.distributed as dist
+
+        # The group is ready when every rank is, not when rank 0 is: /ping must not say 200 earlier.
+        dist.barrier(group=control)
     if conn is not None:
         conn.send(("ready",))
     _serve_loop(engine, spec, conn, control)
