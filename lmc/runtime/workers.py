@@ -34,8 +34,9 @@ log = logging.getLogger("lmc.runtime")
 # Ranks are forked from a fork server that imported torch, transformers and the engine once, at the very
 # start of `lmc runtime` (start_process_server): a rank then costs a fork, not seconds of imports, and a
 # restarted group starts as fast. The server is a fresh interpreter (not a fork of the threaded front
-# end) and starts no threads or CUDA context while importing, so forking it is safe; torch.distributed
-# is initialised after the fork, in each rank.
+# end) that only imports: no Python threads, no OpenMP pool, no CUDA context (deepspeed, which probes
+# CUDA at import, is preloaded on CPU plans only). Forking after `import torch` is what DataLoader
+# workers do by default. torch.distributed is initialised after the fork, in each rank.
 _MP = multiprocessing.get_context("forkserver")
 # Rank 0 broadcasts a no-op this often while idle: the other ranks' collectives never reach the
 # process-group timeout, and a dead peer is noticed even with no traffic.
