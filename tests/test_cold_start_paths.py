@@ -163,30 +163,36 @@ def test_the_loaded_models_parameters_are_the_mapped_tensors(tmp_path, monkeypat
     assert copied == []
 
 
-def test_ranks_fork_from_a_server_that_preloads_the_engine_and_family():
-    assert mp_context().get_start_method() == "forkserver"
-    cpu = preload_modules({"engine": "deepspeed", "model": {"family": "gptj"}, "target": {"accelerator": "cpu"}})
+def test_cpu_ranks_fork_from_a_server_that_preloads_the_engine_and_family_and_device_ranks_are_spawned():
+    cpu_plan = {"engine": "deepspeed", "model": {"family": "gptj"}, "target": {"accelerator": "cpu"}}
+    assert mp_context(cpu_plan).get_start_method() == "forkserver"
+    # A library that initialises CUDA (or the Neuron runtime) at import would poison every forked rank.
+    assert mp_context({**cpu_plan, "target": {"accelerator": "a10g"}}).get_start_method() == "spawn"
+    assert mp_context({"engine": "neuronx", "target": {"accelerator": "inferentia2"}}).get_start_method() == "spawn"
+    modules = preload_modules(cpu_plan)
     assert {"torch", "transformers.modeling_utils", "transformers.models.gptj.modeling_gptj", "deepspeed",
-            "lmc.runtime.engines.hf", "lmc.runtime.workers"} <= set(cpu)
-    gpu = preload_modules({"engine": "deepspeed", "model": {"family": "gptj"}, "target": {"accelerator": "a10g"}})
-    assert "deepspeed" not in gpu and "torch" in gpu  # importing deepspeed probes CUDA: not before a fork
-    assert preload_modules({"engine": "hf", "model": {"family": "../x"}}).count("transformers.modeling_utils") == 1
-    assert not any("../x" in m for m in preload_modules({"engine": "hf", "model": {"family": "../x"}}))
+            "lmc.runtime.engines.hf", "lmc.runtime.workers"} <= set(modules)
+    assert modules[0] == "lmc.runtime.preload"  # it pauses the collector for everything after it
+    odd = preload_modules({"engine": "hf", "model": {"family": "../x"}})
+    assert "transformers.modeling_utils" in odd and not any("../x" in m for m in odd)
 
 
 _SERVER_PROBE = r"""
 import os, signal, sys, time
 from multiprocessing import forkserver
 from lmc.runtime.workers import mp_context, start_process_server
-start_process_server({"engine": "neuronx", "model": {"family": "llama"}})
-proc = mp_context().Process(target=time.sleep, args=(0.1,))
+plan = {"engine": "fake", "model": {"family": "llama"}, "target": {"accelerator": "cpu"}}
+start_process_server({"engine": "hf", "target": {"accelerator": "a10g"}})  # spawned ranks: no server
+assert forkserver._forkserver._forkserver_pid is None
+start_process_server(plan)
+proc = mp_context(plan).Process(target=time.sleep, args=(0.1,))
 proc.start(); proc.join(30)
 pid = forkserver._forkserver._forkserver_pid
 os.kill(pid, signal.SIGTERM)
 time.sleep(0.5)
 alive = os.waitpid(pid, os.WNOHANG)[0] == 0
 assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the front end's own disposition is restored
-proc = mp_context().Process(target=time.sleep, args=(0.1,))
+proc = mp_context(plan).Process(target=time.sleep, args=(0.1,))
 proc.start(); proc.join(30)
 print(alive, proc.exitcode)
 """

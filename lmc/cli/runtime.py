@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
     port = resolve_port(args.port)
     artifact = open_artifact(path, check_hashes=False)  # the manifest, every file present, sizes
     try:
-        # First, so the engine's imports (seconds) overlap everything else: the fork server imports
-        # them once and every rank is forked from it. It touches nothing from the artifact.
+        # First, so the engine's imports (seconds) overlap everything else: on CPU hosts the fork server
+        # imports them once and every rank is forked from it. It touches nothing from the artifact.
         start_process_server(artifact.plan)
         from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES, Runtime, serve
         from lmc.runtime.startup import default_request_timeout_s
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         max_body = args.max_body_bytes or int(_float_env("LMC_MAX_BODY_BYTES") or DEFAULT_MAX_BODY_BYTES)
         # Workers start now and wait at the gate; they touch nothing from the artifact (not even
         # model.py) until every file's sha256 is verified.
-        gate = mp_context().Event()
+        gate = mp_context(artifact.plan).Event()
         runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body,
                           worker_gate=gate)
         runtime.scheduler.start_groups()

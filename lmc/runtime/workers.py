@@ -31,13 +31,17 @@ from typing import Any, Protocol
 
 log = logging.getLogger("lmc.runtime")
 
-# Ranks are forked from a fork server that imported torch, transformers and the engine once, at the very
-# start of `lmc runtime` (start_process_server): a rank then costs a fork, not seconds of imports, and a
-# restarted group starts as fast. The server is a fresh interpreter (not a fork of the threaded front
-# end) that only imports: no Python threads, no OpenMP pool, no CUDA context (deepspeed, which probes
-# CUDA at import, is preloaded on CPU plans only). Forking after `import torch` is what DataLoader
-# workers do by default. torch.distributed is initialised after the fork, in each rank.
-_MP = multiprocessing.get_context("forkserver")
+# CPU ranks are forked from a fork server that imported torch, transformers and the engine once, at the
+# very start of `lmc runtime` (start_process_server): a rank then costs a fork, not seconds of imports
+# on cores the ranks share, and a restarted group starts as fast. The server is a fresh interpreter
+# (not a fork of the threaded front end) that only imports: no Python threads, no OpenMP pool.
+# Forking after `import torch` is what DataLoader workers do by default. torch.distributed is
+# initialised after the fork, in each rank.
+# GPU and Neuron ranks are spawned: a library that initialises the CUDA driver (or the Neuron runtime)
+# at import would leave every forked rank unable to use the device, and those hosts have the cores
+# to import in parallel (each rank imports while the hashes are checked, see _warm_imports).
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_SPAWN = multiprocessing.get_context("spawn")
 # Rank 0 broadcasts a no-op this often while idle: the other ranks' collectives never reach the
 # process-group timeout, and a dead peer is noticed even with no traffic.
 HEARTBEAT_S = 30.0
@@ -140,9 +144,9 @@ def _warm_imports(engine: str, family: str) -> None:
         import deepspeed  # noqa: F401
 
 
-def mp_context():
-    """The multiprocessing context worker processes (and the objects they share) come from."""
-    return _MP
+def mp_context(plan: dict[str, Any]):
+    """The multiprocessing context `plan`'s worker processes (and the objects they share) come from."""
+    return _FORKSERVER if device_kind(plan) == "cpu" else _SPAWN
 
 
 def preload_modules(plan: dict[str, Any]) -> list[str]:
@@ -158,22 +162,24 @@ def preload_modules(plan: dict[str, Any]) -> list[str]:
                     "lmc.runtime.engines.generate", "lmc.safetensors_header"]
         if re.fullmatch(r"[a-z0-9_]+", family):
             modules.append(f"transformers.models.{family}.modeling_{family}")
-        if engine == "deepspeed" and device_kind(plan) == "cpu":
-            # On GPUs deepspeed probes CUDA at import; a process that touched CUDA must not fork.
+        if engine == "deepspeed":
             modules.append("deepspeed")
     return modules
 
 
 def start_process_server(plan: dict[str, Any]) -> None:
     """Start the fork server now, importing `preload_modules(plan)` in the background: call it first
-    thing, so those seconds overlap the artifact's verification. Main thread only.
+    thing, so those seconds overlap the artifact's verification. Main thread only. Nothing to do
+    for plans whose ranks are spawned (mp_context).
 
     The server ignores SIGTERM (the disposition is inherited across exec): a SIGTERM sent to the
     container's whole process group must not take it down, and with it every rank's sentinel, while
     the front end drains. It exits by itself when the front end does."""
     from multiprocessing import forkserver
 
-    _MP.set_forkserver_preload(preload_modules(plan))
+    if mp_context(plan) is not _FORKSERVER:
+        return
+    _FORKSERVER.set_forkserver_preload(preload_modules(plan))
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         forkserver.ensure_running()
@@ -182,7 +188,7 @@ def start_process_server(plan: dict[str, Any]) -> None:
 
 
 def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
-    """Entry point of one rank (forked from the fork server). Exits when told to stop, when the front end goes away, or
+    """Entry point of one rank (forked from the fork server, or spawned). Exits when told to stop, when the front end goes away, or
     (non-zero) when a peer dies. With a `gate` (an Event), waits for it before touching the
     artifact: the front end sets it once every file's sha256 is verified."""
     started = time.monotonic()
@@ -400,7 +406,8 @@ class WorkerGroup:
 
     def _spawn(self) -> None:
         port = free_port()
-        parent, child = _MP.Pipe(duplex=True)
+        context = mp_context(self.plan)
+        parent, child = context.Pipe(duplex=True)
         procs = []
         for rank in range(self.world_size):
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -408,7 +415,7 @@ class WorkerGroup:
             spec = WorkerSpec(str(self.model_dir), self.group, rank, self.world_size, self.backend, env,
                               engine=str(self.plan.get("engine", "")),
                               family=str((self.plan.get("model") or {}).get("family", "")))
-            proc = _MP.Process(target=worker_main, args=(spec, child if rank == 0 else None, self.gate),
+            proc = context.Process(target=worker_main, args=(spec, child if rank == 0 else None, self.gate),
                                name=f"lmc-worker-g{self.group}r{rank}", daemon=True)
             proc.start()
             procs.append(proc)
