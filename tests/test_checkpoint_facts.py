@@ -257,7 +257,7 @@ def test_truncated_header(tmp_path):
     file.write_bytes(struct.pack("<Q", 500) + b'{"w": {')
     with pytest.raises(CheckpointError) as caught:
         checkpoint_model_facts(tmp_path, "x")
-    assert_one_line(caught.value, str(file), "truncated or corrupt safetensors header", "claims 500 bytes")
+    assert_one_line(caught.value, f"{file}: corrupt safetensors file: header of 500 bytes does not fit in the 15-byte file")
 
 
 def test_file_shorter_than_the_length_prefix(tmp_path):
@@ -265,7 +265,7 @@ def test_file_shorter_than_the_length_prefix(tmp_path):
     file.write_bytes(b"\x01\x02")
     with pytest.raises(CheckpointError) as caught:
         read_safetensors_header(file)
-    assert_one_line(caught.value, str(file), "truncated safetensors file (2 bytes")
+    assert_one_line(caught.value, f"{file}: corrupt safetensors file: 2 bytes, too short for a header")
 
 
 def test_header_not_json(tmp_path):
@@ -274,7 +274,7 @@ def test_header_not_json(tmp_path):
     file.write_bytes(struct.pack("<Q", 6) + b"\xff\xfeabc" + bytes(8))
     with pytest.raises(CheckpointError) as caught:
         checkpoint_model_facts(tmp_path, "x")
-    assert_one_line(caught.value, str(file), "safetensors header is not JSON")
+    assert_one_line(caught.value, f"{file}: corrupt safetensors file: header is not valid JSON (")
 
 
 def test_offsets_past_the_end(tmp_path):
@@ -284,7 +284,9 @@ def test_offsets_past_the_end(tmp_path):
     file.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))  # 64 bytes promised, 16 present
     with pytest.raises(CheckpointError) as caught:
         checkpoint_model_facts(tmp_path, "x")
-    assert_one_line(caught.value, str(file), "tensor 'w' data offsets [0, 64] run past the end of the file (16 data bytes)")
+    data_start = 8 + len(header)
+    assert_one_line(caught.value, f"{file}: corrupt safetensors file: tensor 'w' ends at byte {data_start + 64}, "
+                    f"past the end of the {data_start + 16}-byte file")
 
 
 def test_offsets_disagreeing_with_the_shape(tmp_path):
@@ -293,7 +295,7 @@ def test_offsets_disagreeing_with_the_shape(tmp_path):
     file.write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
     with pytest.raises(CheckpointError) as caught:
         read_safetensors_header(file)
-    assert_one_line(caught.value, str(file), "spans 32 bytes but F32[4, 4] needs 64")
+    assert_one_line(caught.value, f"{file}: corrupt safetensors file: tensor 'w' spans 32 bytes; F32 x [4, 4] needs 64")
 
 
 def test_header_is_read_without_reading_tensor_data(tmp_path):

@@ -79,7 +79,7 @@ def test_truncated_safetensors(ckpt):
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) - 100])
     message = _error(ckpt, facts)
-    assert message.startswith(f"{weights}: truncated or corrupt safetensors: tensor ")
+    assert message.startswith(f"{weights}: corrupt safetensors file: tensor ")
     assert "past the end of the" in message
 
 
@@ -103,7 +103,7 @@ def test_header_offsets_past_end(ckpt):
     text += b" " * (-len(text) % 8)
     weights.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
     message = _error(ckpt, facts)
-    assert message.startswith(f"{weights}: truncated or corrupt safetensors: tensor 'model.norm.weight' ends at byte")
+    assert message.startswith(f"{weights}: corrupt safetensors file: tensor 'model.norm.weight' ends at byte")
 
 
 def test_unknown_dtype_in_header(ckpt):
@@ -205,5 +205,5 @@ def test_read_header_rejects_gaps(tmp_path):
     text = json.dumps(header).encode()
     path = tmp_path / "gap.safetensors"
     path.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 16)
-    with pytest.raises(CheckpointError, match=r"gap\.safetensors: corrupt safetensors: 4 unused bytes before tensor 'b'"):
+    with pytest.raises(CheckpointError, match=r"gap\.safetensors: corrupt safetensors file: 4 unused bytes before tensor 'b'"):
         read_header(path)

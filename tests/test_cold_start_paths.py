@@ -26,7 +26,7 @@ from lmc.errors import ArtifactError
 from lmc.runtime.engines import hf
 from lmc.runtime.engines.hf import read_shard
 from lmc.runtime.workers import mp_context, preload_modules
-from lmc.safetensors_header import HeaderError, parse_header
+from lmc.safetensors_header import HeaderError, parse_header, read_header
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,10 +63,7 @@ def test_every_dtype_round_trips_as_views_of_one_mapping(tmp_path):
         assert state[name].dtype == tensor.dtype and state[name].shape == tensor.shape, name
         assert torch.equal(state[name].view(torch.uint8), tensor.view(torch.uint8)), name
     # Views of one mapping: the distance between two tensors in memory is their distance in the file.
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        (length,) = struct.unpack("<Q", handle.read(8))
-        entries = parse_header(handle.read(length), size)
+    entries = read_header(path).tensors
     first, second = entries["f32"], entries["i64"]
     assert state["i64"].data_ptr() - state["f32"].data_ptr() == second.begin - first.begin
 
@@ -133,7 +130,8 @@ def test_parse_header_ignores_metadata_and_orders_by_offset():
     raw = json.dumps({"__metadata__": {"format": "pt"},
                       "b": {"dtype": "F16", "shape": [2], "data_offsets": [4, 8]},
                       "a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}).encode()
-    entries = parse_header(raw, 8 + len(raw) + 8)
+    metadata, entries = parse_header(raw, 8 + len(raw) + 8)
+    assert metadata == {"format": "pt"}
     assert list(entries) == ["a", "b"]
     assert entries["b"].begin == 8 + len(raw) + 4
     with pytest.raises(HeaderError, match="header is not a JSON object"):

@@ -1,4 +1,4 @@
-"""Safetensors without loading whole files: parse and check a header, read one tensor (or a slice
+"""Safetensors without loading whole files: check a header, read one tensor (or a slice
 along one dimension), and write a file tensor by tensor with memory bounded by one tensor.
 
 Whole files are never mapped: pages of a mapped file count in the process's resident memory, so
@@ -16,142 +16,46 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 import struct
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
 
 from lmc.errors import CheckpointError, InternalError
+from lmc.safetensors_header import DTYPES, Entry, Header, HeaderError
+from lmc.safetensors_header import read_header as parse_file_header
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-# Safetensors dtype codes and their element sizes in bytes.
-DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}
-_TORCH_NAMES: dict[str, str] = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16",
-    "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
-}
-# A header larger than this is not a safetensors header (the format's own reader caps it at 100 MB).
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a safetensors file: dtype code, shape, and absolute byte range in the file."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-@dataclass(frozen=True)
-class Header:
-    """A parsed, checked safetensors header."""
-
-    path: Path
-    data_start: int
-    metadata: dict[str, str]
-    tensors: dict[str, TensorEntry]
+# The header parser and dtype table are lmc.safetensors_header's (shared with the planner and the
+# runtime); partition.py knows the entry type by this name.
+TensorEntry = Entry
 
 
 def torch_dtype(code: str) -> "torch.dtype":
     import torch
 
-    return getattr(torch, _TORCH_NAMES[code])
+    return getattr(torch, DTYPES[code].torch_name)
 
 
 def dtype_code(dtype: "torch.dtype") -> str:
     name = str(dtype).removeprefix("torch.")
-    for code, torch_name in _TORCH_NAMES.items():
-        if torch_name == name:
+    for code, entry in DTYPES.items():
+        if entry.torch_name == name:
             return code
     raise InternalError(f"no safetensors dtype for {dtype}")
 
 
 def read_header(path: Path) -> Header:
-    """Parse `path`'s header and check it against the file: every error names the file.
-
-    Checks: an 8-byte little-endian length that fits in the file; UTF-8 JSON object; known dtypes;
-    integer shapes; data_offsets whose span matches dtype x shape, that lie inside the file, and
-    that tile the data area without gaps or overlaps (what the safetensors format requires).
-    """
-    path = Path(path)
+    """Parse and check `path`'s header (see lmc.safetensors_header), tiling included: a checkpoint
+    lmc builds from must be a well-formed safetensors file. Every error names the file."""
     try:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: not a safetensors file: {size} bytes, too short for a header")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > min(size - 8, MAX_HEADER_BYTES):
-                raise CheckpointError(f"{path}: truncated or corrupt safetensors: header of {header_len} bytes "
-                                      f"does not fit in the {size}-byte file")
-            raw = handle.read(header_len)
+        return parse_file_header(path, require_tiling=True)
+    except HeaderError as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors file: {exc}") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupt safetensors header: not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header: not a JSON object")
-    data_start = 8 + header_len
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointError(f"{path}: corrupt safetensors header: __metadata__ must map strings to strings")
-    tensors = {name: _entry(path, name, value, data_start) for name, value in header.items()}
-    _check_tiling(path, tensors, data_start, size)
-    return Header(path=path, data_start=data_start, metadata=dict(metadata), tensors=tensors)
-
-
-def _entry(path: Path, name: str, value: object, data_start: int) -> TensorEntry:
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header: entry {name!r} is not an object")
-    dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
-        raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise CheckpointError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
-            or offsets[0] > offsets[1]):
-        raise CheckpointError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
-    count = 1
-    for dim in shape:
-        count *= dim
-    if offsets[1] - offsets[0] != count * DTYPE_SIZES[dtype]:
-        raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, "
-                              f"but {dtype} {shape} needs {count * DTYPE_SIZES[dtype]}")
-    return TensorEntry(dtype=dtype, shape=tuple(shape), begin=data_start + offsets[0], end=data_start + offsets[1])
-
-
-def _check_tiling(path: Path, tensors: dict[str, TensorEntry], data_start: int, size: int) -> None:
-    position = data_start
-    for name, entry in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
-        if entry.end > size:
-            raise CheckpointError(f"{path}: truncated or corrupt safetensors: tensor {name!r} ends at byte {entry.end}, "
-                                  f"past the end of the {size}-byte file")
-        if entry.begin < position:
-            raise CheckpointError(f"{path}: corrupt safetensors: tensor {name!r} overlaps the tensor before it")
-        if entry.begin > position:
-            raise CheckpointError(f"{path}: corrupt safetensors: {entry.begin - position} unused bytes before tensor {name!r}")
-        position = entry.end
-    if position != size:
-        raise CheckpointError(f"{path}: corrupt safetensors: {size - position} bytes after the last tensor")
 
 
 def read_tensor(path: Path, entry: TensorEntry, *, dim: int | None = None, start: int = 0,
@@ -230,7 +134,7 @@ def layout(entries: Iterable[tuple[str, str, tuple[int, ...]]]) -> list[tuple[st
 
     The order is safetensors' own: larger elements first, then by name.
     """
-    rows = sorted(entries, key=lambda e: (-DTYPE_SIZES[e[1]], e[0]))
+    rows = sorted(entries, key=lambda e: (-DTYPES[e[1]].size, e[0]))
     names = [row[0] for row in rows]
     if len(set(names)) != len(names):
         raise InternalError("duplicate tensor names in a safetensors layout")
@@ -239,7 +143,7 @@ def layout(entries: Iterable[tuple[str, str, tuple[int, ...]]]) -> list[tuple[st
         count = 1
         for dim in shape:
             count *= dim
-        nbytes = count * DTYPE_SIZES[code]
+        nbytes = count * DTYPES[code].size
         out.append((name, code, tuple(shape), position, position + nbytes))
         position += nbytes
     return out

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +17,7 @@ from pydantic import ValidationError
 
 from lmc.errors import CheckpointError, InternalError
 from lmc.planner.facts import ModelFacts
+from lmc.safetensors_header import HeaderError, read_header
 
 # model_type (config.json) -> family. The HF class prefix is the fallback for configs without one.
 MODEL_TYPES: dict[str, str] = {
@@ -43,15 +43,9 @@ _ARCHITECTURE_PREFIXES: dict[str, str] = {
     "T5For": "t5",
 }
 
-# safetensors dtype -> bytes per element (for the data-offset check) and -> lmc dtype name.
-_ST_ITEMSIZE = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}
+# safetensors dtype -> lmc dtype name.
 _ST_DTYPE = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8", "F8_E5M2": "fp8", "I8": "int8"}
 _CONFIG_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16", "float": "fp32"}
-# A header bigger than this is not a header (the format's own reference reader caps it at 100 MB).
-_MAX_HEADER_BYTES = 100_000_000
 
 
 def checkpoint_model_facts(path: Path, model_id: str) -> ModelFacts:
@@ -304,42 +298,13 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def read_safetensors_header(file: Path) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of every tensor in `file`, checked against the file size; data never read."""
-    size = file.stat().st_size
-    with file.open("rb") as stream:
-        prefix = stream.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, shorter than its 8-byte header length)")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
-            raise CheckpointError(f"{file}: truncated or corrupt safetensors header (it claims {header_len} bytes; "
-                                  f"the file has {size})")
-        raw = stream.read(header_len)
     try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file}: safetensors header is not JSON ({_one_line(exc)})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: safetensors header is not a JSON object")
-    data_size = size - 8 - header_len
-    tensors = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            if not all(isinstance(d, int) and d >= 0 for d in shape) or not isinstance(begin, int) or not isinstance(end, int):
-                raise TypeError("non-integer shape or offsets")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{file}: tensor {name!r} has a malformed header entry ({_one_line(exc)})") from None
-        if not 0 <= begin <= end or end > data_size:
-            raise CheckpointError(f"{file}: tensor {name!r} data offsets [{begin}, {end}] run past the end of the file "
-                                  f"({data_size} data bytes); the file is truncated or corrupt")
-        itemsize = _ST_ITEMSIZE.get(dtype)
-        if itemsize is not None and end - begin != math.prod(shape) * itemsize:
-            raise CheckpointError(f"{file}: tensor {name!r} spans {end - begin} bytes but {dtype}{list(shape)} "
-                                  f"needs {math.prod(shape) * itemsize}; the header is corrupt")
-        tensors.append((name, dtype, shape))
-    return tensors
+        header = read_header(file)
+    except HeaderError as exc:
+        raise CheckpointError(f"{file}: corrupt safetensors file: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{file}: cannot read: {exc.strerror or exc}") from None
+    return [(name, entry.dtype, entry.shape) for name, entry in header.tensors.items()]
 
 
 def _one_line(exc: BaseException) -> str:

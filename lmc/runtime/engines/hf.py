@@ -34,15 +34,14 @@ def read_shard(path: Path) -> dict:
     from lmc.safetensors_header import DTYPES, HeaderError, header_length, parse_header
 
     try:
-        with open(path, "rb") as handle:
+        with open(path, "rb") as handle:  # opened once: the header and the mapping come from one open
             size = os.fstat(handle.fileno()).st_size
-            try:
-                raw = handle.read(header_length(handle.read(8), size))
-                entries = parse_header(raw, size)
-            except HeaderError as exc:
-                raise ArtifactError(f"{path}: not a readable safetensors file ({exc})") from None
+            raw = handle.read(header_length(handle.read(8), size))
+            _, entries = parse_header(raw, size)
             # Python's mmap refuses to map an empty range: a file of only a header has no data to map.
             mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + len(raw) else None
+    except HeaderError as exc:
+        raise ArtifactError(f"{path}: not a readable safetensors file ({exc})") from None
     except FileNotFoundError:
         raise ArtifactError(f"{path}: shard file missing; was the artifact built for this tensor-parallel degree?") \
             from None
@@ -52,7 +51,7 @@ def read_shard(path: Path) -> dict:
     for name, entry in entries.items():
         itemsize, torch_name = DTYPES[entry.dtype]
         dtype = getattr(torch, torch_name)
-        if entry.end == entry.begin:
+        if not entry.nbytes:
             state[name] = torch.empty(entry.shape, dtype=dtype)
             continue
         raw_bytes = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.end - entry.begin, offset=entry.begin)
