@@ -27,17 +27,28 @@ def expected_text(prompt: str, max_new_tokens: int) -> str:
 
 class FakeEngine:
     """Knobs: `step_delay_s` per generated token (slow), `load_delay_s`, `record_dir` (one line per
-    batch: rank and size; pid files per rank). Prompts containing RAISE make generate raise."""
+    batch: rank and size; pid files per rank), `load_error` / `load_error_rank` (load raises an
+    LmcError), `load_crash_rank` (load raises a plain error). Prompts containing RAISE make generate raise."""
 
-    def __init__(self, step_delay_s: float = 0.0, load_delay_s: float = 0.0, record_dir: str | None = None):
+    def __init__(self, step_delay_s: float = 0.0, load_delay_s: float = 0.0, record_dir: str | None = None,
+                 load_error: str | None = None, load_error_rank: int | None = None, load_crash_rank: int | None = None):
         self.step_delay_s = step_delay_s
         self.load_delay_s = load_delay_s
         self.record_dir = Path(record_dir) if record_dir else None
+        self.load_error = load_error  # raise MissingDependencyError(load_error) in load (on load_error_rank, or all)
+        self.load_error_rank = load_error_rank
+        self.load_crash_rank = load_crash_rank  # raise a plain RuntimeError in load on this rank
         self.rank = -1
 
     def load(self, model_dir: Path, rank: int, world_size: int) -> None:
         self.rank = rank
         time.sleep(self.load_delay_s)
+        if self.load_error is not None and self.load_error_rank in (None, rank):
+            from lmc.errors import MissingDependencyError
+
+            raise MissingDependencyError(self.load_error)
+        if self.load_crash_rank == rank:
+            raise RuntimeError("a transient load failure")
         if self.record_dir is not None:
             (self.record_dir / f"rank{rank}.{os.getpid()}.pid").write_text(str(os.getpid()))
 

@@ -111,3 +111,23 @@ def test_serves_an_archive_with_the_sagemaker_serve_word_and_port(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["rank0", "rank1"])
+def test_a_model_that_cannot_load_stops_start_up_with_one_line(tmp_path, rank):
+    """A deterministic load failure (an LmcError such as a missing SDK) is not retried forever while
+    /ping says 503: the runtime exits with the error's code and says why in its last line."""
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2),
+                           {"load_error": "the neuronx engine needs the Neuron SDK", "load_error_rank": rank})
+    started = time.monotonic()
+    proc = _start(["--model-dir", str(model), "--port", str(free_port())])
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 1, err[-2000:]
+    assert time.monotonic() - started < 60
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lmc: error: worker group 0"), err[-2000:]
+    if rank == 0:
+        assert last == "lmc: error: worker group 0 cannot load the model: the neuronx engine needs the Neuron SDK"
+    else:
+        assert "rank 1 cannot load the model" in last
+        assert "rank 1 cannot load the model: the neuronx engine needs the Neuron SDK" in err

@@ -85,3 +85,29 @@ def test_requests_spread_over_replicas(tmp_path):
         for r in _records(record):
             per_process[r["pid"]] = per_process.get(r["pid"], 0) + r["size"]
         assert len(per_process) == 2 and min(per_process.values()) >= 4, per_process
+
+
+def test_a_transient_load_failure_is_retried_not_fatal(tmp_path):
+    """A plain exception while loading (not an LmcError) may pass: the group is restarted, and the
+    scheduler is not told to give up."""
+    plan = fake_plan(tensor_parallel_degree=2)
+    with _serve(tmp_path, plan, {"load_crash_rank": 1}) as srv:
+        group = srv.runtime.scheduler.groups[0]
+        deadline = time.monotonic() + 30
+        while group.restarts < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert group.restarts >= 2
+        assert group.fatal is None and srv.runtime.scheduler.fatal is None
+        assert httpx.get(srv.url + "/ping").status_code == 503
+
+
+def test_a_fatal_load_failure_stops_the_group_and_tells_the_scheduler(tmp_path):
+    plan = fake_plan(tensor_parallel_degree=2)
+    with _serve(tmp_path, plan, {"load_error": "no SDK here"}) as srv:
+        deadline = time.monotonic() + 30
+        while srv.runtime.scheduler.fatal is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        fatal = srv.runtime.scheduler.fatal
+        assert fatal is not None and fatal.exit_code == 1
+        assert str(fatal) == "worker group 0 cannot load the model: no SDK here"
+        assert srv.runtime.scheduler.groups[0].restarts == 0

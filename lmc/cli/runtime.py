@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
             artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,
             artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"], artifact.plan["job_queue_size"], timeout)
         serve(runtime, args.host, port)
+        if runtime.scheduler.fatal is not None:
+            raise runtime.scheduler.fatal  # one line, its exit code (the workers are stopped by now)
     finally:
         artifact.cleanup()
     return 0

@@ -92,6 +92,8 @@ class Scheduler:
         self._early: list[tuple] = []  # events that arrived before the event loop ran
         self._loop_lock = threading.Lock()
         self._stopping = False
+        self.fatal: Exception | None = None  # a group that cannot load the model: the server stops
+        self.on_fatal_hook: Callable[[], None] | None = None
 
     # -- lifecycle
 
@@ -197,6 +199,9 @@ class Scheduler:
         if not self._stopping:
             self.metrics.restarts.inc()
 
+    def on_fatal(self, group: int, error: Exception) -> None:
+        self._call(self._fatal, error)
+
     def on_token(self, group: int, batch_id: int, request_id: str, text: str) -> None:
         self._call(self._token, batch_id, request_id, text)
 
@@ -205,6 +210,12 @@ class Scheduler:
 
     def on_failure(self, group: int, batch_id: int, message: str) -> None:
         self._call(self._failure, batch_id, message)
+
+    def _fatal(self, error: Exception) -> None:
+        if self.fatal is None:
+            self.fatal = error
+            if self.on_fatal_hook is not None:
+                self.on_fatal_hook()
 
     def _set_ready(self, group: int, ready: bool) -> None:
         (self._ready[group].set if ready else self._ready[group].clear)()
@@ -537,4 +548,11 @@ def make_server(runtime: Runtime, host: str, port: int, drain_timeout_s: float |
 
     config = uvicorn.Config(create_app(runtime), host=host, port=port, lifespan="on", access_log=False,
                             log_level="info", timeout_graceful_shutdown=5, timeout_keep_alive=5)
-    return DrainingServer(config)
+    server = DrainingServer(config)
+
+    def stop_serving() -> None:  # a group cannot load the model: nothing will ever be served
+        runtime.accepting = False
+        server.should_exit = True
+
+    runtime.scheduler.on_fatal_hook = stop_serving
+    return server

@@ -29,6 +29,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Protocol
 
+from lmc.errors import LmcError
+
 log = logging.getLogger("lmc.runtime")
 
 # CPU ranks are forked from a fork server that imported torch, transformers and the engine once, at the
@@ -237,8 +239,15 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
         engine = load_model_module(Path(spec.model_dir)).create_engine()
         engine.load(Path(spec.model_dir), spec.rank, spec.world_size)
     except BaseException as exc:
+        # An LmcError (missing SDK, unreadable shard, no CUDA) fails the same way on every restart:
+        # say so, so the front end stops instead of retrying while /ping answers 503 forever.
+        fatal = isinstance(exc, LmcError)
+        message = " ".join(str(exc).split()) if fatal else f"{type(exc).__name__}: {exc}"
         if conn is not None:
-            conn.send(("load_failed", f"{type(exc).__name__}: {exc}"))
+            conn.send(("load_failed", message, exc.exit_code if fatal else None))
+        if fatal:
+            log.error("rank %d cannot load the model: %s", spec.rank, message)
+            sys.exit(FATAL_LOAD_EXIT)
         raise
     log.info("loaded rank %d/%d in %.1fs since the process started", spec.rank, spec.world_size, time.monotonic() - started)
     if spec.world_size > 1:
@@ -304,6 +313,18 @@ def _serve_loop(engine, spec: WorkerSpec, conn: Connection | None, control) -> N
 
 # ---------------------------------------------------------------- the supervisor (front end)
 
+# A rank's exit status when it could not load the model for a reason restarting cannot fix.
+FATAL_LOAD_EXIT = 78  # EX_CONFIG
+
+
+class ModelLoadError(LmcError):
+    """A worker group cannot load the model (and retrying would not help): the runtime exits."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class GroupEvents(Protocol):
     """What a group reports. Called from the group's supervisor thread."""
 
@@ -312,6 +333,7 @@ class GroupEvents(Protocol):
     def on_result(self, group: int, batch_id: int, results: list) -> None: ...
     def on_failure(self, group: int, batch_id: int, message: str) -> None: ...
     def on_down(self, group: int, reason: str) -> None: ...
+    def on_fatal(self, group: int, error: ModelLoadError) -> None: ...
 
 
 class WorkerGroup:
@@ -339,6 +361,7 @@ class WorkerGroup:
         self.restart_on_death = True  # False while the server drains: a rank killed then is not replaced
         self._in_flight: int | None = None
         self._thread: threading.Thread | None = None
+        self.fatal: ModelLoadError | None = None  # set when a rank cannot load the model for good
 
     # -- public, called from the event loop
 
@@ -396,6 +419,10 @@ class WorkerGroup:
             else:
                 reason = self._pump()
             self._down(reason)
+            if self.fatal is not None and not self._stopping.is_set():
+                log.error("worker group %d cannot load the model; not restarting it: %s", self.group, self.fatal)
+                self.events.on_fatal(self.group, self.fatal)
+                return
             if self._stopping.is_set() or not self.restart_on_death:
                 return
             self.restarts += 1
@@ -445,6 +472,9 @@ class WorkerGroup:
                 code = self._procs[rank].exitcode
                 if self._stopping.is_set():
                     return "stopped"
+                if code == FATAL_LOAD_EXIT and self.fatal is None:
+                    self.fatal = ModelLoadError(f"worker group {self.group}: rank {rank} cannot load the model "
+                                                "(its log line above says why)", 1)
                 how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                 return f"worker process rank {rank} (pid {self._procs[rank].pid}) died: {how}"
             if self._stopping.is_set() and not any(p.is_alive() for p in self._procs):
@@ -465,6 +495,8 @@ class WorkerGroup:
             self.events.on_failure(self.group, message[1], message[2])
         elif kind == "load_failed":
             log.error("worker group %d failed to load the model: %s", self.group, message[1])
+            if message[2] is not None:
+                self.fatal = ModelLoadError(f"worker group {self.group} cannot load the model: {message[1]}", message[2])
 
     def _down(self, reason: str) -> None:
         with self._send_lock:
