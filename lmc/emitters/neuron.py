@@ -173,14 +173,21 @@ def run_neuron_compile(spec: CompileSpec, sdk: ModuleType) -> list[Path]:
     return sorted(p for p in (spec.checkpoint / NEURON_DIR).rglob("*") if p.is_file())
 
 
-def compile_record(spec: CompileSpec, versions: dict[str, str]) -> dict[str, Any]:
-    """neuron/compile.json for graphs compiled at build time."""
+def _compile_call(spec: CompileSpec) -> dict[str, Any]:
+    """The transformers-neuronx call a compile record describes, whenever it runs."""
     return {
-        "compiled": True,
         "class": f"transformers_neuronx.{spec.class_name}",
         "from_pretrained": {k: spec.from_pretrained[k] for k in sorted(spec.from_pretrained)},
         "quantize_int8": spec.quantize_int8,
         "neuron_cc_flags": spec.neuron_cc_flags,
+    }
+
+
+def compile_record(spec: CompileSpec, versions: dict[str, str]) -> dict[str, Any]:
+    """neuron/compile.json for graphs compiled at build time."""
+    return {
+        "compiled": True,
+        **_compile_call(spec),
         "graphs": COMPILED_DIR,
         "weights": WEIGHTS_FILE,
         "load": f"{spec.class_name}.from_pretrained(<artifact>, **from_pretrained); model.load('<artifact>/{COMPILED_DIR}'); model.to_neuron()",
@@ -193,10 +200,7 @@ def deferred_compile_record(plan: Plan, weights_remote: bool) -> dict[str, Any]:
     spec = neuron_compile_plan(plan, Path("."))
     return {
         "compiled": False,
-        "class": f"transformers_neuronx.{spec.class_name}",
-        "from_pretrained": {k: spec.from_pretrained[k] for k in sorted(spec.from_pretrained)},
-        "quantize_int8": spec.quantize_int8,
-        "neuron_cc_flags": spec.neuron_cc_flags,
+        **_compile_call(spec),
         "reason": not_precompiled_reason(plan, weights_remote),
         "predicted_load_seconds_including_compile": round(plan.predicted.load_seconds, 1),
         "weights": None if weights_remote else WEIGHTS_FILE,
