@@ -142,7 +142,7 @@ def test_the_loaded_models_parameters_are_the_mapped_tensors(tmp_path, monkeypat
     from lmc.runtime.engines import create_engine
 
     checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
-    artifact = build_artifact(checkpoint, tmp_path / "art", "llama", 1)
+    artifact = build_artifact(checkpoint, tmp_path / "art", 1)
     mapped: dict = {}
 
     def recording_read_shard(path):

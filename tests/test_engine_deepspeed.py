@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -11,9 +10,9 @@ torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 
 try:
-    from _engine_helpers import build_artifact, free_port, hf_greedy, make_checkpoint
+    from _engine_helpers import build_artifact, hf_greedy, make_checkpoint, run_tp_ranks
 except ImportError:  # tests/ imported as a package
-    from tests._engine_helpers import build_artifact, free_port, hf_greedy, make_checkpoint
+    from tests._engine_helpers import build_artifact, hf_greedy, make_checkpoint, run_tp_ranks
 
 from lmc.errors import MissingDependencyError
 from lmc.runtime.engines import create_engine
@@ -48,65 +47,37 @@ def test_kernel_injection_only_on_cuda_for_known_families_with_whole_models():
     assert not kernel_injection("gptj", "cuda", 2)
 
 
-def _rank_main(rank, port, artifact, queue):
-    torch.set_num_threads(1)
-    import torch.distributed as dist
+def _rank_main(rank: int, opened: list[str], artifact: str) -> dict:
+    import deepspeed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        engine = _engine("gpt_neox", 2)
-        engine.load(artifact, rank, 2)
-        import deepspeed
-
-        shm_loaded = hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")
-        queue.put((rank, {"tokens": [r.token_ids for r in engine.generate(_requests())], "shm_loaded": shm_loaded,
-                          "shm_compatible": deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"]}))
-    finally:
-        dist.destroy_process_group()
+    engine = _engine("gpt_neox", 2)
+    engine.load(artifact, rank, 2)
+    shm_loaded = hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")
+    return {"tokens": [r.token_ids for r in engine.generate(_requests())], "shm_loaded": shm_loaded,
+            "shm_compatible": deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"]}
 
 
 def test_deepspeed_tp1_and_tp2_over_gloo_equal_hf_generate(tmp_path):
-    import torch.multiprocessing as mp
-
     checkpoint = make_checkpoint("gpt_neox", tmp_path / "ckpt")
     reference = [hf_greedy(checkpoint, prompt, 8) for prompt in PROMPTS]
 
     single = _engine("gpt_neox", 1)
-    single.load(build_artifact(checkpoint, tmp_path / "tp1", "gpt_neox", 1), 0, 1)
+    single.load(build_artifact(checkpoint, tmp_path / "tp1", 1), 0, 1)
     assert [r.token_ids for r in single.generate(_requests())] == reference
     assert single.ds_engine is not None
 
-    artifact = build_artifact(checkpoint, tmp_path / "tp2", "gpt_neox", 2)
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    processes = [context.Process(target=_rank_main, args=(rank, free_port_once(), artifact, queue)) for rank in (0, 1)]
-    for process in processes:
-        process.start()
-    results = dict(queue.get(timeout=240) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
-    assert [p.exitcode for p in processes] == [0, 0]  # no SIGSEGV from the shared-memory all-reduce
+    artifact = build_artifact(checkpoint, tmp_path / "tp2", 2)
+    results = run_tp_ranks(_rank_main, str(artifact))  # exit codes 0: no SIGSEGV from the SHM all-reduce
     assert results[0]["tokens"] == results[1]["tokens"] == reference
     # DeepSpeed's CPU shared-memory all-reduce op is marked unusable and was never loaded
     assert results[0]["shm_compatible"] is False and results[0]["shm_loaded"] is False
-
-
-_PORT: list[int] = []
-
-
-def free_port_once() -> int:
-    if not _PORT:
-        _PORT.append(free_port())
-    return _PORT[0]
 
 
 @pytest.mark.gpu
 def test_kernel_injection_on_cuda_tracks_hf(tmp_path):
     checkpoint = make_checkpoint("gpt_neox", tmp_path / "ckpt")
     engine = _engine("gpt_neox", 1, device="cuda", dtype="fp16")
-    engine.load(build_artifact(checkpoint, tmp_path / "art", "gpt_neox", 1), 0, 1)
+    engine.load(build_artifact(checkpoint, tmp_path / "art", 1), 0, 1)
     results = engine.generate(_requests(4))
     reference = [hf_greedy(checkpoint, prompt, 4) for prompt in PROMPTS]
     # fused fp16 kernels are not bit-identical to eager fp32: the first token must agree

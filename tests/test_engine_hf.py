@@ -8,9 +8,9 @@ torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 
 try:
-    from _engine_helpers import build_artifact, build_artifact_with_partitioner, hf_greedy, make_checkpoint
+    from _engine_helpers import build_artifact, hf_greedy, make_checkpoint
 except ImportError:  # tests/ imported as a package
-    from tests._engine_helpers import build_artifact, build_artifact_with_partitioner, hf_greedy, make_checkpoint
+    from tests._engine_helpers import build_artifact, hf_greedy, make_checkpoint
 
 from lmc.errors import ArtifactError
 from lmc.runtime.engines import create_engine
@@ -36,13 +36,13 @@ def _req(i, prompt, **params):
 def llama(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama")
     checkpoint = make_checkpoint("llama", root / "ckpt")
-    return checkpoint, _engine("llama", build_artifact(checkpoint, root / "art", "llama", 1))
+    return checkpoint, _engine("llama", build_artifact(checkpoint, root / "art", 1))
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt_neox", "opt", "gptj", "bloom", "t5"])
 def test_greedy_equals_hf_generate(family, tmp_path):
     checkpoint = make_checkpoint(family, tmp_path / "ckpt")
-    engine = _engine(family, build_artifact(checkpoint, tmp_path / "art", family, 1))
+    engine = _engine(family, build_artifact(checkpoint, tmp_path / "art", 1))
     results = engine.generate([_req(i, p, max_new_tokens=10) for i, p in enumerate(PROMPTS)])
     for prompt, result in zip(PROMPTS, results):
         reference = hf_greedy(checkpoint, prompt, 10)
@@ -52,7 +52,7 @@ def test_greedy_equals_hf_generate(family, tmp_path):
 
 def test_artifact_from_the_build_partitioner_matches_hf(tmp_path):
     checkpoint = make_checkpoint("gpt_neox", tmp_path / "ckpt")
-    engine = _engine("gpt_neox", build_artifact_with_partitioner(checkpoint, tmp_path / "art", 1, "fp32"))
+    engine = _engine("gpt_neox", build_artifact(checkpoint, tmp_path / "art", 1, "fp32"))
     assert engine.generate([_req(0, PROMPTS[0], max_new_tokens=8)])[0].token_ids == hf_greedy(checkpoint, PROMPTS[0], 8)
 
 
@@ -162,7 +162,7 @@ def test_prompt_beyond_the_sequence_length_is_a_value_error(llama):
 
 def test_eos_finishes_a_request(tmp_path):
     checkpoint = make_checkpoint("opt", tmp_path / "ckpt")
-    engine = _engine("opt", build_artifact(checkpoint, tmp_path / "art", "opt", 1))
+    engine = _engine("opt", build_artifact(checkpoint, tmp_path / "art", 1))
     first = engine.generate([_req(0, "the quick", max_new_tokens=3)])[0].token_ids
     engine.loop.eos_token_ids = {first[1]}
     result = engine.generate([_req(0, "the quick", max_new_tokens=3)])[0]
@@ -174,9 +174,9 @@ def test_eos_finishes_a_request(tmp_path):
 def test_reduced_precision_tracks_fp32(dtype, tmp_path):
     checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
     partition_dtype = "int8" if dtype == "int8" else dtype
-    engine = _engine("llama", build_artifact_with_partitioner(checkpoint, tmp_path / "art", 1, partition_dtype),
+    engine = _engine("llama", build_artifact(checkpoint, tmp_path / "art", 1, partition_dtype),
                      dtype=dtype)
-    reference = _engine("llama", build_artifact(checkpoint, tmp_path / "fp32", "llama", 1))
+    reference = _engine("llama", build_artifact(checkpoint, tmp_path / "fp32", 1))
     ids = torch.tensor([engine.tokenizer("the quick brown fox")["input_ids"]])
     with torch.no_grad():
         low = engine.model(input_ids=ids).logits.float()
@@ -194,7 +194,7 @@ def test_a_shard_missing_a_tensor_is_an_artifact_error(tmp_path):
     from safetensors.torch import load_file, save_file
 
     checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
-    artifact = build_artifact(checkpoint, tmp_path / "art", "llama", 1)
+    artifact = build_artifact(checkpoint, tmp_path / "art", 1)
     shard = artifact / "shards/tp1/rank0.safetensors"
     tensors = load_file(shard)
     del tensors["model.layers.1.mlp.down_proj.weight"]
@@ -206,7 +206,7 @@ def test_a_shard_missing_a_tensor_is_an_artifact_error(tmp_path):
 
 def test_a_missing_shard_file_is_an_artifact_error(tmp_path):
     checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
-    artifact = build_artifact(checkpoint, tmp_path / "art", "llama", 1)
+    artifact = build_artifact(checkpoint, tmp_path / "art", 1)
     engine = create_engine("hf", family="llama", task="text-generation", dtype="fp32", tensor_parallel_degree=1,
                            max_sequence_length=64, batch_size=1, device="cpu")
     (artifact / "shards/tp1/rank0.safetensors").unlink()

@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 
 try:
-    from _engine_helpers import build_artifact_with_partitioner, free_port, hf_greedy
+    from _engine_helpers import build_artifact, hf_greedy, run_tp_ranks
 except ImportError:  # tests/ imported as a package
-    from tests._engine_helpers import build_artifact_with_partitioner, free_port, hf_greedy
+    from tests._engine_helpers import build_artifact, hf_greedy, run_tp_ranks
 
 from lmc.errors import ArtifactError
 from lmc.runtime.engines import create_engine
@@ -50,7 +50,7 @@ def _hf_model(checkpoint):
 def mixtral(tmp_path_factory):
     root = tmp_path_factory.mktemp("mixtral")
     checkpoint = make_checkpoint("mixtral", root / "ckpt", seed=0, initializer_range=INIT)
-    artifacts = {(tp, dtype): build_artifact_with_partitioner(checkpoint, root / f"tp{tp}_{dtype}", tp, dtype)
+    artifacts = {(tp, dtype): build_artifact(checkpoint, root / f"tp{tp}_{dtype}", tp, dtype)
                  for tp, dtype in [(1, "fp32"), (2, "fp32"), (1, "int8"), (2, "int8")]}
     reference = [hf_greedy(checkpoint, prompt, NEW_TOKENS) for prompt in PROMPTS]
     return checkpoint, artifacts, reference
@@ -141,55 +141,25 @@ def test_missing_expert_is_a_one_line_artifact_error(mixtral, tmp_path):
                                "the artifact does not match its config.json")
 
 
-def _rank_main(rank: int, port: int, artifacts: dict, queue) -> None:
+def _rank_main(rank: int, opened: list[str], artifacts: dict) -> dict:
     """One TP=2 rank: load each artifact, generate greedily, report tokens, the shard it opened, local experts."""
-    import sys
-
-    torch.set_num_threads(1)
-    opened: list[str] = []
-
-    def audit(event, args):
-        if event == "open" and isinstance(args[0], str) and args[0].endswith(".safetensors"):
-            opened.append(args[0])
-
-    sys.addaudithook(audit)
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     out = {}
-    try:
-        for dtype, artifact in artifacts.items():
-            engine = create_engine("hf", family="mixtral", task="text-generation", dtype=dtype,
-                                   tensor_parallel_degree=2, max_sequence_length=128, batch_size=4, device="cpu")
-            del opened[:]
-            engine.load(artifact, rank, 2)
-            experts = engine.model.model.layers[0].mlp.experts
-            # numpy: pickled by value, so the arrays outlive this process (torch tensors travel by handle)
-            out[dtype] = {"tokens": _greedy(engine), "opened": list(opened),
-                          "gate_up": experts.gate_up_proj.numpy().copy(), "down": experts.down_proj.numpy().copy()}
-    finally:
-        queue.put((rank, out))
-        dist.destroy_process_group()
+    for dtype, artifact in artifacts.items():
+        engine = create_engine("hf", family="mixtral", task="text-generation", dtype=dtype,
+                               tensor_parallel_degree=2, max_sequence_length=128, batch_size=4, device="cpu")
+        del opened[:]
+        engine.load(artifact, rank, 2)
+        experts = engine.model.model.layers[0].mlp.experts
+        # numpy: pickled by value, so the arrays outlive this process (torch tensors travel by handle)
+        out[dtype] = {"tokens": _greedy(engine), "opened": list(opened),
+                      "gate_up": experts.gate_up_proj.numpy().copy(), "down": experts.down_proj.numpy().copy()}
+    return out
 
 
 @pytest.fixture(scope="module")
 def tp2_run(mixtral):
-    import torch.multiprocessing as mp
-
     _, artifacts, _ = mixtral
-    port = free_port()
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    jobs = {dtype: str(artifacts[2, dtype]) for dtype in ("fp32", "int8")}
-    processes = [context.Process(target=_rank_main, args=(rank, port, jobs, queue)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    results = dict(queue.get(timeout=240) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
-    assert [p.exitcode for p in processes] == [0, 0]
-    return results
+    return run_tp_ranks(_rank_main, {dtype: str(artifacts[2, dtype]) for dtype in ("fp32", "int8")})
 
 
 def test_tp2_greedy_equals_hf_generate_on_the_whole_checkpoint(mixtral, tp2_run):

@@ -17,6 +17,7 @@ except ImportError:  # tests/ imported as a package
 from lmc.errors import InternalError, MissingDependencyError
 from lmc.runtime.engines import create_engine
 from lmc.runtime.engines.base import GenerationParams, GenerationRequest
+from lmc.testing.checkpoints import EOS_ID
 
 
 class _FakeSampling:
@@ -35,7 +36,7 @@ class _FakeSampling:
 
     def sample(self, input_ids, sequence_length, **kwargs):
         self.calls.append(("sample", tuple(input_ids.shape), sequence_length, kwargs))
-        new = torch.tensor([[65, 66, 67, 0, 68]] * input_ids.shape[0])[:, :sequence_length - input_ids.shape[1]]
+        new = torch.tensor([[65, 66, 67, EOS_ID, 68]] * input_ids.shape[0])[:, :sequence_length - input_ids.shape[1]]
         return torch.cat([input_ids, new], dim=1)
 
 
@@ -92,7 +93,7 @@ def test_generate_groups_by_parameters_pads_to_the_compiled_batch_and_cuts_at_eo
     assert len(samples) == 2 and all(c[1][0] == 4 for c in samples)  # two groups, each padded to batch 4
     assert samples[0][3] == {"top_k": 1}  # greedy
     assert samples[1][3] == {"top_k": 5, "top_p": 1.0, "temperature": 1.0}
-    assert results[0].token_ids == [65, 66, 67] and results[0].finish_reason == "eos"  # token 0 is EOS
+    assert results[0].token_ids == [65, 66, 67] and results[0].finish_reason == "eos"  # EOS_ID ends it
     assert results[1].token_ids == [65, 66] and results[1].finish_reason == "length"
     assert dict(pieces) == {"a": results[0].text, "b": results[1].text}
 

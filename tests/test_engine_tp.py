@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -11,10 +10,9 @@ torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 
 try:
-    from _engine_helpers import build_artifact, build_artifact_with_partitioner, free_port, hf_greedy, make_checkpoint
+    from _engine_helpers import build_artifact, hf_greedy, make_checkpoint, run_tp_ranks
 except ImportError:  # tests/ imported as a package
-    from tests._engine_helpers import (build_artifact, build_artifact_with_partitioner, free_port, hf_greedy,
-                                       make_checkpoint)
+    from tests._engine_helpers import build_artifact, hf_greedy, make_checkpoint, run_tp_ranks
 
 PROMPTS = ["the quick brown", "héllo wörld, large models are served"]
 # (case name, family, checkpoint overrides, config vocab size)
@@ -31,78 +29,42 @@ CASES = [
 NEW_TOKENS = 10
 
 
-def _rank_main(rank: int, port: int, artifacts: dict, queue) -> None:
+def _rank_main(rank: int, opened: list[str], artifacts: dict) -> dict:
     """One TP rank: load every case's artifact, generate, report tokens, opened shard files and shapes."""
-    torch.set_num_threads(1)
-    opened: list[str] = []
-
-    def audit(event, args):
-        if event == "open" and isinstance(args[0], str) and args[0].endswith(".safetensors"):
-            opened.append(args[0])
-
-    sys.addaudithook(audit)
-    import torch.distributed as dist
-
     from lmc.runtime.engines import create_engine
     from lmc.runtime.engines.base import GenerationParams, GenerationRequest
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     out = {}
-    try:
-        for name, (family, artifact, dtype) in artifacts.items():
-            task = "text2text-generation" if family == "t5" else "text-generation"
-            engine = create_engine("hf", family=family, task=task, dtype=dtype, tensor_parallel_degree=2,
-                                   max_sequence_length=128, batch_size=4, device="cpu")
-            del opened[:]
-            engine.load(artifact, rank, 2)
-            pieces = []
-            results = engine.generate(
-                [GenerationRequest(str(i), p, GenerationParams(max_new_tokens=NEW_TOKENS)) for i, p in
-                 enumerate(PROMPTS)] + [GenerationRequest("s", PROMPTS[0], GenerationParams(
-                    max_new_tokens=NEW_TOKENS, do_sample=True, temperature=2.0, seed=7))],
-                on_token=lambda rid, piece: pieces.append(piece))
-            params = sum(p.numel() for p in engine.model.parameters())
-            out[name] = {"tokens": [r.token_ids for r in results], "opened": list(opened), "params": params,
-                         "pieces": len(pieces)}
-    finally:
-        queue.put((rank, out))
-        dist.destroy_process_group()
+    for name, (family, artifact, dtype) in artifacts.items():
+        task = "text2text-generation" if family == "t5" else "text-generation"
+        engine = create_engine("hf", family=family, task=task, dtype=dtype, tensor_parallel_degree=2,
+                               max_sequence_length=128, batch_size=4, device="cpu")
+        del opened[:]
+        engine.load(artifact, rank, 2)
+        pieces = []
+        results = engine.generate(
+            [GenerationRequest(str(i), p, GenerationParams(max_new_tokens=NEW_TOKENS)) for i, p in
+             enumerate(PROMPTS)] + [GenerationRequest("s", PROMPTS[0], GenerationParams(
+                max_new_tokens=NEW_TOKENS, do_sample=True, temperature=2.0, seed=7))],
+            on_token=lambda rid, piece: pieces.append(piece))
+        params = sum(p.numel() for p in engine.model.parameters())
+        out[name] = {"tokens": [r.token_ids for r in results], "opened": list(opened), "params": params,
+                     "pieces": len(pieces)}
+    return out
 
 
 @pytest.fixture(scope="module")
 def tp2_run(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     root = tmp_path_factory.mktemp("tp2")
     checkpoints, artifacts = {}, {}
     for name, family, overrides, vocab in CASES:
         checkpoints[name] = make_checkpoint(family, root / name / "ckpt", vocab_size=vocab, **overrides)
-        artifacts[name] = (family, str(build_artifact(checkpoints[name], root / name / "art", family, 2)), "fp32")
+        artifacts[name] = (family, str(build_artifact(checkpoints[name], root / name / "art", 2)), "fp32")
     # The build's own partitioner, int8: checks the runtime reads what the build writes.
     checkpoints["llama_int8"] = checkpoints["llama"]
-    artifacts["llama_int8"] = ("llama", str(build_artifact_with_partitioner(checkpoints["llama"],
-                                                                            root / "int8", 2, "int8")), "int8")
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    processes = [context.Process(target=_rank_main, args=(rank, free_port_cached(), artifacts, queue))
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    results = dict(queue.get(timeout=240) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
-    assert [p.exitcode for p in processes] == [0, 0]
+    artifacts["llama_int8"] = ("llama", str(build_artifact(checkpoints["llama"], root / "int8", 2, "int8")), "int8")
+    results = run_tp_ranks(_rank_main, artifacts)
     return checkpoints, artifacts, results
-
-
-_PORT: list[int] = []
-
-
-def free_port_cached() -> int:
-    if not _PORT:
-        _PORT.append(free_port())
-    return _PORT[0]
 
 
 @pytest.mark.parametrize("name", [case[0] for case in CASES])
