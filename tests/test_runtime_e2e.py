@@ -17,6 +17,7 @@ from lmc.cli.main import main  # noqa: E402
 from lmc.runtime.server import Runtime  # noqa: E402
 from lmc.runtime.startup import open_artifact  # noqa: E402
 from lmc.runtime.workers import AUDIT_ENV  # noqa: E402
+from _engine_helpers import hf_greedy  # noqa: E402
 from runtime_fakes import ServerThread  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -64,18 +65,9 @@ def hf_reference(checkpoint: Path, prompts: list[str], max_new_tokens: int) -> l
     import transformers as tf
 
     tokenizer = tf.AutoTokenizer.from_pretrained(checkpoint)
-    model = tf.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    answers = []
-    for prompt in prompts:
-        inputs = tokenizer(prompt, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id or 0)
-        ids = out[0, inputs["input_ids"].shape[1]:].tolist()
-        if model.config.eos_token_id in ids:
-            ids = ids[:ids.index(model.config.eos_token_id)]
-        answers.append((tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), len(ids)))
-    return answers
+    answers = [hf_greedy(checkpoint, prompt, max_new_tokens) for prompt in prompts]
+    return [(tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), len(ids))
+            for ids in answers]
 
 
 def serve_and_compare(checkpoint: Path, artifact_dir: Path, worker_env: dict | None = None) -> dict:
