@@ -33,6 +33,7 @@ def _info(name: str, kind=tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInf
 @pytest.mark.parametrize("name,kind,reason", [
     ("/etc/evil", tarfile.REGTYPE, "absolute path"),
     ("shards/../../evil", tarfile.REGTYPE, "path escapes the archive"),
+    ("a/../../evil", tarfile.REGTYPE, "path escapes the archive"),
     ("link", tarfile.SYMTYPE, "links are not allowed"),
     ("hard", tarfile.LNKTYPE, "links are not allowed"),
     ("dev", tarfile.CHRTYPE, "only regular files and directories"),
@@ -135,3 +136,17 @@ def test_replicas_are_spread_over_instances():
     assert groups_per_instance(fake_plan(replicas=4, target={"accelerator": "a10g", "instances": 2})) == 2
     assert groups_per_instance(fake_plan(replicas=3, target={"accelerator": "a10g", "instances": 2})) == 2
     assert groups_per_instance(fake_plan(replicas=1)) == 1
+
+
+def test_a_file_that_is_not_an_archive_is_one_line(tmp_path):
+    bogus = tmp_path / "model.tar.gz"
+    bogus.write_bytes(b"not gzip")
+    with pytest.raises(ArtifactError, match=r"model\.tar\.gz: not a readable tar archive") as err:
+        extract_archive(bogus, tmp_path / "dest")
+    assert "\n" not in str(err.value)
+
+
+def test_a_windows_style_member_path_is_refused(tmp_path):
+    archive = _tar(tmp_path / "model.tar.gz", [(_info("shards\\..\\evil"), b"x")])
+    with pytest.raises(ArtifactError, match="empty or non-POSIX path; refusing to extract"):
+        extract_archive(archive, tmp_path / "dest")

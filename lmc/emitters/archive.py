@@ -13,8 +13,7 @@ over `out` only when complete; on any failure the temporary file is removed and 
 renames it into place. An existing `out` is replaced only when it is empty or is a previous lmc
 artifact (it holds lmc.json); any other existing directory is refused rather than overwritten.
 
-`extract_artifact` is the runtime's safe extractor: regular files and directories only, every path
-relative and inside the destination.
+Reading an archive back is the runtime's job (`lmc.runtime.startup.extract_archive`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import shutil
 import stat
 import tarfile
 import tempfile
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Literal
 
 from lmc.errors import ArtifactError
@@ -188,47 +187,3 @@ def _open_tar(archive: Path) -> tarfile.TarFile:
         raise ArtifactError(f"{archive}: no such artifact") from None
     except (OSError, tarfile.TarError, EOFError) as exc:
         raise ArtifactError(f"{archive}: not a readable .tar.gz ({' '.join(str(exc).split())})") from None
-
-
-def _safe_member_path(archive: Path, name: str) -> PurePosixPath:
-    path = PurePosixPath(name)
-    if not name or path.is_absolute() or name.startswith("/") or "\\" in name:
-        raise ArtifactError(f"{archive}: refusing member {name!r}: absolute or non-POSIX path")
-    if any(part == ".." for part in path.parts):
-        raise ArtifactError(f"{archive}: refusing member {name!r}: it points outside the artifact (`..`)")
-    return path
-
-
-def extract_artifact(archive: Path, dest: Path) -> Path:
-    """Extract `archive` into `dest` (created), refusing anything unsafe; returns `dest`.
-
-    Refused (ArtifactError naming the member): absolute paths, `..` components, symbolic and hard
-    links, devices, FIFOs. Files are written 0644 and directories 0755, whatever the archive says.
-    """
-    archive, dest = Path(archive), Path(dest)
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ArtifactError(f"{dest}: cannot create the extraction directory: {exc.strerror or exc}") from None
-    root = dest.resolve()
-    try:
-        with _open_tar(archive) as tar:
-            for member in tar:
-                rel = _safe_member_path(archive, member.name)
-                if not (member.isfile() or member.isdir()):
-                    raise ArtifactError(f"{archive}: refusing member {member.name!r}: links and special files are not allowed")
-                target = root.joinpath(*rel.parts)
-                if root not in target.parents and target != root:
-                    raise ArtifactError(f"{archive}: refusing member {member.name!r}: it points outside the artifact")
-                if member.isdir():
-                    target.mkdir(parents=True, exist_ok=True)
-                    os.chmod(target, DIR_MODE)
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                source = tar.extractfile(member)
-                with source, open(target, "wb") as sink:
-                    shutil.copyfileobj(source, sink, _CHUNK)
-                os.chmod(target, FILE_MODE)
-    except (OSError, tarfile.TarError, EOFError) as exc:
-        raise ArtifactError(f"{archive}: extraction failed: {' '.join(str(exc).split())}") from None
-    return dest

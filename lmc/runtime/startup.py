@@ -43,6 +43,8 @@ def resolve_port(flag: int | None, environ: dict[str, str] | None = None) -> int
 
 def _unsafe_reason(member: tarfile.TarInfo) -> str | None:
     name = PurePosixPath(member.name)
+    if not member.name or "\\" in member.name:
+        return "empty or non-POSIX path"
     if name.is_absolute() or member.name.startswith("/"):
         return "absolute path"
     if ".." in name.parts:
@@ -77,7 +79,7 @@ def extract_archive(archive: Path, dest: Path) -> Path:
                 with source, open(target, "wb") as out:
                     shutil.copyfileobj(source, out, _COPY_CHUNK)
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise ArtifactError(f"{archive}: not a readable tar archive: {exc}") from None
+        raise ArtifactError(f"{archive}: not a readable tar archive: {' '.join(str(exc).split())}") from None
     return dest
 
 
