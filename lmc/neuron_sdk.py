@@ -24,7 +24,6 @@ SAMPLING_CLASSES: dict[str, str] = {
     "llama": "LlamaForSampling",
     "mistral": "MistralForSampling",
     "mixtral": "MixtralForSampling",
-    "qwen2": "Qwen2ForSampling",
     "opt": "OPTForSampling",
     "bloom": "BloomForSampling",
     "gptj": "GPTJForSampling",

@@ -1,8 +1,9 @@
 """The batched decode loop: KV cache, left padding, per-request sampling, streaming, stop handling.
 
-One loop serves every engine built on a torch model (hf, deepspeed). Causal LMs are left-padded with
-an attention mask and position ids, so a request decodes to the same tokens alone or in a batch;
-T5-style encoder-decoders run the encoder once and decode from its outputs with the same loop.
+One loop serves every engine: hf and deepspeed run a transformers model through it, neuronx supplies
+its own model step (`prefill`). Causal LMs are left-padded with an attention mask and position ids,
+so a request decodes to the same tokens alone or in a batch; T5-style encoder-decoders run the
+encoder once and decode from its outputs with the same loop.
 
 With tensor parallelism every rank runs the loop over the same batch; rank 0 alone chooses the next
 tokens and broadcasts them, so ranks can never diverge (sampling included) and all ranks reach the
@@ -15,6 +16,7 @@ import inspect
 import logging
 import random
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,11 +43,18 @@ class _Row:
         return self.request.params
 
 
+# A model step supplied by the engine instead of a transformers forward: given the rows' prompt ids and
+# the pad id, run the prompt and return (next-token logits [rows, vocab], advance), where
+# advance(tokens [rows]) feeds one token per row and returns the next logits.
+Prefill = Callable[[list[list[int]], int], tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]
+
+
 class DecodeLoop:
-    """Generation over a loaded torch model on one rank. `group` None means no tensor parallelism."""
+    """Generation over a loaded model on one rank. `group` None means no tensor parallelism. With
+    `prefill`, the engine runs the model (transformers-neuronx) and this loop does the rest."""
 
     def __init__(self, model, tokenizer, *, max_sequence_length: int, device: torch.device, eos_token_ids: set[int],
-                 rank: int = 0, world_size: int = 1, group=None):
+                 rank: int = 0, world_size: int = 1, group=None, prefill: Prefill | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.max_sequence_length = max_sequence_length
@@ -54,13 +63,17 @@ class DecodeLoop:
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.prefill = prefill
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (min(self.eos_token_ids) if self.eos_token_ids else 0)
+        self.encoder_decoder = False
+        if prefill is not None:
+            return
         config = model.config
         self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
         self.decoder_start = getattr(config, "decoder_start_token_id", None)
         if self.encoder_decoder and self.decoder_start is None:
             self.decoder_start = config.pad_token_id
-        pad = tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (min(self.eos_token_ids) if self.eos_token_ids else 0)
         accepted = set(inspect.signature(model.forward).parameters)
         self.pass_positions = "position_ids" in accepted and not self.encoder_decoder
         self.pass_logits_to_keep = "logits_to_keep" in accepted
@@ -84,8 +97,12 @@ class DecodeLoop:
         rows = [self._row(request) for request in batch]
         stream = on_token if self.rank == 0 else None
         with torch.inference_mode():
-            step = self._prefill_causal(rows) if not self.encoder_decoder else self._prefill_seq2seq(rows)
-            logits, advance = step
+            if self.prefill is not None:
+                logits, advance = self.prefill([row.prompt_ids for row in rows], self.pad_id)
+            elif self.encoder_decoder:
+                logits, advance = self._prefill_seq2seq(rows)
+            else:
+                logits, advance = self._prefill_causal(rows)
             while True:
                 tokens = self._next_tokens(logits, rows)
                 for row, token in zip(rows, tokens.tolist()):

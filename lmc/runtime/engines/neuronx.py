@@ -6,9 +6,15 @@ starts it, picks the cores. The weights are the artifact's whole model.safetenso
 dtype (the build does not split them for Neuron). Families whose graphs transformers-neuronx cannot
 serialize (GPT-J, GPT-NeoX), or artifacts built without NEFFs, compile at start with to_neuron().
 
-Generation uses the SDK's `sample()`, one call per group of requests sharing sampling parameters
-(its knobs apply to the whole batch), padded to the compiled batch size. Streaming sends each
-request's text as one piece when its group finishes (sample() has no per-token hook we rely on).
+Generation runs lmc's decode loop (engines/generate.py: per-request sampling, stop sequences, EOS,
+token-by-token streaming) over the SDK model's forward, `model(input_ids, cache_ids, start_ids)` ->
+next-token logits, which every family's `*ForSampling` class has; its own `sample()` is not used: its
+knobs differ by family (only llama/mistral/mixtral take top_p and temperature, the simple loop of the
+others never samples EOS) and apply to the whole batch. Rows are left-padded with `start_ids` = each
+row's first real position (what transformers-neuronx's HuggingFaceGenerationModelAdapter derives from
+an attention mask), padded with filler rows to the compiled batch size, and decode steps pass the
+position as a one-element `cache_ids`, as the SDK's own sampling loops do. A batch is split so that
+its widest prompt plus its longest max_new_tokens fits the compiled positions (n_positions).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from pathlib import Path
 
 from lmc.errors import InternalError, MissingDependencyError
 from lmc.neuron_sdk import AMP, COMPILED_DIR, NEURON_PIP_INDEX, SAMPLING_CLASSES, from_pretrained_kwargs, int8_neuron_config
-from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult, TokenCallback
+from lmc.runtime.engines.base import GenerationRequest, GenerationResult, TokenCallback
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +57,18 @@ class NeuronxEngine:
         self.max_sequence_length = max_sequence_length
         self.batch_size = batch_size
         self.model = None
-        self.tokenizer = None
-        self.eos_token_ids: set[int] = set()
+        self.vocab_size = 0
+        self._loop = None
 
     def load(self, model_dir: Path, rank: int, world_size: int) -> None:
         if world_size != 1 or rank != 0:
             raise InternalError("a neuronx worker group is one process (transformers-neuronx spreads the model over "
                                 f"NeuronCores itself); got rank {rank} of {world_size}")
         sdk = import_sdk()
+        import torch
         import transformers
 
+        from lmc.runtime.engines.generate import DecodeLoop
         from lmc.runtime.engines.hf import eos_token_ids
 
         model_dir = Path(model_dir)
@@ -82,72 +90,65 @@ class NeuronxEngine:
             log.warning("neuronx: no precompiled graphs in %s; compiling at start (slow)", compiled)
         model.to_neuron()
         self.model = model
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         config = transformers.AutoConfig.from_pretrained(model_dir)
-        self.eos_token_ids = eos_token_ids(model_dir, config, self.tokenizer)
+        self.vocab_size = config.vocab_size
+        self._loop = DecodeLoop(model, tokenizer, max_sequence_length=self.max_sequence_length,
+                                device=torch.device("cpu"), eos_token_ids=eos_token_ids(model_dir, config, tokenizer),
+                                prefill=self._prefill)
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text)["input_ids"])
+        return self._loop.count_tokens(text)
 
     def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
-        if self.model is None:
+        if self._loop is None:
             raise InternalError("generate called before load")
-        for request in batch:
-            n = self.count_tokens(request.prompt)
-            if n + request.params.max_new_tokens > self.max_sequence_length:
-                raise ValueError(f"the prompt is {n} tokens and max_new_tokens is {request.params.max_new_tokens}: "
-                                 f"{n + request.params.max_new_tokens} exceeds the maximum sequence length "
-                                 f"{self.max_sequence_length}")
+        lengths = [self._loop.count_tokens(request.prompt) for request in batch]
         results: dict[str, GenerationResult] = {}
-        groups: dict[GenerationParams, list[GenerationRequest]] = {}
-        for request in batch:
-            groups.setdefault(request.params, []).append(request)
-        for params, requests in groups.items():
-            for start in range(0, len(requests), self.batch_size):
-                for result in self._sample(params, requests[start:start + self.batch_size]):
-                    results[result.id] = result
-                    if on_token is not None and result.text:
-                        on_token(result.id, result.text[len(_prompt_prefix(result, requests)):])
+        for chunk in pack_batches(batch, lengths, self.batch_size, self.max_sequence_length):
+            for result in self._loop.generate(chunk, on_token):
+                results[result.id] = result
         return [results[request.id] for request in batch]
 
-    def _sample(self, params: GenerationParams, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def _prefill(self, prompts: list[list[int]], pad_id: int):
+        """Run the prompts through the compiled graphs; return (logits, advance) for the decode loop."""
         import torch
 
-        prompts = [self.tokenizer(r.prompt)["input_ids"] for r in requests]
-        width = max(len(p) for p in prompts)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_token_ids or {0})
-        rows = prompts + [prompts[0]] * (self.batch_size - len(prompts))  # the compiled batch size is fixed
-        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in rows], dtype=torch.long)
-        if params.seed is not None:
-            torch.manual_seed(params.seed)  # sample() draws on the host with torch's global generator
-        kwargs = {"sequence_length": min(self.max_sequence_length, width + params.max_new_tokens),
-                  "top_k": params.top_k if params.do_sample else 1}
-        if params.do_sample:
-            kwargs.update(top_p=params.top_p, temperature=params.temperature)
-        output = self.model.sample(input_ids, **kwargs)
-        return [self._result(request, list(prompt), output[i, width:].tolist(), params)
-                for i, (request, prompt) in enumerate(zip(requests, prompts))]
+        n, width = len(prompts), max(len(p) for p in prompts)
+        rows = prompts + [prompts[0]] * (self.batch_size - n)  # the graphs are compiled for one batch size
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in rows], dtype=torch.long)
+        start_ids = torch.tensor([width - len(p) for p in rows], dtype=torch.int32)
+        position = width
 
-    def _result(self, request, prompt_ids, ids, params) -> GenerationResult:
-        generated, finish = [], "length"
-        for token in ids[:params.max_new_tokens]:
-            if token in self.eos_token_ids:
-                finish = "eos"
-                break
-            generated.append(token)
-        text = self.tokenizer.decode(generated, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-        if hits:
-            text, finish = text[:min(hits)], "stop"
-        if params.return_full_text:
-            text = request.prompt + text
-        return GenerationResult(id=request.id, text=text, prompt_tokens=len(prompt_ids),
-                                generated_tokens=len(generated), finish_reason=finish, token_ids=generated)
+        def advance(tokens: torch.Tensor) -> torch.Tensor:
+            nonlocal position
+            fed = torch.full((self.batch_size, 1), pad_id, dtype=torch.long)
+            fed[:n, 0] = tokens.to(torch.long)
+            cache_ids = torch.tensor([position], dtype=torch.int32)
+            position += 1
+            return self._logits(self.model(fed, cache_ids, start_ids), n)
+
+        return self._logits(self.model(input_ids, None, start_ids), n), advance
+
+    def _logits(self, logits, n: int):
+        return logits[:n, :self.vocab_size].float()
 
 
-def _prompt_prefix(result: GenerationResult, requests: list[GenerationRequest]) -> str:
-    """The streamed piece is the generated text only, even with return_full_text."""
-    for request in requests:
-        if request.id == result.id and request.params.return_full_text:
-            return request.prompt
-    return ""
+def pack_batches(requests: list[GenerationRequest], lengths: list[int], batch_size: int,
+                 positions: int) -> list[list[GenerationRequest]]:
+    """Split `requests` (in order) into runs of at most `batch_size` whose widest prompt (`lengths`, in
+    tokens) plus largest max_new_tokens fits `positions`: left padding puts every row's last token at
+    the widest prompt's position. A request too long on its own runs alone (the decode loop refuses it)."""
+    chunks: list[list[GenerationRequest]] = []
+    current: list[GenerationRequest] = []
+    width = longest = 0
+    for request, n in zip(requests, lengths):
+        w, m = max(width, n), max(longest, request.params.max_new_tokens)
+        if current and (len(current) == batch_size or w + m > positions):
+            chunks.append(current)
+            current, w, m = [], n, request.params.max_new_tokens
+        current.append(request)
+        width, longest = w, m
+    if current:
+        chunks.append(current)
+    return chunks
