@@ -49,8 +49,18 @@ def _rank_main(rank: int, opened: list[str], artifacts: dict) -> dict:
             on_token=lambda rid, piece: pieces.append(piece))
         params = sum(p.numel() for p in engine.model.parameters())
         out[name] = {"tokens": [r.token_ids for r in results], "opened": list(opened), "params": params,
-                     "pieces": len(pieces)}
+                     "pieces": len(pieces), "logits": _logits(engine.model, engine.tokenizer, family).tolist()}
     return out
+
+
+def _logits(model, tokenizer, family: str):
+    """Logits at every position of PROMPTS[1] (a T5 decoder fed four tokens): the whole forward,
+    not just the argmax of the last step, so a wrongly sliced head, bias or ALiBi slope shows."""
+    ids = tokenizer(PROMPTS[1], return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        if family == "t5":
+            return model(input_ids=ids, decoder_input_ids=torch.tensor([[0, 5, 6, 7]])).logits[0].float()
+        return model(input_ids=ids).logits[0].float()
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +83,21 @@ def test_tp2_greedy_equals_hf_generate_on_the_whole_checkpoint(tp2_run, name):
     reference = [hf_greedy(checkpoints[name], prompt, NEW_TOKENS) for prompt in PROMPTS]
     assert results[0][name]["tokens"][:2] == reference
     assert results[1][name]["tokens"] == results[0][name]["tokens"]  # sampling included: rank 0 decides
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES])
+def test_tp2_logits_equal_hf_on_the_whole_checkpoint_at_every_position(tp2_run, name):
+    import transformers as tf
+
+    checkpoints, _, results = tp2_run
+    family = dict((case[0], case[1]) for case in CASES)[name]
+    cls = tf.AutoModelForSeq2SeqLM if family == "t5" else tf.AutoModelForCausalLM
+    reference = _logits(cls.from_pretrained(checkpoints[name], dtype=torch.float32).eval(),
+                        tf.AutoTokenizer.from_pretrained(checkpoints[name]), family)
+    for rank in range(2):
+        logits = torch.tensor(results[rank][name]["logits"])  # a list: tensors would cross in shared memory
+        assert logits.shape == reference.shape
+        torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
 
 
 @pytest.mark.parametrize("name", [case[0] for case in CASES])

@@ -297,7 +297,11 @@ def _out(linear: nn.Module) -> int:
 
 
 def _patch_bloom_alibi(transformer: nn.Module, heads: int, rank: int, world_size: int) -> None:
-    """ALiBi slopes depend on the head index: build them for all heads, keep this rank's."""
+    """ALiBi slopes depend on the head index: build them for all heads, keep this rank's.
+
+    BloomModel builds ALiBi through `build_alibi_tensor` only when it is given an attention mask
+    (without one it computes the slopes inline, for every head), so a call without a mask gets an
+    all-ones mask first."""
     original = transformer.build_alibi_tensor
     local = heads // world_size
 
@@ -307,7 +311,19 @@ def _patch_bloom_alibi(transformer: nn.Module, heads: int, rank: int, world_size
         alibi = alibi.view(batch, heads, 1, -1)[:, rank * local:(rank + 1) * local]
         return alibi.reshape(batch * local, 1, -1)
 
+    def fill_mask(_module, args, kwargs):
+        if kwargs.get("attention_mask") is None:
+            tokens = kwargs.get("input_ids", args[0] if args else None)
+            if tokens is None:
+                tokens = kwargs["inputs_embeds"][..., 0]
+            cache = kwargs.get("past_key_values")
+            past = cache.get_seq_length() if cache is not None else 0
+            kwargs["attention_mask"] = torch.ones(tokens.shape[0], past + tokens.shape[1], dtype=torch.long,
+                                                  device=tokens.device)
+        return args, kwargs
+
     transformer.build_alibi_tensor = build_alibi_tensor
+    transformer.register_forward_pre_hook(fill_mask, with_kwargs=True)
 
 
 def _check_no_meta(model: nn.Module) -> None:
