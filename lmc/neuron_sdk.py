@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-# One Neuron SDK release (2.18), as its packages pin each other; NEFFs only load under the compiler
-# version that produced them, so the build host and the container must agree.
+# One Neuron SDK release, as its packages pin each other; NEFFs only load under the compiler version
+# that produced them, so the build host and the container (docker/Dockerfile.neuron) must agree.
+NEURON_SDK_RELEASE = "2.18"
 NEURON_SDK_PINS: dict[str, str] = {
     "transformers-neuronx": "0.10.0.21",
     "torch-neuronx": "2.1.2.2.1.0",

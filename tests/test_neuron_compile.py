@@ -152,3 +152,18 @@ def test_agrees_with_the_planner_on_what_can_be_precompiled():
     facts = engine_facts()["neuronx"]
     assert set(facts.families) <= set(neuron.SAMPLING_CLASSES)
     assert set(facts.aot_compile_families) == set(facts.families) - neuron.NOT_SERIALIZABLE
+
+
+def test_the_neuron_image_serves_with_the_sdk_the_build_compiles_with():
+    """NEFFs load only under the compiler that made them: the Dockerfile's DLC tag and its
+    transformers-neuronx pin must be the release whose packages the build pins."""
+    import re
+    from pathlib import Path
+
+    from lmc.neuron_sdk import NEURON_SDK_PINS, NEURON_SDK_RELEASE
+
+    dockerfile = (Path(__file__).resolve().parent.parent / "docker/Dockerfile.neuron").read_text()
+    tag = re.search(r"^ARG NEURON_DLC=\S+:(\S+)$", dockerfile, re.M).group(1)
+    assert f"-sdk{NEURON_SDK_RELEASE}." in tag
+    assert tag.startswith(NEURON_SDK_PINS["torch-neuronx"].rsplit(".", 3)[0] + "-")  # torch 2.1.2 in the DLC
+    assert f"transformers-neuronx=={NEURON_SDK_PINS['transformers-neuronx']}" in dockerfile
