@@ -23,11 +23,12 @@ conversion and partitioning lmc moves to build time are paid at every start with
 configuration is reported beside it, its ratio shown as it is. With --dtype fp32 alone the status
 follows fp32.
 
-Where lmc's seconds went when this was last tuned (2-core host, 1 GB fp32): ~0.1 s from process start
-to the fork server's start; ~2.7-3.3 s the fork server importing torch + transformers + the family's
-module once (collector off) while the sha256 check (~1 s/GB, one thread) runs beside it; then ~0.2 s
-per rank after the fork (gloo 0.02, config + tokenizer 0.02, mapping the shard 0.01, the meta skeleton
-0.12, attaching the mapped tensors 0.01). The import is the floor: the baseline pays it in each rank.
+Where lmc's seconds went when this was last tuned (2-core host, 1 GB fp32): ~0.2-0.4 s from process
+start to the fork server's first import; ~2.7-4.6 s (two sessions' hosts) the fork server importing
+torch + transformers + the family's module once (collector off) while the sha256 check (~1 s/GB, one
+thread) runs beside it; then ~0.1-0.2 s per rank after the fork (gloo 0.02, config + tokenizer 0.02,
+mapping the shard 0.01, the meta skeleton 0.04 with weight initialisation off, attaching the mapped
+tensors 0.02). The import is the floor (~85 % of lmc's time): the baseline pays it in each rank.
 Usage: python bench/cold_start_bench.py [--size 1.0] [--runs 2] [--dtype fp32|bf16|both]
 """
 

@@ -79,11 +79,22 @@ def resolve_device(device: str, rank: int):
 
 
 def build_skeleton(config, task: str, dtype):
-    """The full-size model with parameters on the meta device (buffers real), in `dtype`."""
+    """The full-size model with parameters on the meta device (buffers real), in `dtype`.
+
+    Weight initialisation is switched off (transformers' no_init_weights, as its own from_pretrained
+    does before loading): every parameter comes from the shard, and running torch's init functions on
+    meta tensors is not free (it goes through Python decompositions: ~0.5 s for a 1 GB Llama on a
+    small CPU, per rank, at every start). Buffers (rotary frequencies) are still computed in
+    __init__."""
     import torch
     import transformers
 
     from lmc.runtime.engines.tp import parameters_on_meta
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
 
     if task == "text2text-generation" or getattr(config, "is_encoder_decoder", False):
         factory = transformers.AutoModelForSeq2SeqLM
@@ -92,7 +103,7 @@ def build_skeleton(config, task: str, dtype):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with parameters_on_meta():
+        with parameters_on_meta(), no_init_weights():
             model = factory.from_config(config, dtype=dtype)
     finally:
         torch.set_default_dtype(previous)
