@@ -33,10 +33,9 @@ def test_temperature_zero_means_greedy():
     ({"max_new_tokens": 64}, "leaves no room for a prompt within the maximum sequence length 64"),
     ({"temperature": -1}, "parameters.temperature must be in [0, 100], got -1"),
     ({"top_p": 1.5}, "parameters.top_p must be in [0, 1], got 1.5"),
-    ({"top_p": 0}, "parameters.top_p must be in (0, 1], got 0"),
     ({"top_k": -2}, "parameters.top_k must be >= 0"),
     ({"do_sample": "yes"}, "parameters.do_sample must be true or false, got a string"),
-    ({"seed": -1}, "parameters.seed must be in [0,"),
+    ({"seed": 2**63}, "parameters.seed must be in [-9223372036854775808, 9223372036854775807]"),
     ({"stop": [""]}, "parameters.stop[0] must be a non-empty string"),
     ({"stop": 5}, "parameters.stop must be a string or a list of strings"),
     ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
@@ -70,3 +69,16 @@ def test_bad_invocations_are_rejected_with_the_reason(body, message):
     with pytest.raises(ValueError) as excinfo:
         parse_invocation(body)
     assert message in str(excinfo.value)
+
+
+def test_openai_legal_values_are_accepted_and_top_p_zero_keeps_the_top_token():
+    """OpenAI takes any int64 seed and top_p = 0; the nucleus is then the single most likely token."""
+    import torch
+
+    from lmc.runtime.engines.generate import choose_token
+
+    params = parse_parameters({"seed": -1, "top_p": 0, "do_sample": True, "temperature": 1.5})
+    assert params.seed == -1 and params.top_p == 0.0
+    logits = torch.tensor([0.1, 2.0, 1.9, -3.0])
+    picks = {choose_token(logits, params, [], torch.Generator().manual_seed(s)) for s in range(50)}
+    assert picks == {1}

@@ -131,3 +131,20 @@ def test_a_model_that_cannot_load_stops_start_up_with_one_line(tmp_path, rank):
     else:
         assert "rank 1 cannot load the model" in last
         assert "rank 1 cannot load the model: the neuronx engine needs the Neuron SDK" in err
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--request-timeout", "0"], {}, "--request-timeout = 0.0: must be a positive number"),
+    (["--max-body-bytes", "-5"], {}, "--max-body-bytes = -5: must be a positive number"),
+    ([], {"LMC_REQUEST_TIMEOUT_S": "nan"}, "LMC_REQUEST_TIMEOUT_S = nan: must be a positive number"),
+    ([], {"LMC_MAX_BODY_BYTES": "lots"}, "LMC_MAX_BODY_BYTES = 'lots': not a number"),
+])
+def test_bad_timeouts_and_limits_are_usage_errors_before_anything_starts(tmp_path, monkeypatch, args, env, message):
+    model = write_artifact(tmp_path / "m", fake_plan())
+    for name in ("LMC_REQUEST_TIMEOUT_S", "LMC_MAX_BODY_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    proc = _start(["--model-dir", str(model), "--port", str(free_port()), *args], env=env)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [f"lmc: error: {message}"], err

@@ -84,6 +84,11 @@ def test_stream_is_jsonlines_token_by_token_then_the_text(server):
     (b'{"inputs": ["a", "b"], "stream": true}', "takes a single string"),
     (b'{"inputs": "w w w w w w w w w w", "parameters": {"max_new_tokens": 60}}',
      "has 10 prompt tokens; with max_new_tokens = 60 that is 70, beyond the maximum sequence length 64"),
+    (b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}", "malformed JSON body: maximum recursion depth"),
+    (b'{"inputs": "a", "parameters": {"seed": ' + b"1" * 5000 + b"}}", "malformed JSON body: Exceeds the limit"),
+    (b'{"inputs": "a \\ud800 b"}', "lone UTF-16 surrogate"),
+    (b'{"inputs": ["fine", ""]}', r"inputs\[1\] is empty after tokenization"),
+    (json.dumps({"inputs": ["p"] * 129}).encode(), "129 prompts; the request queue holds 128: send at most 128"),
 ])
 def test_bad_requests_are_400_with_the_reason(server, body, reason):
     reply = httpx.post(server.url + "/invocations", content=body, headers={"content-type": "application/json"})
@@ -179,3 +184,22 @@ def test_request_timeout_is_424_and_nothing_hangs(tmp_path):
         reply = post(srv, {"inputs": "slow", "parameters": {"max_new_tokens": 20}})
         assert reply.status_code == 424 and "timed out after 0.5s" in reply.json()["error"]
         assert time.monotonic() - start < 2.0
+
+
+def test_a_stream_the_client_drops_is_recorded_as_499_and_releases_its_slot(server):
+    def count(text, status):
+        lines = [l for l in text.splitlines() if l.startswith(f'lmc_requests_total{{endpoint="invocations",status="{status}"}}')]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    before = count(httpx.get(server.url + "/metrics").text, 499)
+    with httpx.stream("POST", server.url + "/invocations", timeout=30,
+                      json={"inputs": "drop me", "parameters": {"max_new_tokens": 60}, "stream": True}) as reply:
+        next(reply.iter_lines())  # the first piece arrived; hang up mid-stream
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = httpx.get(server.url + "/metrics").text
+        if count(text, 499) > before:
+            break
+        time.sleep(0.05)
+    assert count(text, 499) == before + 1
+    assert "lmc_requests_in_flight 0.0" in text

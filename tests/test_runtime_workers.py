@@ -111,3 +111,4 @@ def test_a_fatal_load_failure_stops_the_group_and_tells_the_scheduler(tmp_path):
         assert fatal is not None and fatal.exit_code == 1
         assert str(fatal) == "worker group 0 cannot load the model: no SDK here"
         assert srv.runtime.scheduler.groups[0].restarts == 0
+        assert "lmc_worker_group_restarts_total 0.0" in srv.runtime.metrics.render().decode()  # nothing restarted

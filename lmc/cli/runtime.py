@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -41,9 +42,16 @@ def _float_env(name: str) -> float | None:
     if not value:
         return None
     try:
-        return float(value)
+        return _positive(name, float(value))
     except ValueError:
         raise UsageError(f"{name} = {value!r}: not a number") from None
+
+
+def _positive(name: str, value: float | None) -> float | None:
+    """`value` unless it is zero, negative, infinite or NaN (a usage error); None passes through."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{name} = {value!r}: must be a positive number")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = _artifact_path(args)
     port = resolve_port(args.port)
+    timeout = _positive("--request-timeout", args.request_timeout) or _float_env("LMC_REQUEST_TIMEOUT_S")
+    max_body = _positive("--max-body-bytes", args.max_body_bytes) or _float_env("LMC_MAX_BODY_BYTES")
     artifact = open_artifact(path, check_hashes=False)  # the manifest, every file present, sizes
     try:
         # First, so the engine's imports (seconds) overlap everything else: on CPU hosts the fork server
@@ -61,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
         from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES, Runtime, serve
         from lmc.runtime.startup import default_request_timeout_s
 
-        timeout = args.request_timeout or _float_env("LMC_REQUEST_TIMEOUT_S") or default_request_timeout_s(artifact.plan)
-        max_body = args.max_body_bytes or int(_float_env("LMC_MAX_BODY_BYTES") or DEFAULT_MAX_BODY_BYTES)
+        timeout = timeout or default_request_timeout_s(artifact.plan)
+        max_body = int(max_body or DEFAULT_MAX_BODY_BYTES)
         # Workers start now and wait at the gate; they touch nothing from the artifact (not even
         # model.py) until every file's sha256 is verified.
         gate = mp_context(artifact.plan).Event()

@@ -7,6 +7,7 @@ temperature 0 means greedy; `max_tokens` defaults to 16 for completions and to w
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -193,7 +194,7 @@ async def _handle(request: Request, chat: bool) -> Response:
 
 async def _stream(runtime: "Runtime", job: "Job", chat: bool, ident: str, created: int, model: str,
                   include_usage: bool, started: float) -> AsyncIterator[bytes]:
-    from lmc.runtime.server import RequestFailed
+    from lmc.runtime.server import CLIENT_CLOSED, RequestFailed
 
     kind_name = "chat.completion.chunk" if chat else "text_completion"
 
@@ -221,6 +222,9 @@ async def _stream(runtime: "Runtime", job: "Job", chat: bool, ident: str, create
     except RequestFailed as exc:
         status = exc.status
         yield _sse({"error": {"message": exc.message, "code": exc.status, "type": "server_error"}})
+    except (asyncio.CancelledError, GeneratorExit):
+        status = CLIENT_CLOSED
+        raise
     finally:
         runtime.release()
         runtime.record("chat_completions" if chat else "completions", status, started)

@@ -43,16 +43,14 @@ def parse_parameters(params: dict, max_sequence_length: int | None = None) -> Ge
     if "temperature" in params:
         values["temperature"] = _number(params, "temperature", minimum=0.0, maximum=100.0)
     if "top_p" in params:
-        top_p = _number(params, "top_p", minimum=0.0, maximum=1.0)
-        if top_p == 0.0:
-            raise ValueError("parameters.top_p must be in (0, 1], got 0")
-        values["top_p"] = top_p
+        # 0 is allowed (OpenAI allows it): the nucleus is then the most likely token alone.
+        values["top_p"] = _number(params, "top_p", minimum=0.0, maximum=1.0)
     if "top_k" in params:
         values["top_k"] = _int(params, "top_k", minimum=0)
     if "do_sample" in params:
         values["do_sample"] = _bool(params, "do_sample")
     if "seed" in params and params["seed"] is not None:
-        values["seed"] = _int(params, "seed", minimum=0, maximum=2**63 - 1)
+        values["seed"] = _int(params, "seed", minimum=-2**63, maximum=2**63 - 1)  # any int64, as OpenAI takes
     if "stop" in params and params["stop"] is not None:
         values["stop"] = _stop(params["stop"])
     if "repetition_penalty" in params:

@@ -40,6 +40,10 @@ DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 _HUNG_GRACE_S = 30.0
 
 
+# The status recorded in the metrics for a stream whose client went away (nginx's convention).
+CLIENT_CLOSED = 499
+
+
 class RequestFailed(Exception):
     """Answered as {"error": message, "code": status}."""
 
@@ -124,6 +128,7 @@ class Scheduler:
             task.cancel()
         for job in self.batcher.queue.drain():
             self._fail(job, 503, "the server is shutting down")
+        self.metrics.queue_depth.set(0)
         await asyncio.gather(*(asyncio.to_thread(group.stop) for group in self.groups))
 
     def all_ready(self) -> bool:
@@ -157,6 +162,7 @@ class Scheduler:
                 continue
             if not self._ready[index].is_set():  # went down while we waited for work
                 self.batcher.requeue(jobs)
+                self.metrics.queue_depth.set(len(self.batcher.queue))
                 await asyncio.sleep(0)
                 continue
             batch_id = next(self._batch_ids)
@@ -168,7 +174,8 @@ class Scheduler:
             except RuntimeError:  # it went down; its on_down is still on its way to this loop
                 del self._batches[batch_id], self._batch_done[batch_id]
                 self.batcher.requeue(jobs)
-                self._ready[index].clear()  # wait for on_ready instead of spinning on the same batch
+                self.metrics.queue_depth.set(len(self.batcher.queue))
+                self._set_ready(index, False)  # wait for on_ready instead of spinning on the same batch
                 await asyncio.sleep(0)
                 continue
             self.metrics.batch_size.observe(len(jobs))
@@ -196,8 +203,9 @@ class Scheduler:
 
     def on_down(self, group: int, reason: str) -> None:
         self._call(self._set_ready, group, False)
-        if not self._stopping:
-            self.metrics.restarts.inc()
+
+    def on_restart(self, group: int) -> None:
+        self.metrics.restarts.inc()  # not on_down: a fatal load failure or a drain restarts nothing
 
     def on_fatal(self, group: int, error: Exception) -> None:
         self._call(self._fatal, error)
@@ -331,9 +339,18 @@ class Runtime:
         except ClientDisconnect:
             raise RequestFailed(400, "the client disconnected while sending the body") from None
         try:
-            return json.loads(b"".join(chunks))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RequestFailed(400, f"malformed JSON body: {exc}") from None
+            body = json.loads(b"".join(chunks))
+            # Lone UTF-16 surrogates ("\ud800") are valid JSON escapes but not text: refuse them here,
+            # before a tokenizer or the response encoder meets them.
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestFailed(400, "the body contains a lone UTF-16 surrogate escape, which is not valid "
+                                     "Unicode text") from None
+        # JSONDecodeError and bad UTF-8 are ValueErrors, so are integers past Python's digit limit;
+        # RecursionError: absurdly deep nesting.
+        except (ValueError, RecursionError) as exc:
+            raise RequestFailed(400, f"malformed JSON body: {' '.join(str(exc).split())}") from None
+        return body
 
     def check_accepting(self) -> None:
         if not self.accepting:
@@ -342,12 +359,18 @@ class Runtime:
     def make_jobs(self, prompts: list[str], params: GenerationParams, stream: bool, label: str = "inputs") -> list[Job]:
         """Jobs for `prompts`, after checking prompt tokens + max_new_tokens fit the planned
         sequence length (RequestFailed 400 naming the prompt otherwise)."""
+        capacity = self.scheduler.batcher.queue.capacity
+        if len(prompts) > capacity:
+            raise RequestFailed(400, f"{label} has {len(prompts)} prompts; the request queue holds {capacity}: "
+                                     f"send at most {capacity} per request")
         now = time.monotonic()
         jobs = []
         for index, prompt in enumerate(prompts):
             count = self.text.count_tokens(prompt)
+            where = label if len(prompts) == 1 else f"{label}[{index}]"
+            if count == 0:
+                raise RequestFailed(400, f"{where} is empty after tokenization; give at least one token of input")
             if count + params.max_new_tokens > self.max_sequence_length:
-                where = label if len(prompts) == 1 else f"{label}[{index}]"
                 raise RequestFailed(400, f"{where} has {count} prompt tokens; with max_new_tokens = {params.max_new_tokens} "
                                          f"that is {count + params.max_new_tokens}, beyond the maximum sequence length "
                                          f"{self.max_sequence_length}")
@@ -465,6 +488,9 @@ async def _jsonlines(runtime: Runtime, job: Job, started: float) -> AsyncIterato
     except RequestFailed as exc:
         status = exc.status
         yield _line({"error": exc.message, "code": exc.status})
+    except (asyncio.CancelledError, GeneratorExit):
+        status = CLIENT_CLOSED
+        raise
     finally:
         runtime.release()
         runtime.record("invocations", status, started)
@@ -480,6 +506,8 @@ async def _not_found(request: Request, exc: HTTPException) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unexpected error on %s", request.url.path)
+    runtime: Runtime = request.app.state.runtime
+    runtime.record(request.url.path.strip("/").replace("/", "_") or "root", 500)
     return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
 

@@ -333,6 +333,7 @@ class GroupEvents(Protocol):
     def on_result(self, group: int, batch_id: int, results: list) -> None: ...
     def on_failure(self, group: int, batch_id: int, message: str) -> None: ...
     def on_down(self, group: int, reason: str) -> None: ...
+    def on_restart(self, group: int) -> None: ...
     def on_fatal(self, group: int, error: ModelLoadError) -> None: ...
 
 
@@ -417,7 +418,11 @@ class WorkerGroup:
             except Exception as exc:  # e.g. out of processes; retry like a crash
                 reason = f"could not start: {type(exc).__name__}: {exc}"
             else:
-                reason = self._pump()
+                try:
+                    reason = self._pump()
+                except Exception as exc:  # e.g. a message that does not unpickle: same path as a crash
+                    log.exception("worker group %d: supervisor error", self.group)
+                    reason = f"supervisor error: {type(exc).__name__}: {exc}"
             self._down(reason)
             if self.fatal is not None and not self._stopping.is_set():
                 log.error("worker group %d cannot load the model; not restarting it: %s", self.group, self.fatal)
@@ -426,6 +431,7 @@ class WorkerGroup:
             if self._stopping.is_set() or not self.restart_on_death:
                 return
             self.restarts += 1
+            self.events.on_restart(self.group)
             log.error("worker group %d went down (%s); restarting (restart %d)", self.group, reason, self.restarts)
             # A group that dies while loading would otherwise spin; back off, up to 30 s.
             if time.monotonic() - started < 10.0:
