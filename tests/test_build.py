@@ -278,3 +278,44 @@ def test_catalog_model_without_path_or_uri_has_nothing_to_pack(tmp_path, capsys)
     spec.write_text('[model]\nid = "EleutherAI/gpt-j-6b"\n\n[target]\ninstance = "ml.g5.12xlarge"\n', encoding="utf-8")
     line = expect_failure(capsys, spec, tmp_path / "model.tar.gz", "nothing to pack", "`path`", "`uri`")
     assert f"{spec}:1: model" in line
+
+
+def test_dir_output_that_is_not_an_artifact_is_refused_before_any_weight_is_read(tmp_path, llama_checkpoint, capsys,
+                                                                                   monkeypatch):
+    import lmc.emitters.partition as partition
+
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    monkeypatch.setattr(partition, "partition_checkpoint", lambda *a, **k: pytest.fail("partitioned first"))
+    code, _, err = run_cli(capsys, "build", str(write_spec(tmp_path, llama_checkpoint)), "--format", "dir",
+                           "-o", str(out))
+    assert code == 1 and "is not empty and is not an lmc artifact" in err
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_write_error_while_staging_is_one_line_exit_1_and_nothing_left(tmp_path, llama_checkpoint, capsys,
+                                                                          monkeypatch):
+    import errno
+
+    import lmc.emitters.partition as partition
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.safetensors"))
+
+    monkeypatch.setattr(partition, "partition_checkpoint", disk_full)
+    expect_failure(capsys, write_spec(tmp_path, llama_checkpoint), tmp_path / "model.tar.gz",
+                   "cannot build the artifact", "No space left on device")
+
+
+def test_sigterm_during_a_build_unwinds_like_ctrl_c():
+    import os
+    import signal
+    import time
+
+    from lmc.cli.build import _interruptible
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        _interruptible(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5)))
+    assert signal.getsignal(signal.SIGTERM) is previous  # restored

@@ -307,3 +307,15 @@ def test_header_is_read_without_reading_tensor_data(tmp_path):
         stream.write(struct.pack("<Q", len(header)) + header)
         stream.truncate(8 + len(header) + size)
     assert read_safetensors_header(file) == [("big", "F32", (2**34,))]
+
+
+def test_an_index_whose_weight_map_is_not_names_is_one_line(tmp_path):
+    import json
+
+    from lmc.errors import CheckpointError
+    from lmc.planner.checkpoint_facts import safetensors_files
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": 1}}))
+    with pytest.raises(CheckpointError) as excinfo:
+        safetensors_files(tmp_path)
+    assert "not a safetensors index (needs a `weight_map` object)" in str(excinfo.value)

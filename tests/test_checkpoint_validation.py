@@ -207,3 +207,70 @@ def test_read_header_rejects_gaps(tmp_path):
     path.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 16)
     with pytest.raises(CheckpointError, match=r"gap\.safetensors: corrupt safetensors file: 4 unused bytes before tensor 'b'"):
         read_header(path)
+
+
+def _rewrite(ckpt: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("dropped, expected", [
+    (["lm_head.weight"], "no tensor lm_head.weight (the LM head; tie_word_embeddings is false)"),
+    (["model.layers.1."], "no tensor in model.layers.1 (layer 1 of 2 is absent)"),
+    (["model.layers.0.self_attn.q_proj.weight"], "no tensor model.layers.0.*self_attn.q_proj.weight"),
+    (["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"],
+     "no tensor model.layers.0.*self_attn.q_proj.weight"),  # gone from every layer: the family table knows
+    (["model.norm.weight"], "no tensor named *norm.weight"),
+])
+def test_a_missing_tensor_is_named(ckpt, dropped, expected):
+    facts = _facts(ckpt)
+    _rewrite(ckpt, lambda t: [t.pop(n) for n in list(t) if any(n.startswith(d) for d in dropped)])
+    message = _error(ckpt, facts)
+    assert message.startswith(f"{ckpt}: the checkpoint has ") and expected in message
+    assert message.endswith("which config.json implies (llama, 2 layers)")
+
+
+def test_a_tensor_most_layers_have_is_required_in_every_layer(tmp_path):
+    path = make_checkpoint("qwen2", tmp_path / "q")
+    facts = checkpoint_model_facts(path, "q")
+    _rewrite(path, lambda t: t.pop("model.layers.1.self_attn.q_proj.bias"))
+    assert "no tensor model.layers.1.self_attn.q_proj.bias (1 of 2 layers have it)" in _error(path, facts)
+
+
+def test_tied_heads_and_t5_position_bias_in_block_0_only_are_complete(tmp_path):
+    for family in ("opt", "bloom", "t5"):  # tied LM heads; T5 keeps relative_attention_bias in block 0
+        path = make_checkpoint(family, tmp_path / family)
+        validate_checkpoint(path, checkpoint_model_facts(path, family))
+
+
+def test_pre_quantized_checkpoints_are_refused(ckpt):
+    facts = _facts(ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    assert "already quantized (quantization_config, method fp8)" in _error(ckpt, facts)
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+    def to_fp8(t):
+        name = "model.layers.0.mlp.up_proj.weight"
+        t[name] = t[name].to(torch.float8_e4m3fn)
+        t[name + "_scale"] = torch.ones(t[name].shape[0])
+    _rewrite(ckpt, to_fp8)
+    assert "tensor 'model.layers.0.mlp.up_proj.weight' (F8_E4M3) looks pre-quantized" in _error(ckpt, facts)
+
+
+def test_only_hf_pickle_names_count_as_weights(ckpt):
+    facts = _facts(ckpt)
+    torch.save({"learning_rate": torch.tensor(1e-4)}, ckpt / "training_args.bin")
+    assert validate_checkpoint(ckpt, facts, allow_pickle=True).from_pickle is False  # safetensors win anyway
+    (ckpt / "model.safetensors").unlink()
+    assert "no weights: expected *.safetensors" in _error(ckpt, facts, allow_pickle=True)
+
+
+def test_a_pickle_index_that_is_not_a_weight_map_is_one_line(ckpt):
+    facts = _facts(ckpt)
+    _pickle_only(ckpt)
+    (ckpt / "pytorch_model.bin.index.json").write_text("[1]")
+    assert "not a weights index: needs a `weight_map` object" in _error(ckpt, facts, allow_pickle=True)

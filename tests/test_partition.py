@@ -181,3 +181,27 @@ def test_progress_bar_when_asked(checkpoints, tmp_path, capsys):
     partition_checkpoint(info, family="opt", dtype="fp16", tp=1, head_dim=facts.head_dim, kv_heads=facts.kv_heads,
                          out_dir=tmp_path / "loud", progress=True)
     assert "partitioning" in capsys.readouterr().err
+
+
+def test_a_cast_that_overflows_float16_is_refused_not_written_as_inf(tmp_path):
+    from safetensors.torch import save_file
+
+    path = make_checkpoint("llama", tmp_path / "ckpt")
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.norm.weight"][3] = 1e5  # fine in fp32 and bf16, beyond fp16's 65504
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    info = validate_checkpoint(path, checkpoint_model_facts(path, "x"))
+    with pytest.raises(CheckpointError) as excinfo:
+        partition_checkpoint(info, family="llama", dtype="fp16", tp=1, head_dim=16, kv_heads=2, out_dir=tmp_path / "out")
+    assert "tensor 'model.norm.weight' has values beyond float16's range (|x| > 65504)" in str(excinfo.value)
+    partition_checkpoint(info, family="llama", dtype="bf16", tp=1, head_dim=16, kv_heads=2, out_dir=tmp_path / "bf16")
+
+
+def test_quantization_scales_never_underflow_to_nan():
+    from lmc.emitters.partition import _quantize, _row_scales
+
+    rows = torch.tensor([[1e-43, 0.0, -5e-44], [0.0, 0.0, 0.0], [1.0, -2.0, 0.5]])
+    for dtype, qmax in (("fp8", 448.0), ("int8", 127.0)):
+        scale = _row_scales(rows, qmax)
+        assert bool((scale > 0).all())
+        assert bool(torch.isfinite(_quantize(rows, scale, dtype).float()).all())

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 
 FORMATS = ("tar.gz", "dir")
@@ -28,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else Path(DEFAULT_OUT[args.fmt])
     # Stage messages only for a person watching; logs and pipes get the summary (or the one error line).
     progress = (lambda message: print(f"lmc: {message}", file=sys.stderr)) if sys.stderr.isatty() else None
-    result = build_artifact(loaded, out, fmt=args.fmt, allow_pickle=args.allow_pickle, progress=progress)
+    result = _interruptible(lambda: build_artifact(loaded, out, fmt=args.fmt, allow_pickle=args.allow_pickle,
+                                                   progress=progress))
     plan = result.plan
     print(f"plan: {plan.model.id} on {plan.target.instance}: {plan.engine} {plan.dtype}, "
           f"TP {plan.tensor_parallel_degree} x {plan.replicas} replica(s), batch {plan.batch_size}, "
@@ -42,3 +45,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {result.out}/ ({format_bytes(result.archive_bytes)}, {len(result.files)} files)")
     return 0
+
+
+def _interruptible(work):
+    """Run `work` with SIGTERM (docker stop, a CI timeout) handled like Ctrl-C: the build's own cleanup
+    runs and nothing half-written stays behind. Main thread only (else the handler is left alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        return work()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        return work()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

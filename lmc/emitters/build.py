@@ -80,33 +80,37 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
 
     staging = _make_staging(out)
     try:
-        if info is not None:
-            _copy_checkpoint_files(info, result.checkpoint, staging)
+        try:
+            if info is not None:
+                _copy_checkpoint_files(info, result.checkpoint, staging)
+                if plan.engine == "neuronx":
+                    _stage_neuron_weights(info, plan, result.model, staging, progress)
+                else:
+                    from lmc.emitters.partition import partition_checkpoint
+
+                    say(f"partitioning weights for tensor parallel degree {plan.tensor_parallel_degree} ({plan.dtype})")
+                    partition_checkpoint(info, family=plan.model.family, dtype=plan.dtype,
+                                         tp=plan.tensor_parallel_degree, head_dim=result.model.head_dim,
+                                         kv_heads=result.model.kv_heads, out_dir=staging, progress=progress)
             if plan.engine == "neuronx":
-                _stage_neuron_weights(info, plan, result.model, staging, progress)
-            else:
-                from lmc.emitters.partition import partition_checkpoint
+                if precompile:
+                    say(f"compiling Neuron graphs ({neuron.sampling_class(plan.model.family)})")
+                    neuron.run_neuron_compile(neuron.neuron_compile_plan(plan, staging), sdk)
+                else:
+                    neuron.write_compile_record(staging, neuron.deferred_compile_record(plan, weights_remote))
+                _write(staging / neuron.README, render_neuron_readme(plan, spec))
 
-                say(f"partitioning weights for tensor parallel degree {plan.tensor_parallel_degree} ({plan.dtype})")
-                partition_checkpoint(info, family=plan.model.family, dtype=plan.dtype,
-                                     tp=plan.tensor_parallel_degree, head_dim=result.model.head_dim,
-                                     kv_heads=result.model.kv_heads, out_dir=staging, progress=progress)
-        if plan.engine == "neuronx":
-            if precompile:
-                say(f"compiling Neuron graphs ({neuron.sampling_class(plan.model.family)})")
-                neuron.run_neuron_compile(neuron.neuron_compile_plan(plan, staging), sdk)
-            else:
-                neuron.write_compile_record(staging, neuron.deferred_compile_record(plan, weights_remote))
-            _write(staging / neuron.README, render_neuron_readme(plan, spec))
+            for name, data in render_text_files(plan, spec).items():
+                _write(staging / name, data)
+            files = _write_manifest(staging, loaded, plan)
 
-        for name, data in render_text_files(plan, spec).items():
-            _write(staging / name, data)
-        files = _write_manifest(staging, loaded, plan)
+            from lmc.emitters.archive import write_artifact
 
-        from lmc.emitters.archive import write_artifact
-
-        say(f"writing {out}")
-        written = Path(write_artifact(staging, out, fmt=fmt, move=True) if fmt == "dir" else write_artifact(staging, out, fmt=fmt))
+            say(f"writing {out}")
+            written = Path(write_artifact(staging, out, fmt=fmt, move=True) if fmt == "dir" else write_artifact(staging, out, fmt=fmt))
+        except OSError as exc:  # disk full, file too large, an I/O error: one line, exit 1, nothing left behind
+            raise ArtifactError(f"{out}: cannot build the artifact: {exc.filename or out}: "
+                                f"{exc.strerror or exc}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -128,6 +132,8 @@ def _check_output(out: Path, fmt: str) -> None:
         raise ArtifactError(f"{out}: is a directory; give a file name for the .tar.gz (or --format dir)")
     if fmt == "dir" and out.exists() and not out.is_dir():
         raise ArtifactError(f"{out}: exists and is not a directory; --format dir writes a directory")
+    if fmt == "dir" and out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+        raise ArtifactError(f"{out}: exists, is not empty and is not an lmc artifact; refusing to overwrite it")
 
 
 def _make_staging(out: Path) -> Path:

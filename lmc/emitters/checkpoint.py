@@ -79,12 +79,19 @@ def validate_checkpoint(path: Path, facts: ModelFacts, *, allow_pickle: bool = F
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{config_file}: missing (a HF checkpoint directory needs its config.json)")
-    _read_json(config_file)
+    config = _read_json(config_file)
+    if isinstance(config, dict) and config.get("quantization_config"):
+        method = (config["quantization_config"] or {}).get("quant_method", "?") \
+            if isinstance(config["quantization_config"], dict) else "?"
+        raise CheckpointError(f"{config_file}: the checkpoint is already quantized (quantization_config, method "
+                              f"{method}); lmc builds from 16- or 32-bit float weights and quantizes them itself")
     files, from_pickle = _weight_files(path, allow_pickle)
     headers = [read_header(file) for file in files]
     tensors = _tensor_table(path, headers)
     _check_index_agrees(path, tensors)
+    _check_not_quantized(tensors)
     check_shapes(facts, tensors)
+    check_complete(path, facts, tensors)
     tokenizer_files = _tokenizer_files(path)
     extras = sorted(set(tokenizer_files) | {name for name in _OTHER_EXTRAS if (path / name).is_file()})
     return CheckpointInfo(path=path, family=facts.family, files=tuple(files), tensors=tensors,
@@ -105,7 +112,8 @@ def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], bool]:
     files = sorted(path.glob("*.safetensors"))
     if files:
         return files, False
-    pickles = sorted(p for p in path.iterdir() if p.suffix in (".bin", ".pt") and p.is_file())
+    # HF's pickle weight names only: a fine-tune directory also holds training_args.bin, optimizer.pt...
+    pickles = sorted(p for p in path.iterdir() if p.is_file() and re.fullmatch(r"pytorch_model.*\.bin", p.name))
     if not pickles:
         raise CheckpointError(f"{path}: no weights: expected *.safetensors (or {INDEX_NAME})")
     if not allow_pickle:
@@ -113,11 +121,16 @@ def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], bool]:
     return _convert_pickles(path, pickles), True
 
 
-def _indexed_files(index: Path) -> list[Path]:
+def _weight_map(index: Path) -> dict[str, str]:
     data = _read_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index}: not a safetensors index: needs a `weight_map` object of tensor -> file")
+        raise CheckpointError(f"{index}: not a weights index: needs a `weight_map` object of tensor -> file")
+    return weight_map
+
+
+def _indexed_files(index: Path) -> list[Path]:
+    weight_map = _weight_map(index)
     files = []
     for name in sorted(set(weight_map.values())):
         file = index.parent / name
@@ -244,6 +257,99 @@ def check_shapes(facts: ModelFacts, tensors: dict[str, TensorInfo]) -> None:
                                       f"has {limit} layers")
 
 
+# Completeness: what every checkpoint of a family holds (whatever its variant), as regexes. Outside the
+# layers: the embeddings and final norms (the LM head is checked apart: absent when tied). In every
+# layer: attention, MLP (or the MoE router) and norms. On top, a tensor most layers of a stack have
+# (half or more) is required in all of them: biases, experts, T5's cross-attention.
+_GLOBAL_REQUIRED = {
+    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2"), (r"embed_tokens\.weight$", r"(^|\.)norm\.weight$")),
+    "gptj": (r"wte\.weight$", r"ln_f\.weight$"),
+    "gpt_neox": (r"embed_in\.weight$", r"final_layer_norm\.weight$"),
+    "opt": (r"embed_tokens\.weight$", r"embed_positions\.weight$"),
+    "bloom": (r"word_embeddings\.weight$", r"word_embeddings_layernorm\.weight$", r"ln_f\.weight$"),
+    "t5": (r"^(shared|encoder\.embed_tokens)\.weight$", r"^encoder\.final_layer_norm\.weight$",
+           r"^decoder\.final_layer_norm\.weight$"),
+}
+_LM_HEAD = {"gpt_neox": r"^(embed_out|lm_head)\.weight$"}
+_LAYER_REQUIRED = {
+    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2"), (
+        r"self_attn\.q_proj\.weight", r"self_attn\.k_proj\.weight", r"self_attn\.v_proj\.weight",
+        r"self_attn\.o_proj\.weight", r"(mlp\.down_proj|block_sparse_moe\.gate)\.weight",
+        r"input_layernorm\.weight", r"post_attention_layernorm\.weight")),
+    "gptj": (r"attn\.q_proj\.weight", r"attn\.k_proj\.weight", r"attn\.v_proj\.weight", r"attn\.out_proj\.weight",
+             r"mlp\.fc_in\.weight", r"mlp\.fc_out\.weight", r"ln_1\.weight"),
+    "gpt_neox": (r"attention\.query_key_value\.weight", r"attention\.dense\.weight", r"mlp\.dense_h_to_4h\.weight",
+                 r"mlp\.dense_4h_to_h\.weight", r"input_layernorm\.weight", r"post_attention_layernorm\.weight"),
+    "opt": (r"self_attn\.q_proj\.weight", r"self_attn\.k_proj\.weight", r"self_attn\.v_proj\.weight",
+            r"self_attn\.out_proj\.weight", r"fc1\.weight", r"fc2\.weight", r"self_attn_layer_norm\.weight"),
+    "bloom": (r"self_attention\.query_key_value\.weight", r"self_attention\.dense\.weight",
+              r"mlp\.dense_h_to_4h\.weight", r"mlp\.dense_4h_to_h\.weight", r"input_layernorm\.weight",
+              r"post_attention_layernorm\.weight"),
+    "t5": (r"SelfAttention\.q\.weight", r"SelfAttention\.k\.weight", r"SelfAttention\.v\.weight",
+           r"SelfAttention\.o\.weight", r"DenseReluDense\.wo\.weight"),
+}
+_STACK = re.compile(r"^((?:[^.]+\.)*?(?:layers|h|block))\.(\d+)\.(.+)$")
+_FIRST_LAYER_ONLY = re.compile(r"relative_attention_bias")  # T5 keeps its position bias in block 0
+
+
+def check_complete(path: Path, facts: ModelFacts, tensors: dict[str, TensorInfo]) -> None:
+    """Every tensor config.json implies is there: otherwise the build would ship an artifact whose
+    workers fail at container start. Names the first missing tensor."""
+    def missing(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: the checkpoint has no tensor {what}, which config.json implies "
+                               f"({facts.family}, {facts.layers} layers)")
+
+    def shown(pattern: str) -> str:
+        return pattern.replace("(^|\\.)", "").strip("^$").replace("\\", "")
+
+    names = list(tensors)
+    for pattern in _GLOBAL_REQUIRED.get(facts.family, ()):
+        if not any(re.search(pattern, name) for name in names):
+            raise missing(f"named *{shown(pattern)}")
+    if not facts.tie_word_embeddings:
+        head = _LM_HEAD.get(facts.family, r"^lm_head\.weight$")
+        if not any(re.search(head, name) for name in names):
+            raise missing(f"{shown(head)} (the LM head; tie_word_embeddings is false)")
+    stacks: dict[str, dict[int, set[str]]] = {}
+    for name in names:
+        match = _STACK.match(name)
+        if match:
+            stacks.setdefault(match.group(1), {}).setdefault(int(match.group(2)), set()).add(match.group(3))
+    if facts.layers and not stacks:
+        raise missing("of any layer")
+    for stack, layers in sorted(stacks.items()):
+        count = facts.encoder_layers if stack.startswith("encoder.") else facts.layers
+        counts: dict[str, int] = {}
+        for suffixes in layers.values():
+            for suffix in suffixes:
+                counts[suffix] = counts.get(suffix, 0) + 1
+        common = {s for s, n in counts.items() if 2 * n >= count and not _FIRST_LAYER_ONLY.search(s)}
+        for index in range(count):
+            have = layers.get(index)
+            if have is None:
+                raise missing(f"in {stack}.{index} (layer {index} of {count} is absent)")
+            for pattern in _LAYER_REQUIRED.get(facts.family, ()):
+                if not any(re.search(pattern, suffix) for suffix in have):
+                    raise missing(f"{stack}.{index}.*{shown(pattern)}")
+            absent = sorted(common - have)
+            if absent:
+                raise missing(f"{stack}.{index}.{absent[0]} ({counts[absent[0]]} of {count} layers have it)")
+
+
+_QUANTIZED_NAME = re.compile(r"(_scale|_scale_inv|\.qweight|\.qzeros|\.scales|\.g_idx|\.absmax|\.quant_map)$")
+_FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+
+
+def _check_not_quantized(tensors: dict[str, TensorInfo]) -> None:
+    """Weights lmc would cast or quantize must be plain floats: a pre-quantized checkpoint (FP8 with
+    scales, GPTQ/AWQ, bitsandbytes) would be upcast without its scales, or collide with lmc's own."""
+    for name, tensor in tensors.items():
+        if _QUANTIZED_NAME.search(name) or (name.endswith("weight") and len(tensor.shape) == 2
+                                             and tensor.dtype not in _FLOAT_DTYPES):
+            raise CheckpointError(f"{tensor.file}: tensor {name!r} ({tensor.dtype}) looks pre-quantized; lmc builds "
+                                  "from 16- or 32-bit float weights and quantizes them itself")
+
+
 def _tokenizer_files(path: Path) -> list[str]:
     for names in _TOKENIZER_MODELS:
         if all((path / name).is_file() for name in names):
@@ -264,8 +370,7 @@ def _convert_pickles(path: Path, pickles: list[Path]) -> list[Path]:
     atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
     index = path / PICKLE_INDEX_NAME
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map", {})
-        pickles = [path / name for name in sorted(set(weight_map.values()))]
+        pickles = [path / name for name in sorted(set(_weight_map(index).values()))]
     converted = []
     for number, file in enumerate(pickles):
         if not file.is_file():
@@ -273,7 +378,8 @@ def _convert_pickles(path: Path, pickles: list[Path]) -> list[Path]:
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # noqa: BLE001 - any unpickling failure is the file's fault
-            raise CheckpointError(f"{file}: cannot load as a weights-only pickle: {' '.join(str(exc).split())[:200]}") from None
+            reason = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())[:200]  # torch colours its hints
+            raise CheckpointError(f"{file}: cannot load as a weights-only pickle: {reason}") from None
         if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
             state = state["state_dict"]
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -128,7 +128,13 @@ def _write_tensor(plan: _TensorPlan, writers: list[StreamingWriter], dtype: str)
             part = source if split.dim is None else torch.narrow(source, split.dim, split.start, split.stop - split.start)
             if scale is None:
                 # .to() copies unless the dtype is unchanged; either way nothing else keeps a view of the map.
-                writer.write(plan.name, part.to(out_dtype).contiguous())
+                cast = part.to(out_dtype).contiguous()
+                if out_dtype == torch.float16 and cast.dtype != part.dtype and torch.isinf(cast).any() \
+                        and not torch.isinf(part).any():
+                    raise CheckpointError(f"{plan.file}: tensor {plan.name!r} has values beyond float16's range "
+                                          f"(|x| > 65504): serve it in bf16 or fp32 instead of {dtype}")
+                writer.write(plan.name, cast)
+                del cast
             else:
                 part_scale = scale[split.start:split.stop] if split.dim == 0 else scale
                 writer.write(plan.name, _quantize(part, part_scale, dtype))
@@ -146,7 +152,7 @@ def _row_scales(weight: "torch.Tensor", qmax: float) -> "torch.Tensor":
         rows = weight[start:start + _ROW_CHUNK].float()
         amax[start:start + rows.shape[0]] = rows.abs().amax(dim=1)
     scale = amax / qmax
-    scale[amax == 0] = 1.0
+    scale[~(scale > 0)] = 1.0  # all-zero rows, and rows so tiny that amax / qmax underflows to 0
     return scale
 
 

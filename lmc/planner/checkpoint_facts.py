@@ -284,6 +284,8 @@ def safetensors_files(path: Path) -> list[Path]:
     if index_file.is_file():
         try:
             weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map must map tensor names to file names")
             names = sorted(set(weight_map.values()))
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{index_file}: not a safetensors index (needs a `weight_map` object): "

@@ -28,7 +28,8 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     """What to serve."""
 
-    id: str = Field(min_length=1, description="Model id (HF hub style); facts come from `path` when given, else the catalog.")
+    id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/+-]*$",
+                    description="Model id (HF hub style: letters, digits, . _ - + /); facts come from `path` when given, else the catalog.")
     path: str | None = Field(default=None, min_length=1, description="Local HF checkpoint directory, relative to the spec file.")
     uri: str | None = Field(default=None, min_length=1, description="Remote weights (s3://...) the container loads instead of packed weights.")
     revision: str | None = Field(default=None, min_length=1, description="Checkpoint revision, recorded in the artifact.")
