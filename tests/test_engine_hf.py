@@ -213,3 +213,42 @@ def test_a_missing_shard_file_is_an_artifact_error(tmp_path):
     with pytest.raises(ArtifactError) as excinfo:
         engine.load(artifact, 0, 1)
     assert "rank0.safetensors: shard file missing" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("family", ["opt", "gptj"])  # learned / precomputed position tables of 64
+def test_a_long_finished_row_never_pushes_a_short_one_past_the_position_table(family, tmp_path):
+    """Left padding puts every row at the widest prompt's positions: a 48-token prompt with 2 new
+    tokens and a 1-token prompt with 40 would reach position 88 together. The loop runs them
+    apart; each is valid alone and decodes to HF generate's tokens."""
+    limit = {"max_position_embeddings": 64} if family == "opt" else {"n_positions": 64}
+    checkpoint = make_checkpoint(family, tmp_path / "ckpt", **limit)
+    engine = _engine(family, build_artifact(checkpoint, tmp_path / "art", 1), max_len=64)
+    words = ["fox"]
+    while engine.count_tokens(" ".join(words + ["fox"])) <= 48:
+        words.append("fox")
+    long_prompt = " ".join(words)
+    assert 40 <= engine.count_tokens(long_prompt) <= 48
+    results = engine.generate([_req(0, long_prompt, max_new_tokens=2), _req(1, "a", max_new_tokens=40)])
+    assert results[0].token_ids == hf_greedy(checkpoint, long_prompt, 2)
+    assert results[1].token_ids == hf_greedy(checkpoint, "a", 40)
+
+
+def test_sampling_never_raises_on_degenerate_scores():
+    """A failure on rank 0 would leave the other TP ranks waiting in the broadcast: choosing a token
+    must not raise for a tiny temperature, NaN logits (an fp16 overflow) or all -inf."""
+    logits = torch.tensor([0.5, 3.0, 1.0])
+    tiny = GenerationParams(do_sample=True, temperature=1e-45)
+    assert choose_token(logits, tiny, [], torch.Generator().manual_seed(0)) == 1
+    hot = GenerationParams(do_sample=True, temperature=1e-6)  # 3e6 / ... overflows softmax's input range
+    assert choose_token(logits, hot, [], torch.Generator().manual_seed(0)) == 1
+    nan = torch.tensor([float("nan"), 1.0, 2.0])
+    assert choose_token(nan, GenerationParams(do_sample=True), [], torch.Generator().manual_seed(0)) in (1, 2)
+    assert choose_token(nan, GenerationParams(), [], None) == 2
+    dead = torch.full((3,), float("-inf"))
+    assert choose_token(dead, GenerationParams(do_sample=True), [], torch.Generator().manual_seed(0)) in (0, 1, 2)
+
+
+def test_a_stop_start_before_an_incomplete_character_is_held_back():
+    # " th" + "e" (the stop "eé" may be starting) + an incomplete character: stream " th" only.
+    assert _safe_prefix(" the\ufffd", ("eé",)) == 3
+    assert _safe_prefix(" the\ufffd", ("x",)) == 4

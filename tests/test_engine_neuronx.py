@@ -200,19 +200,13 @@ def test_a_batch_is_split_to_fit_the_compiled_positions(fake_sdk, tmp_path):
 
 
 def test_pack_batches_keeps_order_batch_size_and_positions():
-    from lmc.runtime.engines.neuronx import pack_batches
+    from lmc.runtime.engines.generate import pack_batches
 
-    def req(rid, new):
-        return GenerationRequest(rid, rid, GenerationParams(max_new_tokens=new))
-
-    requests = [req("a", 4), req("b", 4), req("c", 4), req("d", 50), req("e", 4)]
-    lengths = [10, 12, 8, 5, 40]
-    chunks = pack_batches(requests, lengths, batch_size=2, positions=64)
+    items, lengths, new = ["a", "b", "c", "d", "e"], [10, 12, 8, 5, 40], [4, 4, 4, 50, 4]
     # a+b (batch full); c+d: width 8, longest 50 -> 58 fits; e: 40 + 4 fits alone
-    assert [[r.id for r in chunk] for chunk in chunks] == [["a", "b"], ["c", "d"], ["e"]]
-    chunks = pack_batches(requests, lengths, batch_size=8, positions=64)
+    assert pack_batches(items, lengths, new, 2, 64) == [["a", "b"], ["c", "d"], ["e"]]
     # a,b,c fit (12 + 4); d: 12 + 50 = 62 fits; e: width 40 + longest 50 = 90 does not: a new run
-    assert [[r.id for r in chunk] for chunk in chunks] == [["a", "b", "c", "d"], ["e"]]
+    assert pack_batches(items, lengths, new, 8, 64) == [["a", "b", "c", "d"], ["e"]]
 
 
 def test_eos_and_stop_sequences_end_rows_and_filler_rows_are_dropped(monkeypatch, tmp_path):

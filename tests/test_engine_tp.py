@@ -128,3 +128,36 @@ def test_int8_tp2_from_the_build_partitioner_agrees_across_ranks(tp2_run):
     tokens = results[0]["llama_int8"]["tokens"]
     assert tokens == results[1]["llama_int8"]["tokens"]
     assert all(len(t) == NEW_TOKENS for t in tokens)
+
+
+def _failing_rank(rank: int, opened: list[str], artifact: str) -> dict:
+    """Rank 0 fails to choose a token once: both ranks must fail that batch, then serve the next."""
+    import lmc.runtime.engines.generate as generate
+    from lmc.runtime.engines import create_engine
+    from lmc.runtime.engines.base import GenerationParams, GenerationRequest
+
+    engine = create_engine("hf", family="llama", task="text-generation", dtype="fp32", tensor_parallel_degree=2,
+                           max_sequence_length=128, batch_size=4, device="cpu")
+    engine.load(artifact, rank, 2)
+    original = generate.choose_token
+    if rank == 0:
+        def broken(*args, **kwargs):
+            raise RuntimeError("probability tensor contains inf")
+        generate.choose_token = broken
+    request = [GenerationRequest("a", PROMPTS[0], GenerationParams(max_new_tokens=4))]
+    try:
+        engine.generate(request)
+        first = "served"
+    except RuntimeError as exc:
+        first = str(exc)
+    generate.choose_token = original
+    return {"first": first, "then": engine.generate(request)[0].token_ids}
+
+
+def test_a_token_choice_failing_on_rank_0_fails_every_rank_together(tp2_run):
+    checkpoints, artifacts, _ = tp2_run
+    results = run_tp_ranks(_failing_rank, artifacts["llama"][1], timeout_s=120)
+    assert results[0]["first"] == "probability tensor contains inf"
+    assert results[1]["first"] == "rank 0 could not choose the next tokens (see its log)"
+    reference = hf_greedy(checkpoints["llama"], PROMPTS[0], 4)
+    assert results[0]["then"] == results[1]["then"] == reference  # still in lockstep

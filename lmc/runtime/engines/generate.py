@@ -25,6 +25,8 @@ from lmc.runtime.engines.base import GenerationParams, GenerationRequest, Genera
 
 log = logging.getLogger(__name__)
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
+_FAILED = -1  # broadcast instead of tokens when rank 0 could not choose them
+_MIN_TEMPERATURE = 1e-5  # below this, dividing the logits overflows: greedy, which it tends to anyway
 
 
 @dataclass
@@ -91,10 +93,21 @@ class DecodeLoop:
 
     # -- the loop -----------------------------------------------------------------------------------------
 
-    def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
-        if not batch:
-            return []
+    def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None,
+                 max_rows: int | None = None) -> list[GenerationResult]:
+        """Decode `batch`, in runs: left padding puts every row's positions at the widest prompt's, so
+        a run keeps its widest prompt plus its largest max_new_tokens within max_sequence_length (the
+        positions the model has, and the KV cache the plan reserved), and at most `max_rows` rows."""
         rows = [self._row(request) for request in batch]
+        results: dict[str, GenerationResult] = {}
+        lengths = [len(row.prompt_ids) for row in rows]
+        for run in pack_batches(rows, lengths, [row.params.max_new_tokens for row in rows],
+                                max_rows or len(rows) or 1, self.max_sequence_length):
+            for row in self._decode(run, on_token):
+                results[row.request.id] = self._result(row)
+        return [results[request.id] for request in batch]
+
+    def _decode(self, rows: list[_Row], on_token: TokenCallback | None) -> list[_Row]:
         stream = on_token if self.rank == 0 else None
         with torch.inference_mode():
             if self.prefill is not None:
@@ -111,7 +124,7 @@ class DecodeLoop:
                 if all(row.finish is not None for row in rows):
                     break
                 logits = advance(tokens)
-        return [self._result(row) for row in rows]
+        return rows
 
     def _row(self, request: GenerationRequest) -> _Row:
         ids = self.encode(request.prompt)
@@ -183,13 +196,22 @@ class DecodeLoop:
 
     def _next_tokens(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         tokens = torch.empty(len(rows), dtype=torch.long, device=self.device)
+        failure = None
         if self.rank == 0:
-            for i, row in enumerate(rows):
-                tokens[i] = self.pad_id if row.finish is not None else choose_token(
-                    logits[i], row.params, self._context(row), row.generator)
+            try:
+                for i, row in enumerate(rows):
+                    tokens[i] = self.pad_id if row.finish is not None else choose_token(
+                        logits[i], row.params, self._context(row), row.generator)
+            except Exception as exc:  # the other ranks wait in the broadcast: tell them, then fail together
+                failure = exc
+                tokens.fill_(_FAILED)
         if self.world_size > 1:
             source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
             dist.broadcast(tokens, src=source, group=self.group)
+        if failure is not None:
+            raise failure
+        if len(rows) and int(tokens[0]) == _FAILED:
+            raise RuntimeError("rank 0 could not choose the next tokens (see its log)")
         return tokens
 
     def _context(self, row: _Row) -> list[int]:
@@ -234,14 +256,15 @@ class DecodeLoop:
 def choose_token(logits: torch.Tensor, params: GenerationParams, context: list[int],
                  generator: torch.Generator | None) -> int:
     """One row's next token: repetition penalty, then greedy or temperature → top-k → top-p sampling (HF order)."""
-    scores = logits.float().clone()
+    scores = logits.float().nan_to_num(nan=float("-inf"))  # a copy; NaN (an fp16 overflow) never wins
     if params.repetition_penalty != 1.0 and context:
         ids = torch.tensor(sorted(set(context)), dtype=torch.long, device=scores.device)
         picked = scores[ids]
         penalty = params.repetition_penalty
         scores[ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
-    if not params.do_sample:
+    if not params.do_sample or params.temperature < _MIN_TEMPERATURE:
         return int(torch.argmax(scores))
+    greedy = int(torch.argmax(scores))
     scores = scores / params.temperature
     if params.top_k > 0 and params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
@@ -253,6 +276,8 @@ def choose_token(logits: torch.Tensor, params: GenerationParams, context: list[i
         remove[-1] = False  # always keep the most likely token
         scores = scores.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), float("-inf"))
     probs = scores.softmax(-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return greedy  # nothing to sample from (every score -inf, or overflowed): the most likely token
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -266,9 +291,28 @@ def _safe_prefix(text: str, stops: tuple[str, ...]) -> int:
     end = len(text)
     while end and text[end - 1] == _REPLACEMENT:
         end -= 1
+    complete = text[:end]  # a stop's start may sit just before an incomplete character
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                end = min(end, len(text) - k)
+        for k in range(min(len(stop) - 1, len(complete)), 0, -1):
+            if complete.endswith(stop[:k]):
+                end = min(end, len(complete) - k)
                 break
     return end
+
+
+def pack_batches(items: list, lengths: list[int], new_tokens: list[int], max_rows: int, positions: int) -> list[list]:
+    """Split `items` (in order) into runs of at most `max_rows` whose widest prompt (`lengths`) plus
+    largest `new_tokens` fits `positions`. An item too long on its own runs alone (the caller checks it)."""
+    runs: list[list] = []
+    current: list = []
+    width = longest = 0
+    for item, n, m in zip(items, lengths, new_tokens):
+        w, l = max(width, n), max(longest, m)
+        if current and (len(current) == max_rows or w + l > positions):
+            runs.append(current)
+            current, w, l = [], n, m
+        current.append(item)
+        width, longest = w, l
+    if current:
+        runs.append(current)
+    return runs

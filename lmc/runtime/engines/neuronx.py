@@ -103,12 +103,7 @@ class NeuronxEngine:
     def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
         if self._loop is None:
             raise InternalError("generate called before load")
-        lengths = [self._loop.count_tokens(request.prompt) for request in batch]
-        results: dict[str, GenerationResult] = {}
-        for chunk in pack_batches(batch, lengths, self.batch_size, self.max_sequence_length):
-            for result in self._loop.generate(chunk, on_token):
-                results[result.id] = result
-        return [results[request.id] for request in batch]
+        return self._loop.generate(batch, on_token, max_rows=self.batch_size)  # runs fit the compiled graphs
 
     def _prefill(self, prompts: list[list[int]], pad_id: int):
         """Run the prompts through the compiled graphs; return (logits, advance) for the decode loop."""
@@ -133,22 +128,3 @@ class NeuronxEngine:
     def _logits(self, logits, n: int):
         return logits[:n, :self.vocab_size].float()
 
-
-def pack_batches(requests: list[GenerationRequest], lengths: list[int], batch_size: int,
-                 positions: int) -> list[list[GenerationRequest]]:
-    """Split `requests` (in order) into runs of at most `batch_size` whose widest prompt (`lengths`, in
-    tokens) plus largest max_new_tokens fits `positions`: left padding puts every row's last token at
-    the widest prompt's position. A request too long on its own runs alone (the decode loop refuses it)."""
-    chunks: list[list[GenerationRequest]] = []
-    current: list[GenerationRequest] = []
-    width = longest = 0
-    for request, n in zip(requests, lengths):
-        w, m = max(width, n), max(longest, request.params.max_new_tokens)
-        if current and (len(current) == batch_size or w + m > positions):
-            chunks.append(current)
-            current, w, m = [], n, request.params.max_new_tokens
-        current.append(request)
-        width, longest = w, m
-    if current:
-        chunks.append(current)
-    return chunks
