@@ -88,3 +88,13 @@ def test_an_unreadable_body_is_a_400():
     handler = DJLHandler(lambda: FakeEngine())
     output = handler.handle(FakeInput(batches=[FakeInput(ValueError("Expecting value: line 1"))]))
     assert _json(output, 0) == {"error": "Expecting value: line 1", "code": 400}
+
+
+def test_an_empty_prompt_fails_alone_not_its_batch():
+    engine = FakeEngine()
+    handler = DJLHandler(lambda: engine)
+    output = handler.handle(FakeInput(batches=[FakeInput({"inputs": ""}), FakeInput({"inputs": "fine"})]))
+    assert _json(output, 0) == {"error": "the prompt is empty after tokenization; give at least one token of input",
+                                "code": 400}
+    assert _json(output, 1) == {"generated_text": "FINE"}
+    assert [r.prompt for r in engine.batches[0]] == ["fine"]

@@ -123,10 +123,10 @@ class DJLHandler:
 
 
 def _check_length(engine, prompt: str, max_new_tokens: int, max_sequence_length: int | None) -> None:
-    if max_sequence_length is None:
-        return
     n = engine.count_tokens(prompt)
-    if n + max_new_tokens > max_sequence_length:
+    if n == 0:
+        raise ValueError("the prompt is empty after tokenization; give at least one token of input")
+    if max_sequence_length is not None and n + max_new_tokens > max_sequence_length:
         raise ValueError(f"the prompt is {n} tokens and max_new_tokens is {max_new_tokens}: {n + max_new_tokens} "
                          f"exceeds the maximum sequence length {max_sequence_length}")
 
