@@ -65,10 +65,32 @@ def _hardware_facts(loaded: LoadedSpec) -> HardwareFacts:
 
     target = loaded.spec.target
     if target.profile is not None:
-        return catalog.profile_facts(loaded.source.resolve(target.profile))
+        facts = catalog.profile_facts(loaded.source.resolve(target.profile))
+        _check_profile_matches(target, facts)
+        return facts
     if target.instance == "local":
         return catalog.local_facts()
     if target.instance is not None:
         return catalog.hardware_facts(target.instance)
     assert target.accelerator is not None and target.devices is not None  # the schema guarantees it
     return catalog.accelerator_facts(target.accelerator, target.devices)
+
+
+def _check_profile_matches(target, facts: HardwareFacts) -> None:
+    """A measured profile describes the hardware; the target must name the same thing, or a typo in
+    `instance` (or another accelerator) would be planned for silently on the profile's hardware."""
+    from lmc.errors import SpecValueError
+    from lmc.planner import catalog
+
+    if target.instance is not None:
+        key = target.instance.strip().lower()
+        named = key if key == "local" else catalog.hardware_facts(target.instance).name.lower()
+        if named != facts.name.lower():
+            raise SpecValueError("target.instance", target.instance,
+                                 f"the profile {target.profile} describes {facts.name}; name the same target")
+    else:
+        named = catalog.accelerator_facts(target.accelerator, target.devices)
+        if (named.accelerator, named.devices) != (facts.accelerator, facts.devices):
+            raise SpecValueError("target.accelerator", target.accelerator,
+                                 f"the profile {target.profile} describes {facts.devices} × {facts.accelerator}; "
+                                 "name the same hardware")

@@ -319,3 +319,18 @@ def test_an_index_whose_weight_map_is_not_names_is_one_line(tmp_path):
     with pytest.raises(CheckpointError) as excinfo:
         safetensors_files(tmp_path)
     assert "not a safetensors index (needs a `weight_map` object)" in str(excinfo.value)
+
+
+def test_a_partial_sharded_download_without_an_index_is_refused(tmp_path):
+    from lmc.errors import CheckpointError
+    from lmc.planner.checkpoint_facts import safetensors_files
+    from lmc.testing import make_checkpoint
+
+    path = make_checkpoint("qwen2", tmp_path / "q", shards=2)
+    (path / "model.safetensors.index.json").unlink()
+    assert len(safetensors_files(path)) == 2
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError) as excinfo:
+        safetensors_files(path)
+    assert str(excinfo.value) == (f"{path / 'model-00002-of-00002.safetensors'}: missing "
+                                  "(model-00001-of-00002.safetensors says the checkpoint has 2 shards)")

@@ -19,6 +19,8 @@ PROMPTS = ["the quick brown", "héllo wörld, large models are served"]
 CASES = [
     ("llama", "llama", {}, 384),
     ("llama_mqa", "llama", {"num_key_value_heads": 1}, 384),  # TP 2 > 1 kv head: the kv head is replicated
+    ("mistral", "mistral", {}, 384),
+    ("qwen2", "qwen2", {}, 384),  # q/k/v biases split with their heads
     ("gpt_neox", "gpt_neox", {}, 384),
     ("opt", "opt", {}, 384),
     ("opt_odd_vocab", "opt", {}, 385),  # tied LM head that does not divide: whole on every rank

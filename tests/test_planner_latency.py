@@ -69,3 +69,25 @@ def test_neuron_compile_at_start_only_for_families_without_serialization():
     gptj = predict(reference_model("gpt-j-6b"), inf2, neuronx, "bf16", 2, 1, 1, 128, 128)
     llama = predict(LLAMA7, inf2, neuronx, "bf16", 2, 1, 1, 128, 128)
     assert gptj.load_seconds > llama.load_seconds + 300  # ~6 minutes of compile for 6B parameters
+
+
+def test_tp_ranks_on_one_cpu_host_share_its_bandwidth_and_compute():
+    """CPU TP ranks are processes on the same cores and memory: splitting a model across them must not
+    predict a speed-up (it used to: TP 8 on the 2-core profile came out 6x faster than TP 1)."""
+    from pathlib import Path
+
+    cpu = catalog.profile_facts(Path(__file__).resolve().parent.parent / "specs/profiles/cpu-2core.toml")
+    model, engine = reference_model("llama-2-7b"), ENGINES["hf"]
+    one, eight = (predict(model, cpu, engine, "bf16", tp, 1, 1, 128, 128).tpot_ms for tp in (1, 8))
+    assert eight >= one
+
+
+def test_a_profile_with_zero_or_infinite_figures_is_refused(tmp_path):
+    from lmc.errors import SpecValueError
+
+    for line in ('tflops = { fp32 = 0.0 }', 'price_per_hour = inf'):
+        profile = tmp_path / "p.toml"
+        profile.write_text(f'base = "local"\n{line}\n')
+        with pytest.raises(SpecValueError) as excinfo:
+            catalog.profile_facts(profile)
+        assert excinfo.value.key_path == "target.profile"

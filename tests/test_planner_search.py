@@ -140,3 +140,22 @@ def test_local_cpu_allows_tp_ranks_as_processes_sharing_memory():
     p = plan(spec(target={"instance": "local"}, pin={"tensor_parallel_degree": 2}), model=tiny, hardware=local)
     assert (p.engine, p.dtype, p.tensor_parallel_degree) == ("hf", "fp32", 2)
     assert p.memory_per_device.capacity == int(local.device_memory_bytes * 0.9) // 2
+
+
+def test_a_replicas_pin_never_takes_more_instances_than_the_target_has():
+    """4 replicas on one ml.g5.12xlarge (4 GPUs) leave TP 1 only: TP 2 or 4 would need 2 or 4 instances."""
+    p = plan(spec(pin={"replicas": 4}, workload={"concurrency": 4}), model=LLAMA7)
+    assert (p.tensor_parallel_degree, p.replicas) == (1, 4)
+    assert all(a.tensor_parallel_degree * a.replicas <= 4 for a in p.alternatives)
+
+
+def test_when_nothing_holds_the_concurrency_the_plan_holding_the_most_wins_and_says_it_is_short():
+    pins = {"engine": "hf", "dtype": "fp16", "tensor_parallel_degree": 1, "replicas": 1}
+    g5 = catalog.hardware_facts("ml.g5.2xlarge")
+    full = plan(spec(pin=pins, workload={"concurrency": 4}, target={"instance": "ml.g5.2xlarge"}), model=LLAMA7,
+                hardware=g5)
+    assert full.batch_size == 4
+    tight = plan(spec(pin=pins, workload={"concurrency": 4}, target={"instance": "ml.g5.2xlarge"},
+                      budget={"memory_per_device": full.memory_per_device.total - 1}), model=LLAMA7, hardware=g5)
+    assert tight.batch_size == 2  # batch 4 no longer fits; 2 holds more than 1
+    assert "2 concurrent sequences for concurrency 4 (SHORT:" in tight.decision("replicas").reason

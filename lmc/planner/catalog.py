@@ -113,7 +113,7 @@ def hardware_facts(instance: str) -> HardwareFacts:
     canonical = key if key.startswith("ml.") else f"ml.{key}"
     family = canonical.split(".")[1] if canonical.count(".") >= 2 else ""
     path = HARDWARE_DIR / f"{family}.toml"
-    if family and family not in _NOT_FAMILIES and path.is_file():
+    if re.fullmatch(r"[a-z0-9]+", family) and family not in _NOT_FAMILIES and path.is_file():
         facts = _family_instances(path).get(canonical)
         if facts is not None:
             return facts

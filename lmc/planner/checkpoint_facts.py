@@ -8,6 +8,7 @@ and the stored dtype of a checkpoint of any size in milliseconds; tensor data is
 from __future__ import annotations
 
 import json
+import re
 import math
 from collections import Counter
 from pathlib import Path
@@ -295,7 +296,18 @@ def safetensors_files(path: Path) -> list[Path]:
             if not file.is_file():
                 raise CheckpointError(f"{file}: missing (listed in {index_file.name})")
         return files
-    return sorted(path.glob("*.safetensors"))
+    files = sorted(path.glob("*.safetensors"))
+    # Without an index, shard names say how many there are: a partial download must not plan as a
+    # smaller model (its headers hold only part of the parameters).
+    for file in files:
+        match = re.fullmatch(r"(.*)-(\d+)-of-(\d+)\.safetensors", file.name)
+        if match:
+            stem, width, total = match.group(1), len(match.group(2)), int(match.group(3))
+            for number in range(1, total + 1):
+                sibling = path / f"{stem}-{number:0{width}d}-of-{match.group(3)}.safetensors"
+                if not sibling.is_file():
+                    raise CheckpointError(f"{sibling}: missing ({file.name} says the checkpoint has {total} shards)")
+    return files
 
 
 def read_safetensors_header(file: Path) -> list[tuple[str, str, tuple[int, ...]]]:

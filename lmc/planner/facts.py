@@ -5,7 +5,7 @@ The planner takes facts, not names: tests build these in memory.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,7 +18,7 @@ DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp
 
 
 class _Facts(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelFacts(_Facts):
@@ -62,7 +62,7 @@ class HardwareFacts(_Facts):
     devices: int = Field(gt=0, description="Devices per instance (NeuronCores for Neuron; 1 for CPU).")
     device_memory_bytes: int = Field(gt=0, description="Memory per device, bytes.")
     memory_bandwidth_bytes_per_s: float = Field(gt=0, description="Peak memory bandwidth per device.")
-    tflops: dict[str, float] = Field(description="Dense peak TFLOPS per device, per dtype.")
+    tflops: dict[str, Annotated[float, Field(gt=0)]] = Field(description="Dense peak TFLOPS per device, per dtype.")
     dtypes: list[DtypeName] = Field(description="Dtypes the hardware computes in natively (no bf16 on T4/V100; fp8 on H100+).")
     interconnect: InterconnectFacts
     price_per_hour: float | None = Field(default=None, ge=0, description="On-demand USD/hour (us-east-1), None for local.")

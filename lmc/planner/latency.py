@@ -80,8 +80,19 @@ def allreduces_per_step(model: ModelFacts) -> int:
     return model.layers * (3 if model.is_encoder_decoder else 2)
 
 
+def host_share(hardware: HardwareFacts, tp: int) -> int:
+    """How many TP ranks share one device's bandwidth and compute: on a CPU host all of them (the
+    ranks are processes on the same cores and memory, as memory.py shares its capacity); else 1."""
+    return tp if hardware.kind == "cpu" else 1
+
+
+def rank_tflops(hardware: HardwareFacts, dtype: str, tp: int) -> float:
+    return peak_tflops(hardware, dtype) / host_share(hardware, tp)
+
+
 def effective_bandwidth(hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int) -> float:
-    return hardware.memory_bandwidth_bytes_per_s * efficiency.decode_bandwidth * efficiency.tp_efficiency ** math.log2(tp)
+    return (hardware.memory_bandwidth_bytes_per_s / host_share(hardware, tp) * efficiency.decode_bandwidth
+            * efficiency.tp_efficiency ** math.log2(tp))
 
 
 def _moe_touched_share(model: ModelFacts, batch: int) -> float:
@@ -137,7 +148,7 @@ def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     memory_ms = (weights + kv) / effective_bandwidth(hardware, efficiency, tp) * 1e3
     flops = 2 * active_decode_parameters(model) / tp * batch
     flops += 4 * batch * context * model.attention_heads * model.head_dim * model.layers / tp
-    compute_ms = flops / (peak_tflops(hardware, act) * 1e12 * efficiency.prefill_compute) * 1e3
+    compute_ms = flops / (rank_tflops(hardware, act, tp) * 1e12 * efficiency.prefill_compute) * 1e3
     message = batch * model.hidden_size * DTYPE_BYTES[act]
     comm_ms = allreduces_per_step(model) * allreduce_ms(hardware, efficiency, tp, message)
     fixed_ms = efficiency.step_overhead_ms + model.layers * efficiency.layer_overhead_ms
@@ -152,7 +163,7 @@ def ttft_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     flops = 2 * active_prefill_parameters(model) * input_tokens / tp
     attention_layers = model.encoder_layers if model.is_encoder_decoder else model.layers
     flops += 2 * input_tokens * input_tokens * model.attention_heads * model.head_dim * attention_layers / tp
-    compute_ms = flops / (peak_tflops(hardware, act) * 1e12 * efficiency.prefill_compute) * 1e3
+    compute_ms = flops / (rank_tflops(hardware, act, tp) * 1e12 * efficiency.prefill_compute) * 1e3
     memory_ms = weight_bytes(model, engine, dtype, tp, hardware) / effective_bandwidth(hardware, efficiency, tp) * 1e3
     message = input_tokens * model.hidden_size * DTYPE_BYTES[act]
     blocks = model.encoder_layers if model.is_encoder_decoder else model.layers

@@ -279,6 +279,11 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
                 if why:
                     rejections.append(Rejection(name, dtype, tp, max_replicas, f"TP {tp} {why}", (3,)))
                     continue
+                if pin.replicas is not None and pin.replicas > max_replicas:
+                    rejections.append(Rejection(name, dtype, tp, max_replicas,
+                                                f"TP {tp} leaves room for {max_replicas} replica(s), not the "
+                                                f"pinned {pin.replicas}", (3,)))
+                    continue
                 for batch in batch_sizes(load.concurrency):
                     replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / batch))
                     memory = memory_per_device(model, hardware, engine, efficiency, dtype, tp, batch,
@@ -334,8 +339,10 @@ def objective(optimize: str, config: Config) -> tuple:
 
 
 def sort_key(spec, model: ModelFacts, hardware: HardwareFacts, config: Config, goal_met: bool) -> tuple:
-    serves = config.replicas * config.batch >= spec.workload.concurrency
-    head = (not serves,)
+    held = config.replicas * config.batch
+    serves = held >= spec.workload.concurrency
+    # When nothing holds the concurrency, the plan that holds the most comes first, not the smallest batch.
+    head = (not serves, 0 if serves else -held)
     if goal_met:
         head += (precision_tier(config.dtype, hardware),)
     else:
@@ -465,7 +472,10 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
     out.append(Decision(key="replicas", value=chosen.replicas,
                         reason=("pinned by the spec; " if spec.pin.replicas else "")
                         + f"{chosen.replicas} × batch {chosen.batch} = {chosen.replicas * chosen.batch} concurrent "
-                        f"sequences for concurrency {load.concurrency}; {chosen.devices} device(s) on "
+                        f"sequences for concurrency {load.concurrency}"
+                        + (" (SHORT: more would not fit or would miss the goal; the other requests wait in the queue)"
+                           if chosen.replicas * chosen.batch < load.concurrency else "")
+                        + f"; {chosen.devices} device(s) on "
                         f"{t.instances_used} instance(s) of {hardware.devices}"))
     out.append(Decision(key="batch_size", value=chosen.batch,
                         reason=f"{t.throughput_tokens_per_s:.1f} tokens/s at TPOT {t.tpot_ms:.2f} ms "

@@ -22,7 +22,7 @@ ByteSize = Annotated[int, BeforeValidator(parse_size), Field(gt=0), WithJsonSche
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Strict):
