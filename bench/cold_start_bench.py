@@ -26,7 +26,7 @@ follows fp32.
 Where lmc's seconds went when this was last tuned (2-core host, 1 GB fp32): ~0.2-0.4 s from process
 start to the fork server's first import; ~2.7-4.6 s (two sessions' hosts) the fork server importing
 torch + transformers + the family's module once (collector off) while the sha256 check (~1 s/GB, one
-thread) runs beside it; then ~0.1-0.2 s per rank after the fork (gloo 0.02, config + tokenizer 0.02,
+thread) runs beside it; then ~0.1-0.3 s per rank after the fork (gloo 0.02, config + tokenizer 0.02,
 mapping the shard 0.01, the meta skeleton 0.04 with weight initialisation off, attaching the mapped
 tensors 0.02). The import is the floor (~85 % of lmc's time): the baseline pays it in each rank.
 Usage: python bench/cold_start_bench.py [--size 1.0] [--runs 2] [--dtype fp32|bf16|both]
