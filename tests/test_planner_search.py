@@ -159,3 +159,16 @@ def test_when_nothing_holds_the_concurrency_the_plan_holding_the_most_wins_and_s
                       budget={"memory_per_device": full.memory_per_device.total - 1}), model=LLAMA7, hardware=g5)
     assert tight.batch_size == 2  # batch 4 no longer fits; 2 holds more than 1
     assert "2 concurrent sequences for concurrency 4 (SHORT:" in tight.decision("replicas").reason
+
+
+def test_when_only_the_cost_cap_blocks_the_detail_is_the_cheapest_not_a_memory_line():
+    with pytest.raises(NoFeasiblePlanError) as err:
+        plan(spec(budget={"max_cost_per_hour": 1.0}), model=LLAMA7)
+    assert err.value.details[0].startswith("cheapest: ") and "> max_cost_per_hour $1" in err.value.details[0]
+
+
+def test_a_cpu_tp_pin_outside_1_2_4_8_says_why():
+    with pytest.raises(SpecValueError) as err:
+        plan(spec(pin={"tensor_parallel_degree": 3}, target={"instance": "local"}), model=LLAMA7,
+             hardware=catalog.local_facts())
+    assert "CPU ranks share one host: TP is 1, 2, 4 or 8" in str(err.value)

@@ -209,7 +209,8 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             if tp not in tp_degrees(engine, hardware):
                 allowed = engine.tp_degrees.get(hardware.accelerator)
                 reasons.append(f"{engine.name} on {hardware.accelerator} allows TP degrees {_fmt_list(allowed)}"
-                               if allowed else f"does not divide the {hardware.devices} devices")
+                               if allowed else "CPU ranks share one host: TP is 1, 2, 4 or 8"
+                               if hardware.kind == "cpu" else f"does not divide the {hardware.devices} devices")
                 continue
             why = tp_unsupported(tp, engine, model)
             if why is None:
@@ -578,10 +579,14 @@ def no_feasible_plan(spec, model: ModelFacts, hardware: HardwareFacts, engines: 
         reasons = sorted({r.reason for r in rejections})
         message = f"no engine can serve {model.id} on {hardware.name}: " + "; ".join(reasons[:3])
     details: list[str] = []
-    if configs:
+    if configs and not any(c.fits for c in configs):
         closest = max(configs, key=lambda c: (c.memory.headroom, -c.batch))
         details.append(f"closest: {closest.engine} {closest.dtype} TP {closest.tp} batch {closest.batch} needs "
                        f"{_gib(closest.memory.total)} per device > {_gib(closest.memory.capacity)}")
+    elif configs:  # only the cost cap stands in the way: say what the cheapest fitting one costs
+        closest = min((c for c in configs if c.fits), key=lambda c: c.timing.cost_per_hour or 0)
+        details.append(f"cheapest: {closest.engine} {closest.dtype} TP {closest.tp} × {closest.replicas} "
+                       f"${closest.timing.cost_per_hour or 0:.2f}/h > max_cost_per_hour ${budget.max_cost_per_hour:g}")
     details += nearest_options(spec, model, hardware, engines, candidates)
     if len(details) <= 1:
         details.append("no nearby option fits: a larger instance type or a smaller model is needed")
