@@ -252,3 +252,68 @@ def test_a_stop_start_before_an_incomplete_character_is_held_back():
     # " th" + "e" (the stop "eé" may be starting) + an incomplete character: stream " th" only.
     assert _safe_prefix(" the\ufffd", ("eé",)) == 3
     assert _safe_prefix(" the\ufffd", ("x",)) == 4
+
+
+def _sentencepiece_like_tokenizer():
+    """A Llama-2-style tokenizer (Metaspace, byte fallback, a decoder that strips one leading space)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]
+                                  + [f"<0x{i:02X}>" for i in range(256)])
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+
+
+def _scripted_loop(tokenizer, script):
+    """A DecodeLoop whose model step makes `script` (token ids, then EOS) the argmax at each step."""
+    from lmc.runtime.engines.generate import DecodeLoop
+
+    eos = tokenizer.convert_tokens_to_ids("</s>")
+    vocab = len(tokenizer)
+
+    def prefill(prompts, pad_id):
+        step = {"n": 0}
+
+        def logits():
+            out = torch.zeros(len(prompts), vocab)
+            out[:, (script + [eos])[min(step["n"], len(script))]] = 1.0
+            return out
+
+        def advance(tokens):
+            step["n"] += 1
+            return logits()
+        return logits(), advance
+
+    return DecodeLoop(None, tokenizer, max_sequence_length=64, device=torch.device("cpu"), eos_token_ids={eos},
+                      prefill=prefill)
+
+
+def test_sentencepiece_text_keeps_the_leading_space_and_streams_exactly_the_final_text():
+    """Decoding the new tokens alone drops the space a Llama-2 tokenizer encodes in '\u2581brown'; they
+    are decoded after the prompt's last tokens instead (TGI's offsets), so full text reads right."""
+    tokenizer = _sentencepiece_like_tokenizer()
+    script = tokenizer(" brown fox", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(script) == "brown fox"  # what decoding the generated ids alone gives
+    pieces = []
+    result = _scripted_loop(tokenizer, script).generate(
+        [GenerationRequest("a", "the quick", GenerationParams(max_new_tokens=20, return_full_text=True))],
+        on_token=lambda rid, piece: pieces.append(piece))[0]
+    assert result.text == "the quick brown fox" and result.finish_reason == "eos"
+    assert "".join(pieces) == " brown fox"
+
+
+def test_byte_fallback_newline_then_a_cut_emoji_streams_what_the_final_text_says():
+    tokenizer = _sentencepiece_like_tokenizer()
+    byte = tokenizer.convert_tokens_to_ids
+    script = tokenizer(" the", add_special_tokens=False)["input_ids"] + [byte("<0x0A>"), byte("<0xF0>"), byte("<0x9F>")]
+    pieces = []
+    result = _scripted_loop(tokenizer, script).generate(
+        [GenerationRequest("a", "fox", GenerationParams(max_new_tokens=len(script)))],
+        on_token=lambda rid, piece: pieces.append(piece))[0]
+    assert result.finish_reason == "length"
+    assert "".join(pieces) == result.text and result.text.startswith(" the")

@@ -25,6 +25,7 @@ from lmc.runtime.engines.base import GenerationParams, GenerationRequest, Genera
 
 log = logging.getLogger(__name__)
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
+_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first new one (TGI uses 5 too)
 _FAILED = -1  # broadcast instead of tokens when rank 0 could not choose them
 _MIN_TEMPERATURE = 1e-5  # below this, dividing the logits overflows: greedy, which it tends to anyway
 
@@ -39,6 +40,12 @@ class _Row:
     streamed: str = ""
     finish: str | None = None
     stream_ok: bool = True
+    # Incremental detokenization (as TGI does): the text is decoded in a window that starts a few
+    # tokens before the new ones, so a tokenizer that drops a leading space (SentencePiece) or merges
+    # byte tokens (byte fallback) decodes the new tokens as they read after their context; a window
+    # ending in an incomplete character waits for the next token.
+    prefix_offset: int = 0
+    read_offset: int = 0
 
     @property
     def params(self) -> GenerationParams:
@@ -135,6 +142,8 @@ class DecodeLoop:
             raise ValueError(f"the prompt is {len(ids)} tokens and max_new_tokens is {request.params.max_new_tokens}: "
                              f"{total} exceeds the maximum sequence length {self.max_sequence_length}")
         row = _Row(request, ids)
+        if not self.encoder_decoder:  # a continuation of the prompt: its last tokens are the context
+            row.prefix_offset, row.read_offset = max(len(ids) - _CONTEXT_TOKENS, 0), len(ids)
         if self.rank == 0 and request.params.do_sample:
             seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
             row.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -227,13 +236,15 @@ class DecodeLoop:
             row.finish = "eos"
         else:
             row.generated.append(token)
-            row.text = self.decode(row.generated)
+            self._extend_text(row, final=False)
             cut = _first_stop(row.text, row.params.stop)
             if cut is not None:
                 row.text = row.text[:cut]
                 row.finish = "stop"
             elif len(row.generated) >= row.params.max_new_tokens:
                 row.finish = "length"
+        if row.finish in ("eos", "length"):
+            self._extend_text(row, final=True)  # what an incomplete character was holding back
         if stream is not None and row.stream_ok:
             final = row.finish is not None
             upto = len(row.text) if final else _safe_prefix(row.text, row.params.stop)
@@ -245,6 +256,14 @@ class DecodeLoop:
                 except Exception:  # a broken client must not break the lockstep with the other ranks
                     log.exception("streaming callback failed for request %s; no more pieces for it", row.request.id)
                     row.stream_ok = False
+
+    def _extend_text(self, row: _Row, final: bool) -> None:
+        ids = row.generated if self.encoder_decoder else row.prompt_ids + row.generated
+        before = self.decode(ids[row.prefix_offset:row.read_offset])
+        after = self.decode(ids[row.prefix_offset:])
+        if len(after) > len(before) and (final or not after.endswith(_REPLACEMENT)):
+            row.text += after[len(before):]
+            row.prefix_offset, row.read_offset = row.read_offset, len(ids)
 
     def _result(self, row: _Row) -> GenerationResult:
         text = row.request.prompt + row.text if row.params.return_full_text else row.text
