@@ -172,3 +172,13 @@ def test_a_cpu_tp_pin_outside_1_2_4_8_says_why():
         plan(spec(pin={"tensor_parallel_degree": 3}, target={"instance": "local"}), model=LLAMA7,
              hardware=catalog.local_facts())
     assert "CPU ranks share one host: TP is 1, 2, 4 or 8" in str(err.value)
+
+
+def test_neuronx_takes_a_tp_degree_that_does_not_divide_the_heads():
+    """transformers-neuronx pads heads to a multiple of TP: Llama-2-13B (40 heads) runs at TP 24 on
+    inf2.48xlarge (AWS's own benchmark configuration, in the latency validation set)."""
+    inf2 = catalog.hardware_facts("ml.inf2.48xlarge")
+    p = plan(spec(pin={"tensor_parallel_degree": 24}, target={"instance": "ml.inf2.48xlarge"}),
+             model=reference_model("llama-2-13b"), hardware=inf2)
+    assert (p.engine, p.tensor_parallel_degree) == ("neuronx", 24)
+    assert "40 heads / 40 kv heads padded to a multiple of it by the engine" in p.decision("tensor_parallel_degree").reason

@@ -166,7 +166,9 @@ def tp_unsupported(tp: int, engine: EngineFacts, model: ModelFacts) -> str | Non
     if engine.tp_requires_heads_divisible and model.attention_heads % tp:
         return f"does not divide the {model.attention_heads} attention heads"
     kv = model.kv_heads
-    if kv % tp and (engine.tp_kv_heads_rule == "divide" or tp % kv):
+    # Engines that pad heads to a multiple of TP (transformers-neuronx) take any degree; the memory
+    # model then gives each rank ceil(kv_heads / TP) kv heads.
+    if engine.tp_requires_heads_divisible and kv % tp and (engine.tp_kv_heads_rule == "divide" or tp % kv):
         return f"neither divides nor is a multiple of the {kv} kv heads"
     if engine.tp_requires_heads_divisible and model.intermediate_size % tp:
         return f"does not divide the MLP width {model.intermediate_size}"
@@ -469,7 +471,11 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
                         reason=("pinned by the spec; " if spec.pin.tensor_parallel_degree else "")
                         + f"TPOT {t.tpot_ms:.2f} ms, {_gib(mem.total)} of {_gib(mem.capacity)} per device"
                         + (f" (other fitting degrees: {compare})" if compare else "")
-                        + f"; divides the {model.attention_heads} heads / {model.kv_heads} kv heads"))
+                        + (f"; divides the {model.attention_heads} heads / {model.kv_heads} kv heads"
+                           if model.attention_heads % chosen.tp == 0 and model.kv_heads % chosen.tp == 0
+                           else f"; {model.attention_heads} heads / {model.kv_heads} kv heads "
+                           + ("padded to a multiple of it by the engine" if not engines[chosen.engine].tp_requires_heads_divisible
+                              else "(kv heads replicated across ranks)"))))
     out.append(Decision(key="replicas", value=chosen.replicas,
                         reason=("pinned by the spec; " if spec.pin.replicas else "")
                         + f"{chosen.replicas} × batch {chosen.batch} = {chosen.replicas * chosen.batch} concurrent "
