@@ -180,7 +180,12 @@ def _usable_tps(engine: EngineFacts, model: ModelFacts, hardware: HardwareFacts)
 
 
 def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[str, EngineFacts]) -> None:
-    """Raise SpecValueError (one line, what to do instead) for a pin that cannot work."""
+    """Raise SpecValueError (one line, what to do instead) for a pin that cannot work, or a cost cap
+    on a target that has no price (it could never be applied)."""
+    if spec.budget.max_cost_per_hour is not None and hardware.price_per_hour is None:
+        raise SpecValueError("budget.max_cost_per_hour", spec.budget.max_cost_per_hour,
+                             f"{hardware.name} has no price, so the cap cannot be applied; name a catalog "
+                             "instance, or drop the cap")
     pin = spec.pin
     usable = {name: e for name, e in engines.items() if engine_unsupported(e, model, hardware) is None}
     if pin.engine is not None:
