@@ -29,6 +29,7 @@ class _FakeSampling:
     start_ids, with the cache positions as position ids (as the SDK does with left padding)."""
 
     calls: list = []
+    honours_start_ids = True  # the real GPTJForSampling does not (its mask comes from cache positions)
 
     def __init__(self, path, batch_size, n_positions):
         import transformers
@@ -67,7 +68,12 @@ class _FakeSampling:
         if self.tokens.shape[1] > self.n_positions:
             raise RuntimeError(f"position {self.tokens.shape[1] - 1} is past n_positions {self.n_positions}")
         width = self.tokens.shape[1]
-        mask = (torch.arange(width)[None, :] >= self.start_ids[:, None]).long()
+        if hasattr(self, "num_processed_tokens"):
+            if cache_ids is None:
+                self.calls.append(("processed_at_prefill", int(self.num_processed_tokens)))
+            self.num_processed_tokens += input_ids.shape[1]
+        starts = self.start_ids if self.honours_start_ids else torch.zeros_like(self.start_ids)
+        mask = (torch.arange(width)[None, :] >= starts[:, None]).long()
         positions = torch.arange(width)[None, :].expand(self.batch_size, width)
         with torch.no_grad():
             return self.hf(input_ids=self.tokens, attention_mask=mask, position_ids=positions).logits[:, -1, :]
@@ -102,7 +108,7 @@ def fake_sdk(monkeypatch):
     sdk = types.ModuleType("transformers_neuronx")
     classes = {}
     for name in ("LlamaForSampling", "GPTJForSampling", "GPTNeoXForSampling", "OPTForSampling"):
-        classes[name] = type(name, (_FakeSampling,), {"calls": []})
+        classes[name] = type(name, (_FakeSampling,), {"calls": [], "honours_start_ids": name != "GPTJForSampling"})
         setattr(sdk, name, classes[name])
     sdk.NeuronConfig = lambda **kw: ("NeuronConfig", kw)
     sdk.QuantizationConfig = lambda **kw: ("QuantizationConfig", kw)
@@ -124,17 +130,40 @@ def test_precompiled_graphs_load_before_to_neuron(fake_sdk, tmp_path, monkeypatc
     engine.load(model_dir, 0, 1)
     calls = fake_sdk["LlamaForSampling"].calls
     assert calls[0] == ("from_pretrained", str(model_dir),
-                        {"batch_size": 4, "tp_degree": 2, "n_positions": 64, "amp": "f16"})
+                        {"batch_size": 4, "tp_degree": 2, "n_positions": 64, "amp": "f16",
+                         "context_length_estimate": [64]})
     assert calls[1:] == [("load", str(model_dir / "neuron/compiled")), ("to_neuron",)]
 
 
-def test_without_graphs_it_compiles_at_start(fake_sdk, tmp_path):
+def test_without_graphs_it_compiles_at_start(fake_sdk, tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("NEURON_CC_FLAGS", "placeholder")
+    monkeypatch.delenv("NEURON_CC_FLAGS")
     model_dir = make_checkpoint("gptj", tmp_path / "art")
-    _engine("gptj", dtype="int8").load(model_dir, 0, 1)
+    _engine("gptj", dtype="fp16").load(model_dir, 0, 1)
+    assert os.environ["NEURON_CC_FLAGS"] == "--model-type=transformer -O2"  # as a build-time compile
     calls = fake_sdk["GPTJForSampling"].calls
     assert [c[0] for c in calls] == ["from_pretrained", "to_neuron"]
-    assert calls[0][2]["neuron_config"] == ("NeuronConfig", {"quant": ("QuantizationConfig",
-                                                                       {"quant_dtype": "s8", "dequant_dtype": "f16"})})
+    # GPT-J's class takes no context_length_estimate and no quantization config (the planner keeps
+    # int8 away from it): plain arguments only.
+    assert calls[0][2] == {"batch_size": 4, "tp_degree": 2, "n_positions": 64, "amp": "f16"}
+
+
+def test_int8_weights_are_stored_s8_and_dequantized_to_fp16(fake_sdk, tmp_path):
+    model_dir = make_checkpoint("llama", tmp_path / "art")
+    _engine("llama", dtype="int8").load(model_dir, 0, 1)
+    kwargs = fake_sdk["LlamaForSampling"].calls[0][2]
+    assert kwargs["neuron_config"] == ("NeuronConfig", {"quant": ("QuantizationConfig",
+                                                                  {"quant_dtype": "s8", "dequant_dtype": "f16"})})
+
+
+def test_context_buckets_reach_n_positions():
+    from lmc.neuron_sdk import context_buckets
+
+    assert context_buckets(1280) == [128, 256, 512, 1024, 1280]
+    assert context_buckets(2048) == [128, 256, 512, 1024, 2048]
+    assert context_buckets(64) == [64]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox"])
@@ -240,3 +269,30 @@ def test_a_multi_process_group_is_refused(fake_sdk, tmp_path):
     with pytest.raises(InternalError) as excinfo:
         _engine().load(tmp_path, 1, 2)
     assert "a neuronx worker group is one process" in str(excinfo.value)
+
+
+def test_gptj_batches_only_prompts_of_one_length_together(fake_sdk, tmp_path):
+    """GPT-J's graphs ignore start_ids (the fake too): mixed lengths would attend to padding, so the
+    engine runs each prompt length apart, and each request still decodes to HF generate's tokens."""
+    model_dir = make_checkpoint("gptj", tmp_path / "art")
+    engine = _engine("gptj", batch=4)
+    engine.load(model_dir, 0, 1)
+    prompts = ["the quick brown fox jumps over", "hello", "a b c"]
+    results = engine.generate([GenerationRequest(str(i), p, GenerationParams(max_new_tokens=6))
+                               for i, p in enumerate(prompts)])
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == hf_greedy(model_dir, prompt, 6)
+    prefills = [c for c in fake_sdk["GPTJForSampling"].calls if c[0] == "prefill"]
+    assert all(set(starts) == {0} for _, _, starts in prefills)  # never any left padding
+
+
+def test_mistral_sliding_window_counter_restarts_with_each_batch(monkeypatch, tmp_path):
+    sdk = types.ModuleType("transformers_neuronx")
+    sdk.MistralForSampling = type("MistralForSampling", (_FakeSampling,), {"calls": [], "num_processed_tokens": 0})
+    monkeypatch.setitem(sys.modules, "transformers_neuronx", sdk)
+    model_dir = make_checkpoint("mistral", tmp_path / "art")
+    engine = _engine("mistral", batch=2)
+    engine.load(model_dir, 0, 1)
+    for _ in range(2):
+        engine.generate([GenerationRequest("a", "the quick", GenerationParams(max_new_tokens=3))])
+    assert [c[1] for c in sdk.MistralForSampling.calls if c[0] == "processed_at_prefill"] == [0, 0]

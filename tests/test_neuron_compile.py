@@ -63,7 +63,8 @@ def fake_sdk(monkeypatch):
 def test_compile_plan_spells_out_the_call(tmp_path):
     spec = neuron.neuron_compile_plan(llama_neuron_plan(), tmp_path)
     assert spec.class_name == "LlamaForSampling"
-    assert spec.from_pretrained == {"batch_size": 4, "tp_degree": 8, "n_positions": 2048, "amp": "bf16"}
+    assert spec.from_pretrained == {"batch_size": 4, "tp_degree": 8, "n_positions": 2048, "amp": "bf16",
+                                    "context_length_estimate": [128, 256, 512, 1024, 2048]}
     assert spec.neuron_cc_flags == "--model-type=transformer -O2"
     assert spec.compiled_dir == tmp_path / "neuron" / "compiled"
     assert spec.serializable and not spec.quantize_int8
@@ -77,7 +78,8 @@ def test_compile_runs_from_pretrained_to_neuron_save(tmp_path, fake_sdk, monkeyp
     written = neuron.run_neuron_compile(spec, sdk)
 
     assert fake_sdk.calls == [
-        ("from_pretrained", "LlamaForSampling", str(tmp_path), {"batch_size": 4, "tp_degree": 8, "n_positions": 2048, "amp": "bf16"}),
+        ("from_pretrained", "LlamaForSampling", str(tmp_path), {"batch_size": 4, "tp_degree": 8, "n_positions": 2048, "amp": "bf16",
+                                                              "context_length_estimate": [128, 256, 512, 1024, 2048]}),
         ("to_neuron", "--model-type=transformer -O2"),
         ("save", str(tmp_path / "neuron" / "compiled")),
     ]

@@ -39,12 +39,14 @@ from lmc.neuron_sdk import (  # noqa: F401 (re-exported: the build's view of the
     AMP,
     COMPILED_DIR,
     NEURON_DIR,
+    NEURON_OPTIMIZE_LEVEL,
     NEURON_PIP_INDEX,
     NEURON_SDK_PINS,
     NOT_SERIALIZABLE,
     SAMPLING_CLASSES,
     from_pretrained_kwargs,
     int8_neuron_config,
+    neuron_cc_flags,
 )
 from lmc.planner.plan import Plan
 
@@ -52,14 +54,16 @@ COMPILE_RECORD = "neuron/compile.json"
 README = "neuron/README.md"
 WEIGHTS_FILE = "model.safetensors"
 
-# The Neuron compiler's default level (-O2): balanced compile time and speed. LMI reads the same
-# value from option.neuron_optimize_level, so a container-start compile matches a build-time one.
-NEURON_OPTIMIZE_LEVEL = 2
+# NEURON_OPTIMIZE_LEVEL (lmc/neuron_sdk.py) is the Neuron compiler's default level (-O2). lmc's runtime
+# sets the same NEURON_CC_FLAGS when it compiles at container start; option.neuron_optimize_level in
+# serving.properties is for LMI's own handler (lmc's model.py entry point does not read it).
 
 MISSING_SDK_MESSAGE = (
     "the neuronx build compiles Neuron graphs ahead of time with the Neuron SDK, which is not installed: "
     f"pip install transformers-neuronx torch-neuronx neuronx-cc --extra-index-url {NEURON_PIP_INDEX}, "
-    "and run `lmc build` on a Neuron host (inf2/trn1 with the Neuron DLAMI) or in the Neuron deep learning container"
+    "and run `lmc build` on a Neuron host (inf2/trn1 with the Neuron DLAMI) or in the Neuron deep learning container, "
+    "with as many free NeuronCores as the plan's tensor parallel degree (transformers-neuronx 0.10 loads the weights "
+    "onto the cores before it compiles)"
 )
 
 
@@ -105,10 +109,6 @@ def not_precompiled_reason(plan: Plan, weights_remote: bool) -> str:
     return "the graphs are compiled at build time"
 
 
-def neuron_cc_flags(optimize_level: int = NEURON_OPTIMIZE_LEVEL) -> str:
-    return f"--model-type=transformer -O{optimize_level}"
-
-
 def neuron_compile_plan(plan: Plan, checkpoint: Path) -> CompileSpec:
     """The compile for `plan`, reading the cast checkpoint in `checkpoint` (config.json + model.safetensors)."""
     if plan.engine != "neuronx":
@@ -120,7 +120,7 @@ def neuron_compile_plan(plan: Plan, checkpoint: Path) -> CompileSpec:
         family=family,
         class_name=sampling_class(family),
         checkpoint=Path(checkpoint),
-        from_pretrained=from_pretrained_kwargs(dtype=plan.dtype, batch_size=plan.batch_size,
+        from_pretrained=from_pretrained_kwargs(family=plan.model.family, dtype=plan.dtype, batch_size=plan.batch_size,
                                                tp_degree=plan.tensor_parallel_degree,
                                                n_positions=plan.max_sequence_length),
         quantize_int8=plan.dtype == "int8",

@@ -96,6 +96,8 @@ class EngineFacts(_Facts):
     kernel_injection_families: list[Family] = Field(default_factory=list, description="Families with fused kernels (DeepSpeed).")
     tp_degrees: dict[str, list[int]] = Field(default_factory=dict, description="Allowed TP degrees per accelerator (Neuron); empty = any divisor.")
     tp_requires_heads_divisible: bool = Field(default=True, description="TP must divide attention heads.")
+    heads_divisible_families: list[Family] = Field(default_factory=list, description="Families for which TP must divide the heads even though the engine pads other families' heads.")
+    quantization_families: list[Family] | None = Field(default=None, description="Families the engine can serve in int8/fp8; None = all its families.")
     tp_kv_heads_rule: Literal["divide", "divide_or_replicate"] = Field(default="divide_or_replicate", description="KV heads split across ranks, or kept whole and replicated when TP exceeds them.")
     shards_lm_head: bool = Field(default=True, description="Whether the LM head is split across TP ranks (else replicated).")
     prepartitioned_loading: bool = Field(description="Can load weights pre-split per TP rank.")

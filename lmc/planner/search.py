@@ -162,15 +162,27 @@ def tp_degrees(engine: EngineFacts, hardware: HardwareFacts) -> list[int]:
     return [tp for tp in range(1, hardware.devices + 1) if hardware.devices % tp == 0]
 
 
+def engine_dtypes(engine: EngineFacts, model: ModelFacts) -> list[str]:
+    """The dtypes the engine serves this model in: no int8/fp8 for families it cannot quantize."""
+    if engine.quantization_families is None or model.family in engine.quantization_families:
+        return list(engine.dtypes)
+    return [d for d in engine.dtypes if d not in ("int8", "fp8")]
+
+
+def splits_heads(engine: EngineFacts, model: ModelFacts) -> bool:
+    """Whether TP must divide the heads: the engine splits them, or does not pad them for this family."""
+    return engine.tp_requires_heads_divisible or model.family in engine.heads_divisible_families
+
+
 def tp_unsupported(tp: int, engine: EngineFacts, model: ModelFacts) -> str | None:
-    if engine.tp_requires_heads_divisible and model.attention_heads % tp:
+    if splits_heads(engine, model) and model.attention_heads % tp:
         return f"does not divide the {model.attention_heads} attention heads"
     kv = model.kv_heads
     # Engines that pad heads to a multiple of TP (transformers-neuronx) take any degree; the memory
     # model then gives each rank ceil(kv_heads / TP) kv heads.
-    if engine.tp_requires_heads_divisible and kv % tp and (engine.tp_kv_heads_rule == "divide" or tp % kv):
+    if splits_heads(engine, model) and kv % tp and (engine.tp_kv_heads_rule == "divide" or tp % kv):
         return f"neither divides nor is a multiple of the {kv} kv heads"
-    if engine.tp_requires_heads_divisible and model.intermediate_size % tp:
+    if splits_heads(engine, model) and model.intermediate_size % tp:
         return f"does not divide the MLP width {model.intermediate_size}"
     return None
 
@@ -201,9 +213,9 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
         if why:
             fine = [d for d in ("bf16", "fp16", "fp32", "int8", "fp8") if allowed_dtype(d, hardware) is None]
             raise SpecValueError("pin.dtype", pin.dtype, f"{why}; use {' or '.join(fine[:2])}")
-        if not any(pin.dtype in e.dtypes for e in usable.values()):
+        if not any(pin.dtype in engine_dtypes(e, model) for e in usable.values()):
             names = " / ".join(sorted(usable))
-            fine = sorted({d for e in usable.values() for d in e.dtypes})
+            fine = sorted({d for e in usable.values() for d in engine_dtypes(e, model)})
             raise SpecValueError("pin.dtype", pin.dtype, f"{names} cannot serve {pin.dtype}; use one of {', '.join(fine)}")
     if pin.tensor_parallel_degree is not None:
         tp = pin.tensor_parallel_degree
@@ -271,7 +283,7 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
             rejections.append(Rejection(name, model.torch_dtype, 1, 0, f"{name} {why}", (3,)))
             continue
         efficiency = efficiency_for(engine, model, hardware)
-        for dtype in engine.dtypes:
+        for dtype in engine_dtypes(engine, model):
             if pin.dtype is not None and dtype != pin.dtype:
                 continue
             why = allowed_dtype(dtype, hardware)
@@ -479,7 +491,7 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
                         + (f"; divides the {model.attention_heads} heads / {model.kv_heads} kv heads"
                            if model.attention_heads % chosen.tp == 0 and model.kv_heads % chosen.tp == 0
                            else f"; {model.attention_heads} heads / {model.kv_heads} kv heads "
-                           + ("padded to a multiple of it by the engine" if not engines[chosen.engine].tp_requires_heads_divisible
+                           + ("padded to a multiple of it by the engine" if not splits_heads(engines[chosen.engine], model)
                               else "(kv heads replicated across ranks)"))))
     out.append(Decision(key="replicas", value=chosen.replicas,
                         reason=("pinned by the spec; " if spec.pin.replicas else "")

@@ -82,7 +82,9 @@ def device_env(plan: dict[str, Any], group: int, local_rank: int) -> dict[str, s
                 "LOCAL_RANK": str(local_rank)}
     if kind == "neuron":
         cores = str(first) if tp == 1 else f"{first}-{first + tp - 1}"
-        return {"NEURON_RT_VISIBLE_CORES": cores, "NEURON_RT_NUM_CORES": str(tp), "LOCAL_RANK": str(local_rank)}
+        # NEURON_RT_VISIBLE_CORES alone picks the group's cores (NEURON_RT_NUM_CORES is the other way to
+        # say how many; the two are not meant to be combined).
+        return {"NEURON_RT_VISIBLE_CORES": cores, "LOCAL_RANK": str(local_rank)}
     # CPU ranks share the host; keep their thread pools from oversubscribing it.
     return {"LOCAL_RANK": str(local_rank), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 

@@ -24,7 +24,8 @@ import os
 from pathlib import Path
 
 from lmc.errors import InternalError, MissingDependencyError
-from lmc.neuron_sdk import AMP, COMPILED_DIR, NEURON_PIP_INDEX, SAMPLING_CLASSES, from_pretrained_kwargs, int8_neuron_config
+from lmc.neuron_sdk import (AMP, COMPILED_DIR, NEURON_PIP_INDEX, SAMPLING_CLASSES, from_pretrained_kwargs,
+                            int8_neuron_config, neuron_cc_flags)
 from lmc.runtime.engines.base import GenerationRequest, GenerationResult, TokenCallback
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 MISSING_SDK = ("the neuronx engine needs the Neuron SDK, which is not installed: pip install transformers-neuronx "
                f"torch-neuronx neuronx-cc --extra-index-url {NEURON_PIP_INDEX}, and serve on a Neuron host "
                "(inf2/trn1) or in the LMI Neuron container")
+
+
+# Families whose graphs mask a left-padded row's padding by its start_ids.
+LEFT_PADDING_FAMILIES = frozenset({"llama", "mistral", "mixtral", "opt", "bloom", "gpt_neox"})
 
 
 def import_sdk():
@@ -77,7 +82,7 @@ class NeuronxEngine:
         if cls is None:
             raise MissingDependencyError(f"the installed transformers-neuronx has no {class_name}; install the "
                                          f"release the artifact was compiled with (--extra-index-url {NEURON_PIP_INDEX})")
-        kwargs = from_pretrained_kwargs(dtype=self.dtype, batch_size=self.batch_size, tp_degree=self.tp,
+        kwargs = from_pretrained_kwargs(family=self.family, dtype=self.dtype, batch_size=self.batch_size, tp_degree=self.tp,
                                         n_positions=self.max_sequence_length)
         if self.dtype == "int8":
             kwargs["neuron_config"] = int8_neuron_config(sdk, kwargs["amp"])
@@ -88,6 +93,8 @@ class NeuronxEngine:
             model.load(str(compiled))  # the NEFFs: to_neuron() then loads instead of compiling
         else:
             log.warning("neuronx: no precompiled graphs in %s; compiling at start (slow)", compiled)
+            # The same compiler flags as a build-time compile (neuron/compile.json records them).
+            os.environ.setdefault("NEURON_CC_FLAGS", neuron_cc_flags())
         model.to_neuron()
         self.model = model
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -103,6 +110,15 @@ class NeuronxEngine:
     def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
         if self._loop is None:
             raise InternalError("generate called before load")
+        if self.family not in LEFT_PADDING_FAMILIES:
+            # GPT-J's graphs ignore start_ids (its attention mask comes from cache positions only), so
+            # a left-padded row would attend to its padding: batch prompts of one length together.
+            by_length: dict[int, list[GenerationRequest]] = {}
+            for request in batch:
+                by_length.setdefault(self._loop.count_tokens(request.prompt), []).append(request)
+            results = {r.id: r for group in by_length.values()
+                       for r in self._loop.generate(group, on_token, max_rows=self.batch_size)}
+            return [results[request.id] for request in batch]
         return self._loop.generate(batch, on_token, max_rows=self.batch_size)  # runs fit the compiled graphs
 
     def _prefill(self, prompts: list[list[int]], pad_id: int):
@@ -110,6 +126,13 @@ class NeuronxEngine:
         import torch
 
         n, width = len(prompts), max(len(p) for p in prompts)
+        # Mistral/Mixtral count processed tokens to place their sliding window and never reset the
+        # count themselves (their sample() does not either): a new batch starts at 0.
+        processed = getattr(self.model, "num_processed_tokens", None)
+        if isinstance(processed, torch.Tensor):
+            processed.zero_()
+        elif processed is not None:
+            self.model.num_processed_tokens = 0
         rows = prompts + [prompts[0]] * (self.batch_size - n)  # the graphs are compiled for one batch size
         input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in rows], dtype=torch.long)
         start_ids = torch.tensor([width - len(p) for p in rows], dtype=torch.int32)
