@@ -212,7 +212,12 @@ def test_neuronx_without_the_sdk_stops_before_any_work(tmp_path, llama_checkpoin
     # If the build read a weight before checking the SDK, this would be called.
     import lmc.emitters.neuron as neuron
 
+    import lmc.emitters.build as build
+    import lmc.emitters.checkpoint as checkpoint
+
     monkeypatch.setattr(neuron, "run_neuron_compile", lambda *a, **k: pytest.fail("compiled without the SDK"))
+    monkeypatch.setattr(checkpoint, "validate_checkpoint", lambda *a, **k: pytest.fail("validated before the SDK check"))
+    monkeypatch.setattr(build, "_stage_neuron_weights", lambda *a, **k: pytest.fail("read weights without the SDK"))
     spec = write_spec(tmp_path, llama_checkpoint, template=NEURON_SPEC)
     line = expect_failure(capsys, spec, tmp_path / "model.tar.gz", "pip install transformers-neuronx",
                           "Neuron")

@@ -243,7 +243,11 @@ def test_a_tensor_most_layers_have_is_required_in_every_layer(tmp_path):
 def test_tied_heads_and_t5_position_bias_in_block_0_only_are_complete(tmp_path):
     for family in ("opt", "bloom", "t5"):  # tied LM heads; T5 keeps relative_attention_bias in block 0
         path = make_checkpoint(family, tmp_path / family)
-        validate_checkpoint(path, checkpoint_model_facts(path, family))
+        info = validate_checkpoint(path, checkpoint_model_facts(path, family))
+        assert "lm_head.weight" not in info.tensors  # tied: nothing to find, and nothing demanded
+        biases = [n for n in info.tensors if "relative_attention_bias" in n]
+        if family == "t5":
+            assert biases and all(".block.0." in n for n in biases)
 
 
 def test_pre_quantized_checkpoints_are_refused(ckpt):

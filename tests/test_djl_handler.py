@@ -1,4 +1,6 @@
-"""The DJL Python-engine handler with fake Input objects and a fake engine."""
+"""The DJL Python-engine handler with fake Input objects and a fake engine. The answers go into lmc's
+stand-in for djl_python.outputs.Output (djl_python is not installable here): these tests check the
+handler's logic, not the real Output's wire format."""
 
 from __future__ import annotations
 

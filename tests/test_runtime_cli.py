@@ -70,12 +70,17 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path, whole_gro
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
         for thread in threads:
             thread.start()
-        time.sleep(0.3)  # admitted: the first batch is generating, the second waits
+        deadline = time.monotonic() + 30  # all 4 admitted (the first batch generating, the second waiting)
+        while time.monotonic() < deadline and "lmc_requests_in_flight 4.0" not in httpx.get(url + "/metrics").text:
+            time.sleep(0.02)
+        assert "lmc_requests_in_flight 4.0" in httpx.get(url + "/metrics").text
         if whole_group:  # as systemd or a shell would: the workers get it too
             os.killpg(proc.pid, signal.SIGTERM)
         else:  # as docker stop does: PID 1 only
             proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10  # the front end has taken the signal when /ping says so
+        while time.monotonic() < deadline and httpx.get(url + "/ping").status_code != 503:
+            time.sleep(0.02)
         assert httpx.get(url + "/ping").status_code == 503
         late = httpx.post(url + "/invocations", json={"inputs": "too late"})
         assert late.status_code == 503 and "shutting down" in late.json()["error"]

@@ -144,9 +144,18 @@ def test_model_failure_is_424_and_service_continues(server):
     assert post(server, {"inputs": "fine", "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 
+def _counter(text: str, prefix: str) -> float:
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
 def test_metrics_expose_the_series(server):
+    before = httpx.get(server.url + "/metrics").text
     post(server, {"inputs": "count me", "parameters": {"max_new_tokens": 3}})
     text = httpx.get(server.url + "/metrics").text
+    ok = 'lmc_requests_total{endpoint="invocations",status="200"}'
+    assert _counter(text, ok) - _counter(before, ok) == 1
+    assert _counter(text, "lmc_generated_tokens_total") - _counter(before, "lmc_generated_tokens_total") == 3
     for series in ("lmc_queue_depth", "lmc_batch_size_bucket", "lmc_request_latency_seconds_bucket",
                    "lmc_time_to_first_token_seconds_bucket", "lmc_generated_tokens_total",
                    "lmc_worker_groups_ready 1.0"):
@@ -174,7 +183,9 @@ def test_full_queue_answers_503_at_once_then_serves_again(tmp_path):
         served = [r for r in results if r[0] == 200]
         assert refused and served and len(refused) + len(served) == 8
         assert all("queue is full" in body["error"] for _, body, _ in refused)
-        assert max(elapsed for _, _, elapsed in refused) < 0.4  # at once, not after waiting
+        # At once: every refusal came back before any admitted request finished (each decodes 10
+        # steps of 50 ms), whatever the machine's speed.
+        assert max(elapsed for _, _, elapsed in refused) < min(elapsed for _, _, elapsed in served)
         assert post(srv, {"inputs": "after", "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 

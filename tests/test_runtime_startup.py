@@ -48,7 +48,7 @@ def test_unsafe_members_are_refused_before_anything_is_written(tmp_path, name, k
         extract_archive(archive, dest)
     assert name in str(err.value) and "\n" not in str(err.value)
     assert list(dest.iterdir()) == []  # checked all members first
-    assert not (tmp_path.parent / "evil").exists()
+    assert not (tmp_path / "evil").exists() and not (dest.parent.parent / "evil").exists()
 
 
 def test_archive_is_extracted_verified_and_cleaned_up(tmp_path):
