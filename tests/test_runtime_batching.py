@@ -80,7 +80,7 @@ def test_async_batcher_waits_for_the_delay_then_returns_what_arrived():
 
     names, waited = asyncio.run(scenario())
     assert names == ["a", "b"]
-    assert 0.045 <= waited < 0.5
+    assert waited >= 0.045  # it waited for the delay (and returned within wait_for's 1 s)
 
 
 def test_async_batcher_returns_a_full_batch_at_once():

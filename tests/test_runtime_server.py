@@ -194,7 +194,7 @@ def test_request_timeout_is_424_and_nothing_hangs(tmp_path):
         start = time.monotonic()
         reply = post(srv, {"inputs": "slow", "parameters": {"max_new_tokens": 20}})
         assert reply.status_code == 424 and "timed out after 0.5s" in reply.json()["error"]
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < 20 * 0.2  # answered before the generation itself could end
 
 
 def test_a_stream_the_client_drops_is_recorded_as_499_and_releases_its_slot(server):
