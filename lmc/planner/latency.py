@@ -27,6 +27,7 @@ from lmc.planner.memory import (
     compute_dtype,
     decode_weight_bytes,
     decoder_share,
+    host_share,
     kv_bytes_per_token,
     param_split,
     weight_bytes,
@@ -78,12 +79,6 @@ def allreduce_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int,
 def allreduces_per_step(model: ModelFacts) -> int:
     """Row-parallel outputs reduced per decode step: attention and MLP per block (+ cross-attention for T5)."""
     return model.layers * (3 if model.is_encoder_decoder else 2)
-
-
-def host_share(hardware: HardwareFacts, tp: int) -> int:
-    """How many TP ranks share one device's bandwidth and compute: on a CPU host all of them (the
-    ranks are processes on the same cores and memory, as memory.py shares its capacity); else 1."""
-    return tp if hardware.kind == "cpu" else 1
 
 
 def rank_tflops(hardware: HardwareFacts, dtype: str, tp: int) -> float:

@@ -179,6 +179,12 @@ def overhead_bytes(efficiency: EngineEfficiency, tp: int) -> int:
     return efficiency.runtime_overhead_bytes + (efficiency.comm_buffer_bytes if tp > 1 else 0)
 
 
+def host_share(hardware: HardwareFacts, tp: int) -> int:
+    """How many TP ranks share one device's memory, bandwidth and compute: on a CPU host all of them
+    (the ranks are processes on the same cores and memory); on accelerators each rank has its own."""
+    return tp if hardware.kind == "cpu" else 1
+
+
 def capacity_bytes(hardware: HardwareFacts, memory_fraction: float, memory_per_device: int | None) -> int:
     """What the plan may fill per device: min(device memory · fraction, the absolute cap)."""
     capacity = int(hardware.device_memory_bytes * memory_fraction)
@@ -197,8 +203,6 @@ def memory_per_device(model: ModelFacts, hardware: HardwareFacts, engine: Engine
     activations = activation_bytes(model, engine, hardware, tp, act_dtype, batch, input_tokens)
     overhead = overhead_bytes(efficiency, tp)
     total = weights + kv + activations + overhead
-    capacity = capacity_bytes(hardware, memory_fraction, memory_cap)
-    if hardware.kind == "cpu" and tp > 1:
-        capacity //= tp  # CPU TP ranks are processes sharing one host's memory: each gets its share
+    capacity = capacity_bytes(hardware, memory_fraction, memory_cap) // host_share(hardware, tp)
     return MemoryPerDevice(weights=weights, kv_cache=kv, activations=activations, runtime_overhead=overhead,
                            total=total, capacity=capacity, headroom=capacity - total)

@@ -590,26 +590,24 @@ def no_feasible_plan(spec, model: ModelFacts, hardware: HardwareFacts, engines: 
     dtype = spec.pin.dtype or ("bf16" if model.torch_dtype == "bf16" else "fp16")
     weights = model.parameters * DTYPE_BYTES[dtype]
     total_mem = hardware.device_memory_bytes * hardware.devices
+    details: list[str] = []
     if configs and not any(c.fits for c in configs):
         message = (f"{model.id} {dtype} needs {weights / 1e9:.1f} GB of weights; {hardware.name} has "
                    f"{hardware.devices} × {_gib(hardware.device_memory_bytes)} = {_gib(total_mem)} "
                    f"({_gib(capacity * hardware.devices)} in budget)")
-    elif configs:
-        cheapest = min(c.timing.cost_per_hour or 0 for c in configs if c.fits)
-        message = (f"every configuration that fits costs more than max_cost_per_hour ${budget.max_cost_per_hour:g} "
-                   f"(cheapest ${cheapest:.2f}/h)")
-    else:
-        reasons = sorted({r.reason for r in rejections})
-        message = f"no engine can serve {model.id} on {hardware.name}: " + "; ".join(reasons[:3])
-    details: list[str] = []
-    if configs and not any(c.fits for c in configs):
         closest = max(configs, key=lambda c: (c.memory.headroom, -c.batch))
         details.append(f"closest: {closest.engine} {closest.dtype} TP {closest.tp} batch {closest.batch} needs "
                        f"{_gib(closest.memory.total)} per device > {_gib(closest.memory.capacity)}")
     elif configs:  # only the cost cap stands in the way: say what the cheapest fitting one costs
-        closest = min((c for c in configs if c.fits), key=lambda c: c.timing.cost_per_hour or 0)
-        details.append(f"cheapest: {closest.engine} {closest.dtype} TP {closest.tp} × {closest.replicas} "
-                       f"${closest.timing.cost_per_hour or 0:.2f}/h > max_cost_per_hour ${budget.max_cost_per_hour:g}")
+        cheapest = min((c for c in configs if c.fits), key=lambda c: c.timing.cost_per_hour or 0)
+        price = cheapest.timing.cost_per_hour or 0
+        message = (f"every configuration that fits costs more than max_cost_per_hour ${budget.max_cost_per_hour:g} "
+                   f"(cheapest ${price:.2f}/h)")
+        details.append(f"cheapest: {cheapest.engine} {cheapest.dtype} TP {cheapest.tp} × {cheapest.replicas} "
+                       f"${price:.2f}/h > max_cost_per_hour ${budget.max_cost_per_hour:g}")
+    else:
+        reasons = sorted({r.reason for r in rejections})
+        message = f"no engine can serve {model.id} on {hardware.name}: " + "; ".join(reasons[:3])
     details += nearest_options(spec, model, hardware, engines, candidates)
     if len(details) <= 1:
         details.append("no nearby option fits: a larger instance type or a smaller model is needed")
