@@ -222,7 +222,13 @@ SHAPE_RULES: dict[str, list[tuple[re.Pattern, str]]] = {
 }
 _NAMES = {"V": "vocab_size", "H": "hidden_size", "A": "heads·head_dim", "K": "kv_heads·head_dim",
           "I": "intermediate_size", "E": "num_experts", "N": "heads", "_": "any"}
-_LAYER_INDEX = re.compile(r"\.(layers|h|block)\.(\d+)\.")
+# A layer's tensors: (the stack, e.g. "model.layers" or "encoder.block", the layer index, the rest).
+_STACK = re.compile(r"^((?:[^.]+\.)*?(?:layers|h|block))\.(\d+)\.(.+)$")
+
+
+def _stack_layers(facts: ModelFacts, stack: str) -> int:
+    """How many layers config.json gives the stack (T5's encoder has its own count)."""
+    return facts.encoder_layers if stack.startswith("encoder.") else facts.layers
 
 
 def expected_shape(facts: ModelFacts, name: str) -> tuple[tuple[int | None, ...], str] | None:
@@ -249,9 +255,9 @@ def check_shapes(facts: ModelFacts, tensors: dict[str, TensorInfo]) -> None:
                 shown = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
                 raise CheckpointError(f"{tensor.file}: tensor {name!r} has shape {list(tensor.shape)}, but config.json "
                                       f"implies {shown} ({words})")
-        match = _LAYER_INDEX.search(name)
+        match = _STACK.match(name)
         if match:
-            limit = facts.encoder_layers if name.startswith("encoder.") else facts.layers
+            limit = _stack_layers(facts, match.group(1))
             if int(match.group(2)) >= limit:
                 raise CheckpointError(f"{tensor.file}: tensor {name!r} is in layer {match.group(2)}, but config.json "
                                       f"has {limit} layers")
@@ -288,7 +294,6 @@ _LAYER_REQUIRED = {
     "t5": (r"SelfAttention\.q\.weight", r"SelfAttention\.k\.weight", r"SelfAttention\.v\.weight",
            r"SelfAttention\.o\.weight", r"DenseReluDense\.wo\.weight"),
 }
-_STACK = re.compile(r"^((?:[^.]+\.)*?(?:layers|h|block))\.(\d+)\.(.+)$")
 _FIRST_LAYER_ONLY = re.compile(r"relative_attention_bias")  # T5 keeps its position bias in block 0
 
 
@@ -318,7 +323,7 @@ def check_complete(path: Path, facts: ModelFacts, tensors: dict[str, TensorInfo]
     if facts.layers and not stacks:
         raise missing("of any layer")
     for stack, layers in sorted(stacks.items()):
-        count = facts.encoder_layers if stack.startswith("encoder.") else facts.layers
+        count = _stack_layers(facts, stack)
         counts: dict[str, int] = {}
         for suffixes in layers.values():
             for suffix in suffixes:
