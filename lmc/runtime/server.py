@@ -98,6 +98,9 @@ class Scheduler:
         self._stopping = False
         self.fatal: Exception | None = None  # a group that cannot load the model: the server stops
         self.on_fatal_hook: Callable[[], None] | None = None
+        # Read when /metrics is scraped, so they can never be stale.
+        metrics.queue_depth.set_function(lambda: len(self.batcher.queue))
+        metrics.groups_ready.set_function(lambda: sum(event.is_set() for event in self._ready))
 
     # -- lifecycle
 
@@ -128,7 +131,6 @@ class Scheduler:
             task.cancel()
         for job in self.batcher.queue.drain():
             self._fail(job, 503, "the server is shutting down")
-        self.metrics.queue_depth.set(0)
         await asyncio.gather(*(asyncio.to_thread(group.stop) for group in self.groups))
 
     def all_ready(self) -> bool:
@@ -142,12 +144,10 @@ class Scheduler:
             self.batcher.submit(jobs)
         except QueueFull as exc:
             raise RequestFailed(503, str(exc)) from None
-        self.metrics.queue_depth.set(len(self.batcher.queue))
 
     def abandon(self, job: Job) -> None:
         job.finished = True
-        if self.batcher.remove(job):
-            self.metrics.queue_depth.set(len(self.batcher.queue))
+        self.batcher.remove(job)
 
     # -- dispatch: one coroutine per group
 
@@ -156,13 +156,11 @@ class Scheduler:
         while True:
             await self._ready[index].wait()
             jobs = await self.batcher.next_batch()
-            self.metrics.queue_depth.set(len(self.batcher.queue))
             jobs = [job for job in jobs if not job.finished]
             if not jobs:
                 continue
             if not self._ready[index].is_set():  # went down while we waited for work
                 self.batcher.requeue(jobs)
-                self.metrics.queue_depth.set(len(self.batcher.queue))
                 await asyncio.sleep(0)
                 continue
             batch_id = next(self._batch_ids)
@@ -174,7 +172,6 @@ class Scheduler:
             except RuntimeError:  # it went down; its on_down is still on its way to this loop
                 del self._batches[batch_id], self._batch_done[batch_id]
                 self.batcher.requeue(jobs)
-                self.metrics.queue_depth.set(len(self.batcher.queue))
                 self._set_ready(index, False)  # wait for on_ready instead of spinning on the same batch
                 await asyncio.sleep(0)
                 continue
@@ -227,7 +224,6 @@ class Scheduler:
 
     def _set_ready(self, group: int, ready: bool) -> None:
         (self._ready[group].set if ready else self._ready[group].clear)()
-        self.metrics.groups_ready.set(sum(event.is_set() for event in self._ready))
 
     def _token(self, batch_id: int, request_id: str, text: str) -> None:
         job = self._batches.get(batch_id, {}).get(request_id)
@@ -291,6 +287,7 @@ class Runtime:
         self.scheduler = Scheduler(plan, self.metrics, group_factory, request_timeout_s)
         self.accepting = True
         self._in_flight = 0
+        self.metrics.in_flight.set_function(lambda: self._in_flight)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -383,11 +380,9 @@ class Runtime:
         self.scheduler.submit(jobs)
         self._in_flight += 1
         self._idle.clear()
-        self.metrics.in_flight.set(self._in_flight)
 
     def release(self) -> None:
         self._in_flight -= 1
-        self.metrics.in_flight.set(self._in_flight)
         if self._in_flight == 0:
             self._idle.set()
 
