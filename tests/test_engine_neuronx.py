@@ -236,6 +236,8 @@ def test_pack_batches_keeps_order_batch_size_and_positions():
     assert pack_batches(items, lengths, new, 2, 64) == [["a", "b"], ["c", "d"], ["e"]]
     # a,b,c fit (12 + 4); d: 12 + 50 = 62 fits; e: width 40 + longest 50 = 90 does not: a new run
     assert pack_batches(items, lengths, new, 8, 64) == [["a", "b", "c", "d"], ["e"]]
+    # same_length: a new run wherever the prompt length changes (the loop sorts by length first)
+    assert pack_batches(["p", "q", "r", "s"], [3, 3, 5, 5], [4] * 4, 8, 64, same_length=True) == [["p", "q"], ["r", "s"]]
 
 
 def test_eos_and_stop_sequences_end_rows_and_filler_rows_are_dropped(monkeypatch, tmp_path):

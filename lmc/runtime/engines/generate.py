@@ -101,15 +101,18 @@ class DecodeLoop:
     # -- the loop -----------------------------------------------------------------------------------------
 
     def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None,
-                 max_rows: int | None = None) -> list[GenerationResult]:
+                 max_rows: int | None = None, same_length: bool = False) -> list[GenerationResult]:
         """Decode `batch`, in runs: left padding puts every row's positions at the widest prompt's, so
         a run keeps its widest prompt plus its largest max_new_tokens within max_sequence_length (the
-        positions the model has, and the KV cache the plan reserved), and at most `max_rows` rows."""
+        positions the model has, and the KV cache the plan reserved), and at most `max_rows` rows.
+        `same_length` (a model that cannot mask left padding): each run holds prompts of one length."""
         rows = [self._row(request) for request in batch]
+        if same_length:
+            rows.sort(key=lambda row: len(row.prompt_ids))  # stable: equal lengths stay in arrival order
         results: dict[str, GenerationResult] = {}
         lengths = [len(row.prompt_ids) for row in rows]
         for run in pack_batches(rows, lengths, [row.params.max_new_tokens for row in rows],
-                                max_rows or len(rows) or 1, self.max_sequence_length):
+                                max_rows or len(rows) or 1, self.max_sequence_length, same_length):
             for row in self._decode(run, on_token):
                 results[row.request.id] = self._result(row)
         return [results[request.id] for request in batch]
@@ -319,15 +322,17 @@ def _safe_prefix(text: str, stops: tuple[str, ...]) -> int:
     return end
 
 
-def pack_batches(items: list, lengths: list[int], new_tokens: list[int], max_rows: int, positions: int) -> list[list]:
+def pack_batches(items: list, lengths: list[int], new_tokens: list[int], max_rows: int, positions: int,
+                 same_length: bool = False) -> list[list]:
     """Split `items` (in order) into runs of at most `max_rows` whose widest prompt (`lengths`) plus
-    largest `new_tokens` fits `positions`. An item too long on its own runs alone (the caller checks it)."""
+    largest `new_tokens` fits `positions` (and, with `same_length`, whose prompts are all one length).
+    An item too long on its own runs alone (the caller checks it)."""
     runs: list[list] = []
     current: list = []
     width = longest = 0
     for item, n, m in zip(items, lengths, new_tokens):
         w, l = max(width, n), max(longest, m)
-        if current and (len(current) == max_rows or w + l > positions):
+        if current and (len(current) == max_rows or w + l > positions or (same_length and n != width)):
             runs.append(current)
             current, w, l = [], n, m
         current.append(item)

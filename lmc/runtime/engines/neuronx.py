@@ -110,16 +110,11 @@ class NeuronxEngine:
     def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
         if self._loop is None:
             raise InternalError("generate called before load")
-        if self.family not in LEFT_PADDING_FAMILIES:
-            # GPT-J's graphs ignore start_ids (its attention mask comes from cache positions only), so
-            # a left-padded row would attend to its padding: batch prompts of one length together.
-            by_length: dict[int, list[GenerationRequest]] = {}
-            for request in batch:
-                by_length.setdefault(self._loop.count_tokens(request.prompt), []).append(request)
-            results = {r.id: r for group in by_length.values()
-                       for r in self._loop.generate(group, on_token, max_rows=self.batch_size)}
-            return [results[request.id] for request in batch]
-        return self._loop.generate(batch, on_token, max_rows=self.batch_size)  # runs fit the compiled graphs
+        # Runs fit the compiled graphs (batch size, positions). GPT-J's graphs ignore start_ids (its
+        # attention mask comes from cache positions only), so a left-padded row would attend to its
+        # padding: its runs hold prompts of one length.
+        return self._loop.generate(batch, on_token, max_rows=self.batch_size,
+                                   same_length=self.family not in LEFT_PADDING_FAMILIES)
 
     def _prefill(self, prompts: list[list[int]], pad_id: int):
         """Run the prompts through the compiled graphs; return (logits, advance) for the decode loop."""
