@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from lmc.emitters.safetensors_stream import Header, StreamingWriter, dtype_code, read_header
 from lmc.errors import CheckpointError
+from lmc.planner.checkpoint_facts import safetensors_files
 from lmc.planner.facts import ModelFacts
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -106,12 +107,12 @@ def _read_json(file: Path) -> object:
 
 
 def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], bool]:
-    index = path / INDEX_NAME
-    if index.is_file():
-        return _indexed_files(index), False
-    files = sorted(path.glob("*.safetensors"))
+    # The planner's reader: the files the index names, else every *.safetensors (shard sets complete).
+    files = safetensors_files(path)
     if files:
         return files, False
+    if (path / INDEX_NAME).is_file():
+        raise CheckpointError(f"{path / INDEX_NAME}: the weight_map names no files")
     # HF's pickle weight names only: a fine-tune directory also holds training_args.bin, optimizer.pt...
     pickles = sorted(p for p in path.iterdir() if p.is_file() and re.fullmatch(r"pytorch_model.*\.bin", p.name))
     if not pickles:
@@ -127,19 +128,6 @@ def _weight_map(index: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: not a weights index: needs a `weight_map` object of tensor -> file")
     return weight_map
-
-
-def _indexed_files(index: Path) -> list[Path]:
-    weight_map = _weight_map(index)
-    files = []
-    for name in sorted(set(weight_map.values())):
-        file = index.parent / name
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing (listed in {index.name})")
-        files.append(file)
-    if not files:
-        raise CheckpointError(f"{index}: the weight_map names no files")
-    return files
 
 
 def _tensor_table(path: Path, headers: list[Header]) -> dict[str, TensorInfo]:
@@ -158,8 +146,7 @@ def _check_index_agrees(path: Path, tensors: dict[str, TensorInfo]) -> None:
     index = path / INDEX_NAME
     if not index.is_file():
         return
-    weight_map = _read_json(index)["weight_map"]
-    for name, file_name in sorted(weight_map.items()):
+    for name, file_name in sorted(_weight_map(index).items()):
         if name not in tensors:
             raise CheckpointError(f"{path / file_name}: has no tensor {name!r} ({index.name} says it does)")
         if tensors[name].file.name != file_name:
