@@ -27,7 +27,7 @@ def expected_text(prompt: str, max_new_tokens: int) -> str:
 
 class FakeEngine:
     """Knobs: `step_delay_s` per generated token (slow), `load_delay_s`, `record_dir` (one line per
-    batch: rank and size; pid files per rank), `load_error` / `load_error_rank` (load raises an
+    batch: rank, size and each request's sampling parameters; pid files per rank), `load_error` / `load_error_rank` (load raises an
     LmcError), `load_crash_rank` (load raises a plain error). Prompts containing RAISE make generate raise."""
 
     def __init__(self, step_delay_s: float = 0.0, load_delay_s: float = 0.0, record_dir: str | None = None,
@@ -58,7 +58,9 @@ class FakeEngine:
     def generate(self, batch: list[GenerationRequest], on_token=None) -> list[GenerationResult]:
         if self.record_dir is not None:
             with open(self.record_dir / "batches.jsonl", "a") as handle:
-                handle.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "size": len(batch)}) + "\n")
+                params = [{key: getattr(r.params, key) for key in ("max_new_tokens", "do_sample", "temperature", "top_p",
+                                                                    "top_k", "repetition_penalty")} for r in batch]
+                handle.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "size": len(batch), "params": params}) + "\n")
         if any("RAISE" in request.prompt for request in batch):
             raise RuntimeError("fake failure requested by the prompt")
         texts = {r.id: expected_text(r.prompt, r.params.max_new_tokens) for r in batch}

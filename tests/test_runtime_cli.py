@@ -143,13 +143,41 @@ def test_a_model_that_cannot_load_stops_start_up_with_one_line(tmp_path, rank):
     (["--max-body-bytes", "-5"], {}, "--max-body-bytes = -5: must be a positive number"),
     ([], {"LMC_REQUEST_TIMEOUT_S": "nan"}, "LMC_REQUEST_TIMEOUT_S = nan: must be a positive number"),
     ([], {"LMC_MAX_BODY_BYTES": "lots"}, "LMC_MAX_BODY_BYTES = 'lots': not a number"),
+    ([], {"LMC_GENERATION_CONFIG": "vllm"}, "LMC_GENERATION_CONFIG = 'vllm': must be auto or none"),
 ])
 def test_bad_timeouts_and_limits_are_usage_errors_before_anything_starts(tmp_path, monkeypatch, args, env, message):
     model = write_artifact(tmp_path / "m", fake_plan())
-    for name in ("LMC_REQUEST_TIMEOUT_S", "LMC_MAX_BODY_BYTES"):
+    for name in ("LMC_REQUEST_TIMEOUT_S", "LMC_MAX_BODY_BYTES", "LMC_GENERATION_CONFIG"):
         monkeypatch.delenv(name, raising=False)
     proc = _start(["--model-dir", str(model), "--port", str(free_port()), *args], env=env)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [f"lmc: error: {message}"], err
+
+
+@pytest.mark.parametrize("args, env, temperature", [
+    ([], {}, 0.6),
+    (["--generation-config", "none"], {"LMC_GENERATION_CONFIG": "auto"}, 1.0),
+    ([], {"LMC_GENERATION_CONFIG": "none"}, 1.0),
+], ids=["default-auto", "flag-none-beats-env", "env-none"])
+def test_generation_config_mode_decides_the_openai_defaults(tmp_path, monkeypatch, args, env, temperature):
+    import json
+
+    monkeypatch.delenv("LMC_GENERATION_CONFIG", raising=False)
+    record = tmp_path / "record"
+    record.mkdir()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))
+    model = write_artifact(tmp_path / "m", fake_plan(), {"record_dir": str(record)})
+    port = free_port()
+    proc = _start(["--model-dir", str(model), "--port", str(port), *args], env=env)
+    try:
+        _wait_ping(f"http://127.0.0.1:{port}", proc)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "a b", "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+        [batch] = [json.loads(line) for line in (record / "batches.jsonl").read_text().splitlines()]
+        assert batch["params"][0]["temperature"] == temperature
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -74,3 +74,64 @@ def test_openai_errors_are_400_with_the_reason(client, server):
         client.completions.create(model="x", prompt="a", max_tokens=0)
     reply = httpx.post(server.url + "/v1/chat/completions", json={"messages": []})
     assert reply.status_code == 400 and "messages must be a non-empty list" in reply.json()["error"]["message"]
+
+
+GENERATION_CONFIG = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7,
+                     "repetition_penalty": None, "eos_token_id": 2}
+
+
+def _recorded(record_dir) -> list[dict]:
+    lines = (record_dir / "batches.jsonl").read_text().splitlines()
+    (record_dir / "batches.jsonl").unlink()
+    import json
+
+    return [params for line in lines for params in json.loads(line)["params"]]
+
+
+@pytest.mark.parametrize("mode", ["auto", "none"])
+def test_generation_config_sets_the_openai_defaults(tmp_path, mode):
+    """As in vLLM: the model's generation_config.json fills the sampling fields a request leaves out on the
+    OpenAI routes (chat's max_tokens too); what the request sets wins; /invocations keeps the LMI defaults."""
+    import json
+
+    from lmc.runtime.startup import sampling_defaults
+
+    record = tmp_path / "record"
+    record.mkdir()
+    plan = fake_plan()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    model = write_artifact(tmp_path / "m", plan, engine_kwargs={"record_dir": str(record)})
+    defaults = sampling_defaults(model) if mode == "auto" else {}
+    with ServerThread(Runtime(model, plan, request_timeout_s=30, sampling_defaults=defaults)) as srv:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}])
+        client.completions.create(model="x", prompt="a b", top_p=0.5)
+        client.completions.create(model="x", prompt="a b", temperature=0, max_tokens=3)
+        httpx.post(srv.url + "/invocations", json={"inputs": "a b"}).raise_for_status()
+        chat, completion, greedy, lmi = _recorded(record)
+    if mode == "auto":
+        assert chat == {"max_new_tokens": 7, "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20,
+                        "repetition_penalty": 1.0}
+        assert completion == dict(chat, max_new_tokens=16, top_p=0.5)
+    else:
+        assert chat == {"max_new_tokens": 61, "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                        "repetition_penalty": 1.0}  # 64 positions less the 3-word rendered prompt
+        assert completion == dict(chat, max_new_tokens=16, top_p=0.5)
+    assert greedy["do_sample"] is False and greedy["max_new_tokens"] == 3
+    assert lmi == {"max_new_tokens": 32, "do_sample": False, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                   "repetition_penalty": 1.0}
+
+
+def test_sampling_defaults_skip_values_the_parser_refuses(tmp_path, caplog):
+    import json
+
+    from lmc.runtime.startup import sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "top_p": 1.5, "top_k": "40", "repetition_penalty": 1.1, "do_sample": False,
+         "max_length": 4096}))
+    assert sampling_defaults(tmp_path) == {"temperature": 0.7, "repetition_penalty": 1.1}
+    assert "top_p = 1.5" in caplog.text and "top_k = '40'" in caplog.text
+    assert sampling_defaults(tmp_path / "absent") == {}

@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-request timeout (default $LMC_REQUEST_TIMEOUT_S, else derived from the plan)")
     parser.add_argument("--max-body-bytes", type=int, default=None,
                         help="largest request body accepted (default $LMC_MAX_BODY_BYTES or 1 MiB)")
+    parser.add_argument("--generation-config", choices=("auto", "none"), default=None,
+                        help="auto: the model's generation_config.json sets the OpenAI routes' sampling defaults "
+                             "(temperature, top_p, top_k, repetition_penalty, chat max_tokens), as in vLLM; "
+                             "none: OpenAI's defaults (default $LMC_GENERATION_CONFIG or auto)")
 
 
 def _artifact_path(args: argparse.Namespace) -> Path | None:
@@ -47,6 +51,13 @@ def _float_env(name: str) -> float | None:
         raise UsageError(f"{name} = {value!r}: not a number") from None
 
 
+def _generation_config(flag: str | None) -> str:
+    value = flag or os.environ.get("LMC_GENERATION_CONFIG") or "auto"
+    if value not in ("auto", "none"):
+        raise UsageError(f"LMC_GENERATION_CONFIG = {value!r}: must be auto or none")
+    return value
+
+
 def _positive(name: str, value: float | None) -> float | None:
     """`value` unless it is zero, negative, infinite or NaN (a usage error); None passes through."""
     if value is not None and not (math.isfinite(value) and value > 0):
@@ -63,21 +74,23 @@ def run(args: argparse.Namespace) -> int:
     port = resolve_port(args.port)
     timeout = _positive("--request-timeout", args.request_timeout) or _float_env("LMC_REQUEST_TIMEOUT_S")
     max_body = _positive("--max-body-bytes", args.max_body_bytes) or _float_env("LMC_MAX_BODY_BYTES")
+    generation_config = _generation_config(args.generation_config)
     artifact = open_artifact(path, check_hashes=False)  # the manifest, every file present, sizes
     try:
         # First, so the engine's imports (seconds) overlap everything else: on CPU hosts the fork server
         # imports them once and every rank is forked from it. It touches nothing from the artifact.
         start_process_server(artifact.plan)
         from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES, Runtime, serve
-        from lmc.runtime.startup import default_request_timeout_s
+        from lmc.runtime.startup import default_request_timeout_s, sampling_defaults
 
         timeout = timeout or default_request_timeout_s(artifact.plan)
         max_body = int(max_body or DEFAULT_MAX_BODY_BYTES)
         # Workers start now and wait at the gate; they touch nothing from the artifact (not even
         # model.py) until every file's sha256 is verified.
         gate = mp_context(artifact.plan).Event()
+        defaults = sampling_defaults(artifact.model_dir) if generation_config == "auto" else {}
         runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body,
-                          worker_gate=gate)
+                          worker_gate=gate, sampling_defaults=defaults)
         runtime.scheduler.start_groups()
         try:
             verify_hashes(artifact.model_dir, artifact.manifest)
@@ -90,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
             "serving %s on %s:%d: engine %s, %d group(s) x TP %d, batch %d, queue %d, timeout %gs",
             artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,
             artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"], artifact.plan["job_queue_size"], timeout)
+        if defaults:
+            logging.getLogger("lmc.runtime").info(
+                "OpenAI routes default to the model's generation_config.json: %s",
+                ", ".join(f"{key} {value}" for key, value in defaults.items()))
         serve(runtime, args.host, port)
         if runtime.scheduler.fatal is not None:
             raise runtime.scheduler.fatal  # one line, its exit code (the workers are stopped by now)

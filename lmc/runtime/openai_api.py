@@ -3,6 +3,9 @@
 Requests are translated into the LMI parameters and validated by the same parser as /invocations,
 then go through the same queue and batches. OpenAI semantics: sampling by default (temperature 1),
 temperature 0 means greedy; `max_tokens` defaults to 16 for completions and to what fits for chat.
+As in vLLM, what the model's generation_config.json sets (temperature, top_p, top_k,
+repetition_penalty; max_new_tokens for chat) replaces those defaults when a request leaves a field out
+(`lmc runtime --generation-config none` turns that off).
 """
 
 from __future__ import annotations
@@ -60,13 +63,17 @@ def _check_body(body: Any, required: str) -> dict[str, Any]:
     return body
 
 
-def _params(body: dict[str, Any], default_max_tokens: int, max_sequence_length: int):
+def _params(body: dict[str, Any], default_max_tokens: int, max_sequence_length: int,
+            defaults: dict[str, Any] | None = None):
+    """The LMI parameters for an OpenAI body; `defaults` (the model's) fill the sampling fields it leaves out."""
     max_tokens = body.get("max_completion_tokens") if body.get("max_tokens") is None else body.get("max_tokens")
     lmi: dict[str, Any] = {"max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
                            "do_sample": True}
     for key in ("temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty"):
         if body.get(key) is not None:
             lmi[key] = body[key]
+        elif defaults and key in defaults:
+            lmi[key] = defaults[key]
     try:
         return parse_parameters(lmi, max_sequence_length)
     except ValueError as exc:  # name the OpenAI field, not the LMI one
@@ -143,13 +150,14 @@ async def _handle(request: Request, chat: bool) -> Response:
         try:
             body = _check_body(raw, "messages" if chat else "prompt")
             prompts = [runtime.text.render_chat(_messages(body))] if chat else _prompts(body)
+            defaults = runtime.sampling_defaults
             if chat:
                 # Chat clients often omit max_tokens: default to what the planned length leaves.
                 room = runtime.max_sequence_length - runtime.text.count_tokens(prompts[0])
-                default_max = max(1, min(256, room))
+                default_max = max(1, min(defaults.get("max_new_tokens", 256), room))
             else:
                 default_max = 16
-            params = _params(body, default_max, runtime.max_sequence_length)
+            params = _params(body, default_max, runtime.max_sequence_length, defaults)
         except ValueError as exc:
             raise RequestFailed(400, str(exc)) from None
         stream = body.get("stream", False)

@@ -30,7 +30,7 @@ from lmc.runtime.batching import AsyncBatcher, BatchQueue, QueueFull
 from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult
 from lmc.runtime.metrics import Metrics
 from lmc.runtime.requests import parse_invocation
-from lmc.runtime.startup import TextTools
+from lmc.runtime.startup import TextTools, sampling_defaults as load_sampling_defaults
 from lmc.runtime.workers import WorkerGroup, groups_per_instance
 
 log = logging.getLogger("lmc.runtime")
@@ -272,7 +272,7 @@ class Runtime:
     def __init__(self, model_dir: Path, plan: dict[str, Any], *, request_timeout_s: float,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, group_factory: Callable[[int, Any], Any] | None = None,
                  worker_env: dict[str, str] | None = None, text_tools: TextTools | None = None,
-                 worker_gate=None):
+                 worker_gate=None, sampling_defaults: dict[str, Any] | None = None):
         self.model_dir = Path(model_dir)
         self.plan = plan
         self.model_name = str((plan.get("model") or {}).get("id") or self.model_dir.name)
@@ -280,6 +280,8 @@ class Runtime:
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
         self.text = text_tools or TextTools(self.model_dir)
+        # The OpenAI routes' defaults for what a request leaves out (None: the model's generation_config.json).
+        self.sampling_defaults = sampling_defaults if sampling_defaults is not None else load_sampling_defaults(self.model_dir)
         self.metrics = Metrics(int(plan["batch_size"]))
         if group_factory is None:
             def group_factory(index: int, events) -> WorkerGroup:

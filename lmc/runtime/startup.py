@@ -163,6 +163,34 @@ def default_request_timeout_s(plan: dict[str, Any]) -> float:
     return max(60.0, 10.0 * (ttft + tpot * int(plan["max_sequence_length"])) / 1000.0)
 
 
+# What the OpenAI routes take from the model's generation_config.json when a request leaves them out:
+# the fields vLLM's OpenAI server takes (its default `--generation-config auto`) that lmc supports.
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
+
+
+def sampling_defaults(model_dir: Path) -> dict[str, Any]:
+    """The model publisher's sampling defaults from `generation_config.json`, for the OpenAI routes.
+
+    Like vLLM, only the values the file sets are taken (no transformers defaults such as top_k 50), and
+    `do_sample` is not read: an OpenAI request samples unless its temperature is 0. A value the request
+    parser would refuse is left out with a warning, so a bad file cannot fail every request."""
+    from lmc.runtime.requests import parse_parameters
+
+    config = _read_json(model_dir / "generation_config.json")
+    defaults: dict[str, Any] = {}
+    for key in SAMPLING_DEFAULT_KEYS:
+        value = config.get(key)
+        if value is None:
+            continue
+        try:
+            parse_parameters({key: value})
+        except ValueError as exc:
+            log.warning("generation_config.json: ignoring %s = %r (%s)", key, value, exc)
+            continue
+        defaults[key] = value
+    return defaults
+
+
 class TextTools:
     """Prompt token counting and chat templating in the front end, from the artifact's tokenizer
     files (the `tokenizers` library and jinja2, not transformers: start-up stays fast).
