@@ -150,3 +150,15 @@ def test_a_windows_style_member_path_is_refused(tmp_path):
     archive = _tar(tmp_path / "model.tar.gz", [(_info("shards\\..\\evil"), b"x")])
     with pytest.raises(ArtifactError, match="empty or non-POSIX path; refusing to extract"):
         extract_archive(archive, tmp_path / "dest")
+
+
+@pytest.mark.parametrize("size", [0, 1, 1024 * 1024, 3 * 1024 * 1024 + 7])
+def test_sha256_file_matches_hashlib_across_chunk_edges(tmp_path, size):
+    import hashlib
+
+    from lmc.manifest import sha256_file
+
+    data = bytes((i * 131 + i // 4099) % 256 for i in range(size))
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    assert sha256_file(path) == hashlib.sha256(data).hexdigest()
