@@ -186,3 +186,51 @@ def test_64_concurrent_clients_get_the_reference_answers(tmp_path):
         assert answer.json()["generated_text"] == reference[i % len(CONCURRENT_PROMPTS)], i
     batches = [line for line in metrics.splitlines() if line.startswith("lmc_batch_size_count")]
     assert batches and float(batches[0].split()[-1]) < 64, "requests were batched, not served one by one"
+
+
+BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_chat_prompts_get_one_bos_as_apply_chat_template_gives(tmp_path):
+    """A Llama-style tokenizer adds BOS itself and the chat template writes it too: a chat prompt must be
+    tokenized without special tokens (one BOS, as apply_chat_template(tokenize=True) and vLLM give),
+    a completion prompt with them. The answer equals HF generate on apply_chat_template's ids."""
+    import openai
+    import transformers as tf
+    from tokenizers import Tokenizer, processors
+
+    from lmc.testing.checkpoints import make_checkpoint
+
+    checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
+    tokenizer_file = checkpoint / "tokenizer.json"
+    fast = Tokenizer.from_file(str(tokenizer_file))
+    bos = fast.token_to_id("<s>")
+    fast.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    fast.save(str(tokenizer_file))
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=BOS_TEMPLATE)))
+    (tmp_path / "cpu2.toml").write_text(CPU_PROFILE)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(family="llama", path=checkpoint.as_posix(), tp=1, replicas=1))
+    assert main(["build", str(spec), "--format", "dir", "-o", str(tmp_path / "artifact")]) == 0
+
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    tokenizer = tf.AutoTokenizer.from_pretrained(checkpoint)
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert ids[:2] != [bos, bos] and ids[0] == bos and tokenizer("x").input_ids[0] == bos
+    model = tf.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    artifact = open_artifact(tmp_path / "artifact")
+    with ServerThread(Runtime(artifact.model_dir, artifact.plan, request_timeout_s=120, sampling_defaults={})) as server:
+        server.wait_ready(180)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        chat = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        completion = client.completions.create(model="m", prompt=rendered, max_tokens=1, temperature=0)
+    assert chat.usage.prompt_tokens == len(ids)
+    assert chat.choices[0].message.content == expected
+    assert completion.usage.prompt_tokens == len(ids) + 1  # a completion prompt gets the tokenizer's BOS too

@@ -74,6 +74,8 @@ def test_openai_errors_are_400_with_the_reason(client, server):
         client.completions.create(model="x", prompt="a", max_tokens=0)
     reply = httpx.post(server.url + "/v1/chat/completions", json={"messages": []})
     assert reply.status_code == 400 and "messages must be a non-empty list" in reply.json()["error"]["message"]
+    reply = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "add_special_tokens": "yes"})
+    assert reply.status_code == 400 and reply.json()["error"]["message"] == "add_special_tokens must be true or false"
 
 
 GENERATION_CONFIG = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7,

@@ -162,3 +162,36 @@ def test_sha256_file_matches_hashlib_across_chunk_edges(tmp_path, size):
     path = tmp_path / "blob"
     path.write_bytes(data)
     assert sha256_file(path) == hashlib.sha256(data).hexdigest()
+
+
+# Exercises what transformers' apply_chat_template gives a template beyond plain jinja: tools/documents
+# passed as None, strftime_now, dict, namespace, loop controls, its tojson options, special tokens.
+RICH_TEMPLATE = """{{ bos_token }}{% set ns = namespace(system='') %}
+{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = m['content'] %}{% endif %}{% endfor %}
+{% if tools is not none %}TOOLS {{ tools | tojson(indent=2) }}{% endif %}
+{% if documents is not none %}DOCUMENTS{% endif %}
+date {{ strftime_now("%Y-%m-%d") }} system {{ ns.system | tojson }}
+{{ dict(n=messages | length, first=messages[0]['role']) | tojson(sort_keys=True, separators=(",", ":")) }}
+{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}
+[{{ m['role'] }}] {{ m['content'] | tojson(ensure_ascii=True) }} {{ m['content'] }}{{ eos_token }}{{ sep_token }}
+{% endfor %}{% if add_generation_prompt %}[assistant]{{ pad_token }}{% endif %}"""
+
+
+@pytest.mark.parametrize("bos_in", ["tokenizer_config", "special_tokens_map"])
+def test_chat_templates_render_as_transformers_apply_chat_template(tmp_path, bos_in):
+    transformers = pytest.importorskip("transformers")
+    from lmc.testing.checkpoints import make_checkpoint
+
+    checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
+    config_path = checkpoint / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = RICH_TEMPLATE
+    if bos_in == "special_tokens_map":  # an older checkpoint: the token only in the legacy file
+        del config["bos_token"]
+    config_path.write_text(json.dumps(config))
+    messages = [{"role": "system", "content": "be <b>brief</b>"}, {"role": "user", "content": "wörld \"quoted\""},
+                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "<s>" in expected and "wörld" in expected and "TOOLS" not in expected  # the template's branches ran
+    assert TextTools(checkpoint).render_chat(messages) == expected

@@ -5,7 +5,9 @@ then go through the same queue and batches. OpenAI semantics: sampling by defaul
 temperature 0 means greedy; `max_tokens` defaults to 16 for completions and to what fits for chat.
 As in vLLM, what the model's generation_config.json sets (temperature, top_p, top_k,
 repetition_penalty; max_new_tokens for chat) replaces those defaults when a request leaves a field out
-(`lmc runtime --generation-config none` turns that off).
+(`lmc runtime --generation-config none` turns that off). A chat prompt is tokenized without adding
+special tokens (its template wrote them), a completion prompt with them; `add_special_tokens` (a vLLM
+extension) overrides either.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.requests import Request
@@ -30,7 +33,7 @@ _IGNORED = {"model", "user", "stream_options", "n", "logprobs", "echo", "presenc
             "logit_bias", "best_of", "suffix", "top_logprobs", "max_completion_tokens", "response_format",
             "parallel_tool_calls", "metadata", "store", "service_tier"}
 _USED = {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
-         "repetition_penalty"}
+         "repetition_penalty", "add_special_tokens"}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -150,14 +153,20 @@ async def _handle(request: Request, chat: bool) -> Response:
         try:
             body = _check_body(raw, "messages" if chat else "prompt")
             prompts = [runtime.text.render_chat(_messages(body))] if chat else _prompts(body)
+            # A chat template writes the special tokens itself (BOS...): tokenizing its output must not add
+            # them again. vLLM's default too, and its `add_special_tokens` field overrides it.
+            special = body.get("add_special_tokens", not chat)
+            if not isinstance(special, bool):
+                raise ValueError("add_special_tokens must be true or false")
             defaults = runtime.sampling_defaults
             if chat:
                 # Chat clients often omit max_tokens: default to what the planned length leaves.
-                room = runtime.max_sequence_length - runtime.text.count_tokens(prompts[0])
+                room = runtime.max_sequence_length - runtime.text.count_tokens(prompts[0], special)
                 default_max = max(1, min(defaults.get("max_new_tokens", 256), room))
             else:
                 default_max = 16
-            params = _params(body, default_max, runtime.max_sequence_length, defaults)
+            params = replace(_params(body, default_max, runtime.max_sequence_length, defaults),
+                             add_special_tokens=special)
         except ValueError as exc:
             raise RequestFailed(400, str(exc)) from None
         stream = body.get("stream", False)

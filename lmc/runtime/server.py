@@ -365,7 +365,7 @@ class Runtime:
         now = time.monotonic()
         jobs = []
         for index, prompt in enumerate(prompts):
-            count = self.text.count_tokens(prompt)
+            count = self.text.count_tokens(prompt, params.add_special_tokens)
             where = label if len(prompts) == 1 else f"{label}[{index}]"
             if count == 0:
                 raise RequestFailed(400, f"{where} is empty after tokenization; give at least one token of input")

@@ -205,7 +205,14 @@ class TextTools:
 
             self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
         config = _read_json(model_dir / "tokenizer_config.json")
-        self._special = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        # The special tokens a template may write, as transformers passes them: tokenizer_config.json's,
+        # then special_tokens_map.json's (older checkpoints keep them only there). Absent ones stay undefined.
+        legacy = _read_json(model_dir / "special_tokens_map.json")
+        self._special = {}
+        for key in _SPECIAL_TOKENS:
+            text = _token_text(config.get(key)) or _token_text(legacy.get(key))
+            if text:
+                self._special[key] = text
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {item.get("name"): item.get("template") for item in template if isinstance(item, dict)}
@@ -221,17 +228,18 @@ class TextTools:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def count_tokens(self, text: str) -> int:
+    def count_tokens(self, text: str, add_special_tokens: bool = True) -> int:
         if self._tokenizer is None:
             return len(text.split())
-        return len(self._tokenizer.encode(text).ids)
+        return len(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The prompt for a chat: the model's template with add_generation_prompt. Raises ValueError."""
         if self._template is None:
             raise ValueError("this model has no chat template (tokenizer_config.json chat_template); use /v1/completions")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, **self._special)
+            return self._template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
+                                         **self._special)
         except Exception as exc:  # the template's own raise_exception(), or bad message shapes
             raise ValueError(f"chat template rejected the messages: {exc}") from None
 
@@ -250,15 +258,28 @@ def _token_text(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 def _compile_template(source: str):
+    """The template in an environment like transformers' apply_chat_template builds, so hub templates
+    render the same: its settings, `raise_exception`, `strftime_now` (Llama 3.1+ templates date their
+    system prompt with it), `dict`, and its `tojson` (not HTML-escaping; ensure_ascii, indent,
+    separators and sort_keys as json.dumps)."""
+    from datetime import datetime
+
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):
         raise TemplateError(message)
 
-    # The settings transformers uses for chat templates, so templates render the same.
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+    env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)  # not the type: no attributes to reach
+    env.filters["tojson"] = tojson
     return env.from_string(source)

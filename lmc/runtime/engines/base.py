@@ -20,6 +20,9 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     repetition_penalty: float = 1.0
     return_full_text: bool = False
+    # Whether tokenizing the prompt adds the tokenizer's special tokens (BOS...). False for chat prompts:
+    # their template already wrote them (as vLLM and transformers' apply_chat_template do).
+    add_special_tokens: bool = True
 
 
 @dataclass(frozen=True)

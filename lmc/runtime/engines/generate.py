@@ -89,8 +89,8 @@ class DecodeLoop:
 
     # -- tokens -------------------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def count_tokens(self, text: str) -> int:
         return len(self.encode(text))
@@ -137,7 +137,7 @@ class DecodeLoop:
         return rows
 
     def _row(self, request: GenerationRequest) -> _Row:
-        ids = self.encode(request.prompt)
+        ids = self.encode(request.prompt, request.params.add_special_tokens)
         if not ids:
             raise ValueError("the prompt is empty after tokenization; give at least one token of input")
         total = len(ids) + request.params.max_new_tokens
