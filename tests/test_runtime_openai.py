@@ -67,6 +67,14 @@ def test_chat_stream(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_models_lists_the_served_model_for_clients_that_discover_it(client, server):
+    [model] = client.models.list().data
+    assert (model.id, model.object, model.owned_by) == ("fake/tiny", "model", "lmc")
+    assert model.model_extra["max_model_len"] == 64
+    health = httpx.get(server.url + "/health")
+    assert (health.status_code, health.json()) == (200, {"status": "healthy"})
+
+
 def test_openai_errors_are_400_with_the_reason(client, server):
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         client.completions.create(model="x", prompt="a", n=2)

@@ -247,6 +247,16 @@ async def _stream(runtime: "Runtime", job: "Job", chat: bool, ident: str, create
         runtime.record("chat_completions" if chat else "completions", status, started)
 
 
+async def models(request: Request) -> Response:
+    """GET /v1/models: the one model served, under the id requests' `model` may name (clients and
+    benchmark tools discover it here). `max_model_len` as vLLM reports it: the planned sequence length."""
+    runtime: Runtime = request.app.state.runtime
+    return JSONResponse({"object": "list", "data": [{
+        "id": runtime.model_name, "object": "model", "created": runtime.started_at, "owned_by": "lmc",
+        "max_model_len": runtime.max_sequence_length}]})
+
+
 def openai_routes() -> list[Route]:
     return [Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"])]

@@ -276,6 +276,7 @@ class Runtime:
         self.model_dir = Path(model_dir)
         self.plan = plan
         self.model_name = str((plan.get("model") or {}).get("id") or self.model_dir.name)
+        self.started_at = int(time.time())
         self.max_sequence_length = int(plan["max_sequence_length"])
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
@@ -523,6 +524,7 @@ def create_app(runtime: Runtime) -> Starlette:
 
     routes = [
         Route("/ping", ping, methods=["GET"]),
+        Route("/health", ping, methods=["GET"]),  # what vLLM and TGI users probe (Kubernetes), same answer
         Route("/invocations", invocations, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         *openai_routes(),
