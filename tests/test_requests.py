@@ -33,7 +33,7 @@ def test_temperature_zero_means_greedy():
     ({"max_new_tokens": 64}, "leaves no room for a prompt within the maximum sequence length 64"),
     ({"temperature": -1}, "parameters.temperature must be in [0, 100], got -1"),
     ({"top_p": 1.5}, "parameters.top_p must be in [0, 1], got 1.5"),
-    ({"top_k": -2}, "parameters.top_k must be >= 0"),
+    ({"top_k": -2}, "parameters.top_k must be >= -1"),
     ({"do_sample": "yes"}, "parameters.do_sample must be true or false, got a string"),
     ({"seed": 2**63}, "parameters.seed must be in [-9223372036854775808, 9223372036854775807]"),
     ({"stop": [""]}, "parameters.stop[0] must be a non-empty string"),
@@ -49,10 +49,23 @@ def test_bad_parameters_are_rejected_with_the_reason(params, message):
 
 
 def test_invocation_shapes():
-    assert parse_invocation({"inputs": "hi"}) == (["hi"], GenerationParams(), False)
-    prompts, params, stream = parse_invocation({"inputs": ["a", "b"], "parameters": {"max_new_tokens": 3},
-                                                "stream": True})
-    assert prompts == ["a", "b"] and params.max_new_tokens == 3 and stream is True
+    assert parse_invocation({"inputs": "hi"}) == (["hi"], GenerationParams(), False, False)
+    prompts, params, stream, details = parse_invocation({"inputs": ["a", "b"], "stream": True,
+                                                         "parameters": {"max_new_tokens": 3, "details": True}})
+    assert prompts == ["a", "b"] and params.max_new_tokens == 3 and stream is True and details is True
+
+
+def test_lmi_and_vllm_spellings_are_accepted():
+    """LMI documents `stop_sequences` and `details`; vLLM clients send top_k -1 for "off"."""
+    assert parse_parameters({"stop_sequences": ["\n\n", "###"]}).stop == ("\n\n", "###")
+    assert parse_parameters({"top_k": -1}).top_k == 0 == GenerationParams().top_k
+    assert parse_parameters({"details": False}) == GenerationParams()
+    with pytest.raises(ValueError, match="parameters.stop or parameters.stop_sequences"):
+        parse_parameters({"stop": "a", "stop_sequences": ["b"]})
+    with pytest.raises(ValueError, match=r"parameters.stop_sequences\[0\] must be a non-empty string"):
+        parse_parameters({"stop_sequences": [""]})
+    with pytest.raises(ValueError, match="parameters.details must be true or false"):
+        parse_parameters({"details": "yes"})
 
 
 @pytest.mark.parametrize("body, message", [

@@ -71,7 +71,27 @@ def test_stream_is_jsonlines_token_by_token_then_the_text(server):
     tokens = [line["token"]["text"] for line in lines[:-1]]
     assert len(tokens) == 6
     assert "".join(tokens) == lines[-1]["generated_text"] == expected_text("alpha beta gamma", 6)
-    assert lines[-1]["details"]["finish_reason"] == "length"
+    assert lines[-1]["details"] == {"finish_reason": "length", "generated_tokens": 6, "inputs": "alpha beta gamma"}
+
+
+def test_details_on_request_as_lmi_documents(server):
+    reply = post(server, {"inputs": ["a b", "c"], "parameters": {"max_new_tokens": 2, "details": True}})
+    assert reply.json() == [
+        {"generated_text": expected_text("a b", 2), "details": {"finish_reason": "length", "generated_tokens": 2,
+                                                                "inputs": "a b"}},
+        {"generated_text": expected_text("c", 2), "details": {"finish_reason": "length", "generated_tokens": 2,
+                                                              "inputs": "c"}}]
+
+
+@pytest.mark.parametrize("engine_reason, lmi_reason", [("length", "length"), ("eos", "eos_token"),
+                                                       ("stop", "stop_sequence")])
+def test_finish_reasons_use_lmi_names(engine_reason, lmi_reason):
+    from lmc.runtime.engines.base import GenerationRequest, GenerationResult
+    from lmc.runtime.server import Job, _details
+
+    job = Job(request=GenerationRequest("r", "the prompt"), stream=False, prompt_tokens=2, enqueued_at=0.0)
+    result = GenerationResult(id="r", text="x", prompt_tokens=2, generated_tokens=1, finish_reason=engine_reason)
+    assert _details(job, result) == {"finish_reason": lmi_reason, "generated_tokens": 1, "inputs": "the prompt"}
 
 
 @pytest.mark.parametrize("body,reason", [

@@ -96,7 +96,7 @@ class DJLHandler:
         parsed: list[tuple[int, list[str], Any, bool]] = []
         for index, item in enumerate(items):
             try:
-                prompts, params, _stream = parse_invocation(item.get_as_json(), self.max_sequence_length)
+                prompts, params, _stream, _details = parse_invocation(item.get_as_json(), self.max_sequence_length)
                 for prompt in prompts:
                     _check_length(self.engine, prompt, params.max_new_tokens, self.max_sequence_length)
             except ValueError as exc:

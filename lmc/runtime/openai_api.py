@@ -160,9 +160,10 @@ async def _handle(request: Request, chat: bool) -> Response:
                 raise ValueError("add_special_tokens must be true or false")
             defaults = runtime.sampling_defaults
             if chat:
-                # Chat clients often omit max_tokens: default to what the planned length leaves.
+                # Chat clients often omit max_tokens: default to what the planned length leaves (vLLM's
+                # default), or less when generation_config.json sets max_new_tokens.
                 room = runtime.max_sequence_length - runtime.text.count_tokens(prompts[0], special)
-                default_max = max(1, min(defaults.get("max_new_tokens", 256), room))
+                default_max = max(1, min(defaults.get("max_new_tokens", room), room))
             else:
                 default_max = 16
             params = replace(_params(body, default_max, runtime.max_sequence_length, defaults),

@@ -13,8 +13,8 @@ from lmc.runtime.engines.base import GenerationParams
 
 MAX_STOP_SEQUENCES = 16
 _PARAMETER_KEYS = (
-    "max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "seed", "stop",
-    "repetition_penalty", "return_full_text",
+    "max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "seed", "stop", "stop_sequences",
+    "repetition_penalty", "return_full_text", "details",
 )
 _BODY_KEYS = ("inputs", "parameters", "stream")
 
@@ -46,13 +46,19 @@ def parse_parameters(params: dict, max_sequence_length: int | None = None) -> Ge
         # 0 is allowed (OpenAI allows it): the nucleus is then the most likely token alone.
         values["top_p"] = _number(params, "top_p", minimum=0.0, maximum=1.0)
     if "top_k" in params:
-        values["top_k"] = _int(params, "top_k", minimum=0)
+        # -1 is vLLM's spelling of "off" (LMI documents it as vLLM's default); 0 is HF's.
+        values["top_k"] = max(0, _int(params, "top_k", minimum=-1))
     if "do_sample" in params:
         values["do_sample"] = _bool(params, "do_sample")
     if "seed" in params and params["seed"] is not None:
         values["seed"] = _int(params, "seed", minimum=-2**63, maximum=2**63 - 1)  # any int64, as OpenAI takes
-    if "stop" in params and params["stop"] is not None:
-        values["stop"] = _stop(params["stop"])
+    if params.get("stop") is not None and params.get("stop_sequences") is not None:
+        raise ValueError("give parameters.stop or parameters.stop_sequences (LMI's name for it), not both")
+    for key in ("stop", "stop_sequences"):
+        if params.get(key) is not None:
+            values["stop"] = _stop(params[key], key)
+    if "details" in params:
+        _bool(params, "details")  # the caller reads it: not a generation parameter
     if "repetition_penalty" in params:
         penalty = _number(params, "repetition_penalty", minimum=0.0, maximum=100.0)
         if penalty == 0.0:
@@ -66,10 +72,12 @@ def parse_parameters(params: dict, max_sequence_length: int | None = None) -> Ge
     return GenerationParams(**values)
 
 
-def parse_invocation(body: object, max_sequence_length: int | None = None) -> tuple[list[str], GenerationParams, bool]:
+def parse_invocation(body: object, max_sequence_length: int | None = None
+                     ) -> tuple[list[str], GenerationParams, bool, bool]:
     """Validate an LMI /invocations body: `{"inputs": str | [str], "parameters": {...}, "stream": bool}`.
 
-    Returns (prompts, parameters, stream). A single string gives a one-element list.
+    Returns (prompts, parameters, stream, details): `parameters.details` asks for LMI's `details`
+    object beside each answer. A single string gives a one-element list.
     """
     if not isinstance(body, dict):
         raise ValueError(f"request body must be a JSON object with 'inputs', got {_json_type(body)}")
@@ -94,7 +102,7 @@ def parse_invocation(body: object, max_sequence_length: int | None = None) -> tu
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ValueError(f"stream must be true or false, got {_json_type(stream)}")
-    return prompts, params, stream
+    return prompts, params, stream, bool((body.get("parameters") or {}).get("details", False))
 
 
 def _json_type(value: object) -> str:
@@ -143,13 +151,13 @@ def _bool(params: dict, key: str) -> bool:
     return value
 
 
-def _stop(value: object) -> tuple[str, ...]:
+def _stop(value: object, key: str = "stop") -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
-        raise ValueError(f"parameters.stop must be a string or a list of strings, got {_json_type(value)}")
+        raise ValueError(f"parameters.{key} must be a string or a list of strings, got {_json_type(value)}")
     if len(items) > MAX_STOP_SEQUENCES:
-        raise ValueError(f"parameters.stop has {len(items)} sequences; at most {MAX_STOP_SEQUENCES} are allowed")
+        raise ValueError(f"parameters.{key} has {len(items)} sequences; at most {MAX_STOP_SEQUENCES} are allowed")
     for index, item in enumerate(items):
         if not isinstance(item, str) or not item:
-            raise ValueError(f"parameters.stop[{index}] must be a non-empty string, got {item!r}")
+            raise ValueError(f"parameters.{key}[{index}] must be a non-empty string, got {item!r}")
     return tuple(items)

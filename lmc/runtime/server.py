@@ -446,7 +446,7 @@ async def invocations(request: Request) -> Response:
         runtime.check_accepting()
         body = await runtime.read_json(request)
         try:
-            prompts, params, stream = parse_invocation(body, runtime.max_sequence_length)
+            prompts, params, stream, details = parse_invocation(body, runtime.max_sequence_length)
         except ValueError as exc:
             raise RequestFailed(400, str(exc)) from None
         if stream and len(prompts) != 1:
@@ -468,21 +468,32 @@ async def invocations(request: Request) -> Response:
     finally:
         runtime.release()
     answers = [{"generated_text": result.text} for result in results]
+    if details:
+        for answer, job, result in zip(answers, jobs, results):
+            answer["details"] = _details(job, result)
     runtime.record("invocations", 200, started)
     return JSONResponse(answers[0] if isinstance(body["inputs"], str) else answers)
 
 
+# LMI's (and TGI's) names for why generation ended.
+_LMI_FINISH = {"length": "length", "eos": "eos_token", "stop": "stop_sequence"}
+
+
+def _details(job: Job, result: GenerationResult) -> dict[str, Any]:
+    """LMI's `details` object (without per-token `tokens`: lmc does not return log-probabilities)."""
+    return {"finish_reason": _LMI_FINISH.get(result.finish_reason, result.finish_reason),
+            "generated_tokens": result.generated_tokens, "inputs": job.request.prompt}
+
+
 async def _jsonlines(runtime: Runtime, job: Job, started: float) -> AsyncIterator[bytes]:
-    """LMI streaming: {"token": {"text": piece}} per piece, then {"generated_text": full}."""
+    """LMI streaming: {"token": {"text": piece}} per piece, then {"generated_text": full, "details": ...}."""
     status = 200
     try:
         async for kind, payload in runtime.events(job):
             if kind == "token":
                 yield _line({"token": {"text": payload}})
             else:
-                yield _line({"generated_text": payload.text,
-                             "details": {"finish_reason": payload.finish_reason,
-                                         "generated_tokens": payload.generated_tokens}})
+                yield _line({"generated_text": payload.text, "details": _details(job, payload)})
     except RequestFailed as exc:
         status = exc.status
         yield _line({"error": exc.message, "code": exc.status})
