@@ -96,6 +96,25 @@ def test_choose_token_filters():
     assert choose_token(torch.tensor([-1.0, -1.5]), GenerationParams(repetition_penalty=2.0), [0], None) == 1
 
 
+def test_openai_penalties_and_logit_bias_follow_openai_formulas():
+    """score -= frequency_penalty * count + presence_penalty * (count > 0), over generated tokens only;
+    logit_bias is added to the raw logits, greedy or sampled; ids past a padded vocabulary are skipped."""
+    logits = torch.tensor([4.0, 3.5, 3.0, 0.0])
+    # token 0 generated twice: 4 - 0.3*2 - 0.2 = 3.2 < 3.5, so greedy moves to token 1
+    assert choose_token(logits, GenerationParams(frequency_penalty=0.3, presence_penalty=0.2), [0, 0], None, [0, 0]) == 1
+    assert choose_token(logits, GenerationParams(frequency_penalty=0.2), [0, 0], None, [0, 0]) == 0  # 3.6 > 3.5
+    # the prompt alone does not count: vLLM and OpenAI penalise the output
+    assert choose_token(logits, GenerationParams(frequency_penalty=2.0), [0, 0, 0], None, []) == 0
+    # a negative penalty rewards repeats
+    assert choose_token(logits, GenerationParams(presence_penalty=-2.0), [3], None, [3]) == 0
+    assert choose_token(torch.tensor([4.0, 3.5, 3.0, 2.5]), GenerationParams(presence_penalty=-2.0), [3], None, [3]) == 3
+    assert choose_token(logits, GenerationParams(logit_bias=((2, 1.5),)), [], None) == 2
+    banned = GenerationParams(do_sample=True, logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))
+    generator = torch.Generator().manual_seed(0)
+    assert {choose_token(logits, banned, [], generator) for _ in range(20)} == {3}
+    assert choose_token(logits, GenerationParams(logit_bias=((9, 100.0),)), [], None) == 0
+
+
 def test_stop_sequence_trims_text_and_streaming_never_shows_it(llama):
     _, engine = llama
     full = engine.generate([_req(0, "the quick", max_new_tokens=12)])[0]

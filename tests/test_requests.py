@@ -1,5 +1,7 @@
 """The shared LMI request parser: strict types and ranges, clear reasons."""
 
+import re
+
 import pytest
 
 from lmc.runtime.engines.base import GenerationParams
@@ -53,6 +55,20 @@ def test_invocation_shapes():
     prompts, params, stream, details = parse_invocation({"inputs": ["a", "b"], "stream": True,
                                                          "parameters": {"max_new_tokens": 3, "details": True}})
     assert prompts == ["a", "b"] and params.max_new_tokens == 3 and stream is True and details is True
+
+
+def test_openai_penalties_and_logit_bias_are_parsed_and_bounded():
+    params = parse_parameters({"frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"50": -100, "7": 2.5}})
+    assert (params.frequency_penalty, params.presence_penalty) == (0.5, -1.0)
+    assert params.logit_bias == ((7, 2.5), (50, -100.0))
+    for bad, message in [({"frequency_penalty": 2.5}, "parameters.frequency_penalty must be in [-2, 2]"),
+                         ({"logit_bias": {"x": 1}}, "parameters.logit_bias keys must be token ids, got 'x'"),
+                         ({"logit_bias": {"1": 101}}, "parameters.logit_bias['1'] must be a number in [-100, 100]"),
+                         ({"logit_bias": {"1": True}}, "parameters.logit_bias['1'] must be a number"),
+                         ({"logit_bias": [1]}, "parameters.logit_bias must be an object"),
+                         ({"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_parameters(bad)
 
 
 def test_lmi_and_vllm_spellings_are_accepted():

@@ -231,6 +231,11 @@ def test_chat_prompts_get_one_bos_as_apply_chat_template_gives(tmp_path):
         chat = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         completion = client.completions.create(model="m", prompt=rendered, max_tokens=1, temperature=0)
+        # logit_bias reaches the engine: a +100 bias on one token makes greedy choose it every step
+        forced = tokenizer("quick", add_special_tokens=False).input_ids[0]
+        biased = client.completions.create(model="m", prompt="hello", max_tokens=3, temperature=0,
+                                           logit_bias={str(forced): 100})
+    assert biased.choices[0].text == tokenizer.decode([forced] * 3, clean_up_tokenization_spaces=False) != ""
     assert chat.usage.prompt_tokens == len(ids)
     assert chat.choices[0].message.content == expected
     assert completion.usage.prompt_tokens == len(ids) + 1  # a completion prompt gets the tokenizer's BOS too

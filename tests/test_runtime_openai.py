@@ -84,6 +84,38 @@ def test_openai_errors_are_400_with_the_reason(client, server):
     assert reply.status_code == 400 and "messages must be a non-empty list" in reply.json()["error"]["message"]
     reply = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "add_special_tokens": "yes"})
     assert reply.status_code == 400 and reply.json()["error"]["message"] == "add_special_tokens must be true or false"
+    # Fields that would change the answer are refused rather than dropped (a JSON-mode request must not get free text).
+    for field, message in [({"response_format": {"type": "json_object"}}, "response_format: only"),
+                            ({"best_of": 3}, "best_of must be 1"), ({"suffix": "end"}, "suffix is not supported"),
+                            ({"frequency_penalty": 3}, "frequency_penalty must be in [-2, 2]")]:
+        reply = httpx.post(server.url + "/v1/completions", json={"prompt": "a", **field})
+        assert reply.status_code == 400 and reply.json()["error"]["message"].startswith(message), reply.text
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1, "response_format": {"type": "text"},
+                                                          "best_of": 1, "presence_penalty": 0.5, "logit_bias": {"3": 1}})
+    assert ok.status_code == 200, ok.text
+
+
+def test_logit_bias_ids_are_checked_against_the_tokenizer(tmp_path):
+    import shutil
+
+    from lmc.testing.checkpoints import make_checkpoint
+
+    checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
+    (tmp_path / "m").mkdir()
+    shutil.copy(checkpoint / "tokenizer.json", tmp_path / "m" / "tokenizer.json")
+    plan = fake_plan()
+    model = write_artifact(tmp_path / "m", plan)
+    runtime = Runtime(model, plan, request_timeout_s=30)
+    vocab = runtime.text.vocab_size
+    assert vocab and vocab > 10
+    with ServerThread(runtime) as srv:
+        srv.wait_ready()
+        bad = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "logit_bias": {str(vocab): 5, "1": 1}})
+        good = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1,
+                                                             "logit_bias": {str(vocab - 1): 5}})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["message"] == f"logit_bias names token id {vocab}; the vocabulary has ids 0-{vocab - 1}"
+    assert good.status_code == 200
 
 
 GENERATION_CONFIG = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7,

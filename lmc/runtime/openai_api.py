@@ -29,11 +29,12 @@ if TYPE_CHECKING:
     from lmc.runtime.server import Job, Runtime
 
 # Keys clients commonly send that do not change generation here; anything else unknown is a 400.
-_IGNORED = {"model", "user", "stream_options", "n", "logprobs", "echo", "presence_penalty", "frequency_penalty",
-            "logit_bias", "best_of", "suffix", "top_logprobs", "max_completion_tokens", "response_format",
-            "parallel_tool_calls", "metadata", "store", "service_tier"}
-_USED = {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
-         "repetition_penalty", "add_special_tokens"}
+# (n, logprobs, echo, suffix, best_of and response_format are checked in _check_body: only no-op values pass.)
+_IGNORED = {"model", "user", "stream_options", "n", "logprobs", "echo", "best_of", "suffix", "top_logprobs",
+            "max_completion_tokens", "response_format", "parallel_tool_calls", "metadata", "store", "service_tier"}
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "frequency_penalty",
+             "presence_penalty", "logit_bias")
+_USED = {"prompt", "messages", "max_tokens", "stream", "add_special_tokens", *_SAMPLING}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -60,6 +61,13 @@ def _check_body(body: Any, required: str) -> dict[str, Any]:
         raise ValueError("logprobs are not supported")
     if body.get("echo") not in (None, False):
         raise ValueError("echo is not supported")
+    if body.get("suffix") not in (None, ""):
+        raise ValueError("suffix is not supported")
+    if body.get("best_of") not in (None, 1):
+        raise ValueError("best_of must be 1: one completion per prompt")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise ValueError("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas)")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ValueError("stream must be true or false")
@@ -72,7 +80,7 @@ def _params(body: dict[str, Any], default_max_tokens: int, max_sequence_length: 
     max_tokens = body.get("max_completion_tokens") if body.get("max_tokens") is None else body.get("max_tokens")
     lmi: dict[str, Any] = {"max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
                            "do_sample": True}
-    for key in ("temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty"):
+    for key in _SAMPLING:
         if body.get(key) is not None:
             lmi[key] = body[key]
         elif defaults and key in defaults:

@@ -14,8 +14,9 @@ from lmc.runtime.engines.base import GenerationParams
 MAX_STOP_SEQUENCES = 16
 _PARAMETER_KEYS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "seed", "stop", "stop_sequences",
-    "repetition_penalty", "return_full_text", "details",
+    "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "return_full_text", "details",
 )
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's own limit)
 _BODY_KEYS = ("inputs", "parameters", "stream")
 
 
@@ -64,6 +65,11 @@ def parse_parameters(params: dict, max_sequence_length: int | None = None) -> Ge
         if penalty == 0.0:
             raise ValueError("parameters.repetition_penalty must be > 0, got 0")
         values["repetition_penalty"] = penalty
+    for key in ("frequency_penalty", "presence_penalty"):  # OpenAI's range, as vLLM takes them
+        if params.get(key) is not None:
+            values[key] = _number(params, key, minimum=-2.0, maximum=2.0)
+    if params.get("logit_bias") is not None:
+        values["logit_bias"] = _logit_bias(params["logit_bias"])
     if "return_full_text" in params:
         values["return_full_text"] = _bool(params, "return_full_text")
     if values.get("temperature", defaults.temperature) == 0.0:
@@ -149,6 +155,22 @@ def _bool(params: dict, key: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"parameters.{key} must be true or false, got {_json_type(value)} ({value!r})")
     return value
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: {token id (a JSON object key, so a string): bias in [-100, 100]}."""
+    if not isinstance(value, dict):
+        raise ValueError(f"parameters.logit_bias must be an object of token id -> bias, got {_json_type(value)}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"parameters.logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise ValueError(f"parameters.logit_bias keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ValueError(f"parameters.logit_bias[{key!r}] must be a number in [-100, 100], got {bias!r}")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def _stop(value: object, key: str = "stop") -> tuple[str, ...]:

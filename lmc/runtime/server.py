@@ -363,6 +363,10 @@ class Runtime:
         if len(prompts) > capacity:
             raise RequestFailed(400, f"{label} has {len(prompts)} prompts; the request queue holds {capacity}: "
                                      f"send at most {capacity} per request")
+        vocab = self.text.vocab_size
+        if params.logit_bias and vocab is not None and params.logit_bias[-1][0] >= vocab:
+            raise RequestFailed(400, f"logit_bias names token id {params.logit_bias[-1][0]}; "
+                                     f"the vocabulary has ids 0-{vocab - 1}")
         now = time.monotonic()
         jobs = []
         for index, prompt in enumerate(prompts):

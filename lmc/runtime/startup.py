@@ -225,6 +225,11 @@ class TextTools:
             self._template = _compile_template(template)
 
     @property
+    def vocab_size(self) -> int | None:
+        """The tokenizer's vocabulary size, added tokens included (None without tokenizer.json)."""
+        return None if self._tokenizer is None else self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
     def has_chat_template(self) -> bool:
         return self._template is not None
 

@@ -19,6 +19,10 @@ class GenerationParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     repetition_penalty: float = 1.0
+    # OpenAI's (and vLLM's) penalties over the tokens generated so far, and its logit_bias ((id, bias) pairs).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     return_full_text: bool = False
     # Whether tokenizing the prompt adds the tokenizer's special tokens (BOS...). False for chat prompts:
     # their template already wrote them (as vLLM and transformers' apply_chat_template do).

@@ -213,7 +213,7 @@ class DecodeLoop:
             try:
                 for i, row in enumerate(rows):
                     tokens[i] = self.pad_id if row.finish is not None else choose_token(
-                        logits[i], row.params, self._context(row), row.generator)
+                        logits[i], row.params, self._context(row), row.generator, row.generated)
             except Exception as exc:  # the other ranks wait in the broadcast: tell them, then fail together
                 failure = exc
                 tokens.fill_(_FAILED)
@@ -276,14 +276,23 @@ class DecodeLoop:
 
 
 def choose_token(logits: torch.Tensor, params: GenerationParams, context: list[int],
-                 generator: torch.Generator | None) -> int:
-    """One row's next token: repetition penalty, then greedy or temperature → top-k → top-p sampling (HF order)."""
+                 generator: torch.Generator | None, generated: list[int] | None = None) -> int:
+    """One row's next token: logit_bias, repetition penalty (HF's, over `context`), frequency and presence
+    penalties (OpenAI's, over the `generated` tokens, as vLLM applies them), then greedy or temperature
+    → top-k → top-p sampling (HF order)."""
     scores = logits.float().nan_to_num(nan=float("-inf"))  # a copy; NaN (an fp16 overflow) never wins
+    vocab = scores.numel()
+    for token, bias in params.logit_bias:
+        if token < vocab:  # the request was checked against the tokenizer; the logits may be padded wider
+            scores[token] += bias
     if params.repetition_penalty != 1.0 and context:
         ids = torch.tensor(sorted(set(context)), dtype=torch.long, device=scores.device)
         picked = scores[ids]
         penalty = params.repetition_penalty
         scores[ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    if (params.frequency_penalty or params.presence_penalty) and generated:
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=vocab)[:vocab].to(scores.device)
+        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     if not params.do_sample or params.temperature < _MIN_TEMPERATURE:
         return int(torch.argmax(scores))
     greedy = int(torch.argmax(scores))
