@@ -122,7 +122,7 @@ def test_stop_sequence_trims_text_and_streaming_never_shows_it(llama):
     stop = full.text[3:5]
     pieces = []
     result = engine.generate([_req(0, "the quick", max_new_tokens=12, stop=(stop,))],
-                             on_token=lambda rid, piece: pieces.append(piece))[0]
+                             on_token=lambda rid, piece: pieces.append(piece.text))[0]
     assert result.finish_reason == "stop"
     assert result.text == full.text[:full.text.find(stop)]
     assert "".join(pieces) == result.text
@@ -132,9 +132,36 @@ def test_streaming_pieces_concatenate_to_the_text(llama):
     _, engine = llama
     pieces: dict[str, list[str]] = {"0": [], "1": []}
     results = engine.generate([_req(0, PROMPTS[0], max_new_tokens=9), _req(1, PROMPTS[1], max_new_tokens=5)],
-                              on_token=lambda rid, piece: pieces[rid].append(piece))
+                              on_token=lambda rid, piece: pieces[rid].append(piece.text))
     for result in results:
         assert "".join(pieces[result.id]) == result.text
+
+
+def test_streamed_pieces_carry_their_token_and_its_log_probability_under_the_model(llama):
+    """Each piece names the token that completed it and that token's log-probability (HF's own logits,
+    before penalties); only the last piece is marked last, in a batch where one request ends early."""
+    import transformers as tf
+
+    checkpoint, engine = llama
+    pieces: dict[str, list] = {"0": [], "1": []}
+    results = engine.generate([_req(0, PROMPTS[0], max_new_tokens=6, repetition_penalty=1.3),
+                               _req(1, PROMPTS[1], max_new_tokens=2)],
+                              on_token=lambda rid, piece: pieces[rid].append(piece))
+    model = tf.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = tf.AutoTokenizer.from_pretrained(checkpoint)
+    for prompt, result in zip(PROMPTS, results):
+        streamed = pieces[result.id]
+        assert [piece.last for piece in streamed] == [False] * (len(streamed) - 1) + [True]
+        assert streamed[-1].token_id == result.token_ids[-1]  # both finish by length
+        prompt_ids = tokenizer(prompt).input_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + result.token_ids])).logits[0].float()
+        expected = {i: float(torch.log_softmax(logits[len(prompt_ids) - 1 + i], -1)[token])
+                    for i, token in enumerate(result.token_ids)}
+        position = -1
+        for piece in streamed:  # pieces follow the tokens in order; a token that adds no text sends none
+            position = result.token_ids.index(piece.token_id, position + 1)
+            assert piece.log_prob == pytest.approx(expected[position], abs=1e-4)
 
 
 def test_incremental_detokenization_keeps_multibyte_characters_whole(llama):
@@ -149,7 +176,7 @@ def test_incremental_detokenization_keeps_multibyte_characters_whole(llama):
     pieces = []
     row = _Row(_req(0, "x", max_new_tokens=len(ids)), [1])
     for token in ids:
-        engine.loop._append(row, token, lambda rid, piece: pieces.append(piece))
+        engine.loop._append(row, token, lambda rid, piece: pieces.append(piece.text))
     assert "".join(pieces) == text
     assert not any("\ufffd" in piece for piece in pieces)
     assert len(pieces) > 3
@@ -321,7 +348,7 @@ def test_sentencepiece_text_keeps_the_leading_space_and_streams_exactly_the_fina
     pieces = []
     result = _scripted_loop(tokenizer, script).generate(
         [GenerationRequest("a", "the quick", GenerationParams(max_new_tokens=20, return_full_text=True))],
-        on_token=lambda rid, piece: pieces.append(piece))[0]
+        on_token=lambda rid, piece: pieces.append(piece.text))[0]
     assert result.text == "the quick brown fox" and result.finish_reason == "eos"
     assert "".join(pieces) == " brown fox"
 
@@ -333,6 +360,6 @@ def test_byte_fallback_newline_then_a_cut_emoji_streams_what_the_final_text_says
     pieces = []
     result = _scripted_loop(tokenizer, script).generate(
         [GenerationRequest("a", "fox", GenerationParams(max_new_tokens=len(script)))],
-        on_token=lambda rid, piece: pieces.append(piece))[0]
+        on_token=lambda rid, piece: pieces.append(piece.text))[0]
     assert result.finish_reason == "length"
     assert "".join(pieces) == result.text and result.text.startswith(" the")

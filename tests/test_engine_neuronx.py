@@ -176,7 +176,7 @@ def test_greedy_over_the_sdk_forward_equals_hf_generate_in_a_mixed_length_batch(
     prompts = {"a": "the quick brown fox jumps over", "b": "hello", "c": "a b c"}
     pieces: dict[str, list[str]] = {}
     requests = [GenerationRequest(rid, prompt, GenerationParams(max_new_tokens=6)) for rid, prompt in prompts.items()]
-    results = engine.generate(requests, on_token=lambda rid, piece: pieces.setdefault(rid, []).append(piece))
+    results = engine.generate(requests, on_token=lambda rid, piece: pieces.setdefault(rid, []).append(piece.text))
     for request, result in zip(requests, results):
         assert result.token_ids == hf_greedy(model_dir, request.prompt, 6), request.id
         assert "".join(pieces[request.id]) == result.text

@@ -48,7 +48,7 @@ def _rank_main(rank: int, opened: list[str], artifacts: dict) -> dict:
             [GenerationRequest(str(i), p, GenerationParams(max_new_tokens=NEW_TOKENS)) for i, p in
              enumerate(PROMPTS)] + [GenerationRequest("s", PROMPTS[0], GenerationParams(
                 max_new_tokens=NEW_TOKENS, do_sample=True, temperature=2.0, seed=7))],
-            on_token=lambda rid, piece: pieces.append(piece))
+            on_token=lambda rid, piece: pieces.append(piece.text))
         params = sum(p.numel() for p in engine.model.parameters())
         out[name] = {"tokens": [r.token_ids for r in results], "opened": list(opened), "params": params,
                      "pieces": len(pieces), "logits": _logits(engine.model, engine.tokenizer, family).tolist()}

@@ -84,7 +84,9 @@ def serve_and_compare(checkpoint: Path, artifact_dir: Path, worker_env: dict | N
     reference = hf_reference(checkpoint, PROMPTS, NEW_TOKENS)
     assert [answer["generated_text"] for answer in batch.json()] == [text for text, _ in reference]
     text, count = reference[0]
-    assert "".join(line["token"]["text"] for line in lines[:-1]) == lines[-1]["generated_text"] == text
+    # LMI's shape: every line a token (id, text, log-probability), the last one also the text and details
+    assert "".join(line["token"]["text"] for line in lines) == lines[-1]["generated_text"] == text
+    assert all(isinstance(line["token"]["id"], int) and line["token"]["log_prob"] <= 0 for line in lines)
     assert lines[-1]["details"]["generated_tokens"] == count
     return artifact.plan
 

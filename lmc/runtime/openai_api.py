@@ -238,7 +238,8 @@ async def _stream(runtime: "Runtime", job: "Job", chat: bool, ident: str, create
             yield _sse(chunk(None, None, role=True))
         async for kind, payload in runtime.events(job):
             if kind == "token":
-                yield _sse(chunk(payload, None))
+                if payload.text:  # the last piece may be empty (an EOS): the finish chunk says it
+                    yield _sse(chunk(payload.text, None))
             else:
                 yield _sse(chunk(None, _finish_reason(payload.finish_reason)))
                 if include_usage:

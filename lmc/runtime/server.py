@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lmc.runtime.batching import AsyncBatcher, BatchQueue, QueueFull
-from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult
+from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult, Piece
 from lmc.runtime.metrics import Metrics
 from lmc.runtime.requests import parse_invocation
 from lmc.runtime.startup import TextTools, sampling_defaults as load_sampling_defaults
@@ -207,8 +207,8 @@ class Scheduler:
     def on_fatal(self, group: int, error: Exception) -> None:
         self._call(self._fatal, error)
 
-    def on_token(self, group: int, batch_id: int, request_id: str, text: str) -> None:
-        self._call(self._token, batch_id, request_id, text)
+    def on_token(self, group: int, batch_id: int, request_id: str, piece: Piece) -> None:
+        self._call(self._token, batch_id, request_id, piece)
 
     def on_result(self, group: int, batch_id: int, results: list) -> None:
         self._call(self._result, batch_id, results)
@@ -225,7 +225,7 @@ class Scheduler:
     def _set_ready(self, group: int, ready: bool) -> None:
         (self._ready[group].set if ready else self._ready[group].clear)()
 
-    def _token(self, batch_id: int, request_id: str, text: str) -> None:
+    def _token(self, batch_id: int, request_id: str, piece: Piece) -> None:
         job = self._batches.get(batch_id, {}).get(request_id)
         if job is None or job.finished:
             return
@@ -233,7 +233,7 @@ class Scheduler:
             job.first_token_at = time.monotonic()
             self.metrics.ttft.observe(job.first_token_at - job.enqueued_at)
         if job.stream:
-            job.events.put_nowait(("token", text))
+            job.events.put_nowait(("token", piece))
 
     def _result(self, batch_id: int, results: list[GenerationResult]) -> None:
         jobs = self._batches.pop(batch_id, {})
@@ -405,7 +405,7 @@ class Runtime:
         raise RequestFailed(424, "no result")  # events() always ends with done or raises
 
     async def events(self, job: Job) -> AsyncIterator[tuple[str, Any]]:
-        """("token", text)* then ("done", result); raises RequestFailed on failure or timeout."""
+        """("token", Piece)* then ("done", result); raises RequestFailed on failure or timeout."""
         deadline = job.enqueued_at + self.request_timeout_s
         try:
             while True:
@@ -489,15 +489,26 @@ def _details(job: Job, result: GenerationResult) -> dict[str, Any]:
             "generated_tokens": result.generated_tokens, "inputs": job.request.prompt}
 
 
+def _token_object(piece: Piece) -> dict[str, Any]:
+    return {"id": piece.token_id, "text": piece.text, "log_prob": piece.log_prob}
+
+
 async def _jsonlines(runtime: Runtime, job: Job, started: float) -> AsyncIterator[bytes]:
-    """LMI streaming: {"token": {"text": piece}} per piece, then {"generated_text": full, "details": ...}."""
+    """LMI streaming: one {"token": {"id", "text", "log_prob"}} line per piece; the last line also carries
+    "generated_text" and "details" (so a client reading line["token"] never meets a line without it)."""
     status = 200
     try:
+        last = None
         async for kind, payload in runtime.events(job):
-            if kind == "token":
-                yield _line({"token": {"text": payload}})
+            if kind == "token" and payload.last:
+                last = payload  # sent with the result
+            elif kind == "token":
+                yield _line({"token": _token_object(payload)})
             else:
-                yield _line({"generated_text": payload.text, "details": _details(job, payload)})
+                if last is None:  # an engine that does not mark its last piece
+                    last = Piece("", payload.token_ids[-1] if payload.token_ids else None)
+                yield _line({"token": _token_object(last), "generated_text": payload.text,
+                             "details": _details(job, payload)})
     except RequestFailed as exc:
         status = exc.status
         yield _line({"error": exc.message, "code": exc.status})

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lmc.errors import LmcError
+from lmc.runtime.engines.base import Piece
 
 log = logging.getLogger("lmc.runtime")
 
@@ -298,11 +299,11 @@ def _serve_loop(engine, spec: WorkerSpec, conn: Connection | None, control) -> N
             assert conn is not None
             seen: set[str] = set()
 
-            def on_token(request_id: str, text: str, _batch=batch_id, _forward=frozenset(forward), _seen=seen):
+            def on_token(request_id: str, piece: Piece | str, _batch=batch_id, _forward=frozenset(forward), _seen=seen):
                 # Streaming requests get every piece; the others only their first (for TTFT).
                 if request_id in _forward or request_id not in _seen:
                     _seen.add(request_id)
-                    conn.send(("token", _batch, request_id, text))
+                    conn.send(("token", _batch, request_id, piece if isinstance(piece, Piece) else Piece(piece)))
         try:
             results = engine.generate(list(requests), on_token)
         except Exception as exc:  # a model failure: answered 424, the group keeps serving
@@ -331,7 +332,7 @@ class GroupEvents(Protocol):
     """What a group reports. Called from the group's supervisor thread."""
 
     def on_ready(self, group: int) -> None: ...
-    def on_token(self, group: int, batch_id: int, request_id: str, text: str) -> None: ...
+    def on_token(self, group: int, batch_id: int, request_id: str, piece: Piece) -> None: ...
     def on_result(self, group: int, batch_id: int, results: list) -> None: ...
     def on_failure(self, group: int, batch_id: int, message: str) -> None: ...
     def on_down(self, group: int, reason: str) -> None: ...

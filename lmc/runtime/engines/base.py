@@ -46,8 +46,20 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
 
 
-# Called as tokens are produced: (request id, new text piece).
-TokenCallback = Callable[[str, str], None]
+@dataclass(frozen=True)
+class Piece:
+    """Streamed text: what one generated token added (maybe held back until a character or a possible stop
+    sequence is complete), that token's id and log-probability under the model, and whether it is the
+    request's last piece (it comes with the finish, and may be empty: an EOS)."""
+
+    text: str
+    token_id: int | None = None
+    log_prob: float | None = None
+    last: bool = False
+
+
+# Called as tokens are produced: (request id, the new piece: a Piece, or its text alone).
+TokenCallback = Callable[[str, "Piece | str"], None]
 
 
 class Engine(Protocol):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult, TokenCallback
+from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult, Piece, TokenCallback
 
 log = logging.getLogger(__name__)
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
@@ -128,9 +129,12 @@ class DecodeLoop:
                 logits, advance = self._prefill_causal(rows)
             while True:
                 tokens = self._next_tokens(logits, rows)
-                for row, token in zip(rows, tokens.tolist()):
+                # The streamed tokens' log-probabilities under the model (before penalties and temperature).
+                log_probs = (torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None].to(logits.device))
+                             .squeeze(1).tolist() if stream is not None else [None] * len(rows))
+                for row, token, log_prob in zip(rows, tokens.tolist(), log_probs):
                     if row.finish is None:
-                        self._append(row, token, stream)
+                        self._append(row, token, stream, log_prob)
                 if all(row.finish is not None for row in rows):
                     break
                 logits = advance(tokens)
@@ -234,7 +238,7 @@ class DecodeLoop:
 
     # -- text, stop sequences, streaming ------------------------------------------------------------------
 
-    def _append(self, row: _Row, token: int, stream: TokenCallback | None) -> None:
+    def _append(self, row: _Row, token: int, stream: TokenCallback | None, log_prob: float | None = None) -> None:
         if token in self.eos_token_ids:
             row.finish = "eos"
         else:
@@ -251,11 +255,15 @@ class DecodeLoop:
         if stream is not None and row.stream_ok:
             final = row.finish is not None
             upto = len(row.text) if final else _safe_prefix(row.text, row.params.stop)
+            piece = ""
             if upto > len(row.streamed) and row.text.startswith(row.streamed):
                 piece = row.text[len(row.streamed):upto]
+            if piece or final:  # the last piece always goes, empty or not: it carries the finishing token
                 row.streamed += piece
+                if log_prob is not None and not math.isfinite(log_prob):
+                    log_prob = None  # JSON has no NaN or infinity
                 try:
-                    stream(row.request.id, piece)
+                    stream(row.request.id, Piece(piece, token, log_prob, last=final))
                 except Exception:  # a broken client must not break the lockstep with the other ranks
                     log.exception("streaming callback failed for request %s; no more pieces for it", row.request.id)
                     row.stream_ok = False
