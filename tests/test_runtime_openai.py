@@ -1,5 +1,7 @@
 """The OpenAI-compatible routes, driven by the `openai` Python client."""
 
+import json
+
 import httpx
 import pytest
 
@@ -73,6 +75,20 @@ def test_models_lists_the_served_model_for_clients_that_discover_it(client, serv
     assert model.model_extra["max_model_len"] == 64
     health = httpx.get(server.url + "/health")
     assert (health.status_code, health.json()) == (200, {"status": "healthy"})
+
+
+def test_a_failure_mid_stream_sends_the_error_then_done(server):
+    reply = httpx.post(server.url + "/v1/completions", json={"prompt": "RAISE", "max_tokens": 2, "stream": True})
+    events = [line for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-2][6:])["error"]["code"] == 424
+    assert events[-1] == "data: [DONE]"
+
+
+def test_message_names_reach_the_template():
+    from lmc.runtime.openai_api import _messages
+
+    body = {"messages": [{"role": "user", "name": "ann", "content": "hi"}, {"role": "assistant", "content": None}]}
+    assert _messages(body) == [{"role": "user", "name": "ann", "content": "hi"}, {"role": "assistant", "content": ""}]
 
 
 def test_openai_errors_are_400_with_the_reason(client, server):

@@ -128,7 +128,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{index}] must be an object with a string 'role'")
-        out.append({"role": message["role"], "content": _message_text(message.get("content"), index)})
+        entry = {"role": message["role"], "content": _message_text(message.get("content"), index)}
+        if isinstance(message.get("name"), str):  # templates may show who spoke (OpenAI's `name`)
+            entry["name"] = message["name"]
+        out.append(entry)
     return out
 
 
@@ -249,6 +252,7 @@ async def _stream(runtime: "Runtime", job: "Job", chat: bool, ident: str, create
     except RequestFailed as exc:
         status = exc.status
         yield _sse({"error": {"message": exc.message, "code": exc.status, "type": "server_error"}})
+        yield b"data: [DONE]\n\n"  # as vLLM ends an errored stream: clients waiting for the sentinel stop
     except (asyncio.CancelledError, GeneratorExit):
         status = CLIENT_CLOSED
         raise
