@@ -85,7 +85,7 @@ def fake_plan(**overrides: Any) -> dict[str, Any]:
 
 
 def write_artifact(root: Path, plan: dict[str, Any], engine_kwargs: dict[str, Any] | None = None,
-                   chat_template: bool = True) -> Path:
+                   chat_template: bool = True, spec: dict[str, Any] | None = None) -> Path:
     """A model dir whose model.py builds FakeEngine(**engine_kwargs), with a verified lmc.json."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "model.py").write_text(
@@ -105,7 +105,7 @@ def write_artifact(root: Path, plan: dict[str, Any], engine_kwargs: dict[str, An
     for path in sorted(root.rglob("*")):
         if path.is_file() and path.name != MANIFEST_NAME and "__pycache__" not in path.parts:
             files[path.relative_to(root).as_posix()] = (path.stat().st_size, sha256_file(path))
-    (root / MANIFEST_NAME).write_bytes(manifest_bytes(build_manifest("0.1.0", {}, plan, files)))
+    (root / MANIFEST_NAME).write_bytes(manifest_bytes(build_manifest("0.1.0", spec or {}, plan, files)))
     return root
 
 

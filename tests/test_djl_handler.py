@@ -100,3 +100,17 @@ def test_an_empty_prompt_fails_alone_not_its_batch():
                                 "code": 400}
     assert _json(output, 1) == {"generated_text": "FINE"}
     assert [r.prompt for r in engine.batches[0]] == ["fine"]
+
+
+def test_details_are_added_when_asked_as_the_lmi_server_does():
+    handler = DJLHandler(lambda: FakeEngine())
+    output = handler.handle(FakeInput(batches=[
+        FakeInput({"inputs": "abc def", "parameters": {"max_new_tokens": 5, "details": True}}),
+        FakeInput({"inputs": ["x"], "parameters": {"details": True}}),
+        FakeInput({"inputs": "plain"}),
+    ]))
+    assert _json(output, 0) == {"generated_text": "ABC D", "details": {"finish_reason": "length", "generated_tokens": 1,
+                                                                        "inputs": "abc def"}}
+    assert _json(output, 1) == [{"generated_text": "X", "details": {"finish_reason": "length", "generated_tokens": 1,
+                                                                     "inputs": "x"}}]
+    assert _json(output, 2) == {"generated_text": "PLAIN"}

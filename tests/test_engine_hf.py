@@ -100,14 +100,18 @@ def test_openai_penalties_and_logit_bias_follow_openai_formulas():
     """score -= frequency_penalty * count + presence_penalty * (count > 0), over generated tokens only;
     logit_bias is added to the raw logits, greedy or sampled; ids past a padded vocabulary are skipped."""
     logits = torch.tensor([4.0, 3.5, 3.0, 0.0])
+
+    def counts(*generated):
+        return torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=4)
+
     # token 0 generated twice: 4 - 0.3*2 - 0.2 = 3.2 < 3.5, so greedy moves to token 1
-    assert choose_token(logits, GenerationParams(frequency_penalty=0.3, presence_penalty=0.2), [0, 0], None, [0, 0]) == 1
-    assert choose_token(logits, GenerationParams(frequency_penalty=0.2), [0, 0], None, [0, 0]) == 0  # 3.6 > 3.5
-    # the prompt alone does not count: vLLM and OpenAI penalise the output
-    assert choose_token(logits, GenerationParams(frequency_penalty=2.0), [0, 0, 0], None, []) == 0
+    both = GenerationParams(frequency_penalty=0.3, presence_penalty=0.2)
+    assert choose_token(logits, both, [0, 0], None, counts(0, 0)) == 1
+    assert choose_token(logits, GenerationParams(frequency_penalty=0.2), [0, 0], None, counts(0, 0)) == 0  # 3.6 > 3.5
     # a negative penalty rewards repeats
-    assert choose_token(logits, GenerationParams(presence_penalty=-2.0), [3], None, [3]) == 0
-    assert choose_token(torch.tensor([4.0, 3.5, 3.0, 2.5]), GenerationParams(presence_penalty=-2.0), [3], None, [3]) == 3
+    assert choose_token(logits, GenerationParams(presence_penalty=-2.0), [3], None, counts(3)) == 0
+    assert choose_token(torch.tensor([4.0, 3.5, 3.0, 2.5]), GenerationParams(presence_penalty=-2.0), [3], None,
+                        counts(3)) == 3
     assert choose_token(logits, GenerationParams(logit_bias=((2, 1.5),)), [], None) == 2
     banned = GenerationParams(do_sample=True, logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))
     generator = torch.Generator().manual_seed(0)
@@ -162,6 +166,31 @@ def test_streamed_pieces_carry_their_token_and_its_log_probability_under_the_mod
         for piece in streamed:  # pieces follow the tokens in order; a token that adds no text sends none
             position = result.token_ids.index(piece.token_id, position + 1)
             assert piece.log_prob == pytest.approx(expected[position], abs=1e-4)
+
+
+def test_penalties_count_generated_tokens_only_and_follow_the_formula_in_the_loop(llama):
+    """The decode loop keeps each row's counts step by step. A +6 logit_bias makes one token win until the
+    frequency penalty (2 per occurrence) outweighs it: the answer equals a reference loop applying
+    OpenAI's formulas to HF's logits over the tokens generated so far (the prompt does not count), so
+    a count that is stale or counted twice changes how often that token appears."""
+    import transformers as tf
+
+    checkpoint, engine = llama
+    favoured = 20
+    params = dict(max_new_tokens=10, frequency_penalty=2.0, presence_penalty=0.5, logit_bias=((favoured, 6.0),))
+    penalised = engine.generate([_req(0, PROMPTS[0], **params)])[0].token_ids
+    model = tf.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = tf.AutoTokenizer.from_pretrained(checkpoint)(PROMPTS[0]).input_ids
+    generated: list[int] = []
+    with torch.no_grad():
+        while len(generated) < 10:
+            scores = model(torch.tensor([ids + generated])).logits[0, -1].float()
+            scores[favoured] += 6.0
+            for token in set(generated):
+                scores[token] -= 2.0 * generated.count(token) + 0.5
+            generated.append(int(scores.argmax()))
+    assert penalised == generated[:len(penalised)], (penalised, generated)
+    assert 1 < penalised.count(favoured) < 10  # the bias won at first, the penalty later
 
 
 def test_incremental_detokenization_keeps_multibyte_characters_whole(llama):

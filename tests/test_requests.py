@@ -66,6 +66,7 @@ def test_openai_penalties_and_logit_bias_are_parsed_and_bounded():
                          ({"logit_bias": {"1": 101}}, "parameters.logit_bias['1'] must be a number in [-100, 100]"),
                          ({"logit_bias": {"1": True}}, "parameters.logit_bias['1'] must be a number"),
                          ({"logit_bias": [1]}, "parameters.logit_bias must be an object"),
+                         ({"logit_bias": {"1": 100, "01": 100}}, "names token id 1 more than once"),
                          ({"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_parameters(bad)

@@ -182,18 +182,21 @@ def test_generation_config_sets_the_openai_defaults(tmp_path, mode):
                    "repetition_penalty": 1.0}
 
 
-def test_chat_without_max_tokens_may_use_the_whole_planned_length(tmp_path):
-    """As in vLLM: no cap below what the planned sequence length leaves for the answer."""
+@pytest.mark.parametrize("spec, expected", [({"workload": {"max_output_tokens": 100}}, 100), ({}, 1024 - 3)],
+                         ids=["planned-output", "no-workload-recorded"])
+def test_chat_without_max_tokens_gets_the_planned_answer_length(tmp_path, spec, expected):
+    """The spec's max_output_tokens (what batches and the KV cache were planned for), within what the
+    sequence length leaves; an artifact that records no workload gets all the room (vLLM's default)."""
     record = tmp_path / "record"
     record.mkdir()
     plan = fake_plan(max_sequence_length=1024)
-    model = write_artifact(tmp_path / "m", plan, engine_kwargs={"record_dir": str(record)})
+    model = write_artifact(tmp_path / "m", plan, engine_kwargs={"record_dir": str(record)}, spec=spec)
     with ServerThread(Runtime(model, plan, request_timeout_s=30)) as srv:
         srv.wait_ready()
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], temperature=0)
     [chat] = _recorded(record)
-    assert chat["max_new_tokens"] == reply.usage.completion_tokens == 1024 - 3  # the rendered prompt is 3 words
+    assert chat["max_new_tokens"] == reply.usage.completion_tokens == expected  # the rendered prompt is 3 words
 
 
 def test_sampling_defaults_skip_values_the_parser_refuses(tmp_path, caplog):

@@ -87,12 +87,12 @@ def test_details_on_request_as_lmi_documents(server):
 @pytest.mark.parametrize("engine_reason, lmi_reason", [("length", "length"), ("eos", "eos_token"),
                                                        ("stop", "stop_sequence")])
 def test_finish_reasons_use_lmi_names(engine_reason, lmi_reason):
-    from lmc.runtime.engines.base import GenerationRequest, GenerationResult
-    from lmc.runtime.server import Job, _details
+    from lmc.runtime.engines.base import GenerationResult
+    from lmc.runtime.requests import lmi_details
 
-    job = Job(request=GenerationRequest("r", "the prompt"), stream=False, prompt_tokens=2, enqueued_at=0.0)
     result = GenerationResult(id="r", text="x", prompt_tokens=2, generated_tokens=1, finish_reason=engine_reason)
-    assert _details(job, result) == {"finish_reason": lmi_reason, "generated_tokens": 1, "inputs": "the prompt"}
+    assert lmi_details("the prompt", result) == {"finish_reason": lmi_reason, "generated_tokens": 1,
+                                                 "inputs": "the prompt"}
 
 
 @pytest.mark.parametrize("body,reason", [

@@ -177,18 +177,28 @@ date {{ strftime_now("%Y-%m-%d") }} system {{ ns.system | tojson }}
 {% endfor %}{% if add_generation_prompt %}[assistant]{{ pad_token }}{% endif %}"""
 
 
-@pytest.mark.parametrize("bos_in", ["tokenizer_config", "special_tokens_map"])
-def test_chat_templates_render_as_transformers_apply_chat_template(tmp_path, bos_in):
+@pytest.mark.parametrize("layout", ["config", "legacy-map-only", "legacy-map-wins", "modern-ignores-map"])
+def test_chat_templates_render_as_transformers_apply_chat_template(tmp_path, layout):
     transformers = pytest.importorskip("transformers")
     from lmc.testing.checkpoints import make_checkpoint
 
     checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
-    config_path = checkpoint / "tokenizer_config.json"
+    config_path, map_path = checkpoint / "tokenizer_config.json", checkpoint / "special_tokens_map.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = RICH_TEMPLATE
-    if bos_in == "special_tokens_map":  # an older checkpoint: the token only in the legacy file
+    special_map = json.loads(map_path.read_text())
+    if layout == "legacy-map-only":  # an older checkpoint: the token only in the legacy file
         del config["bos_token"]
+    elif layout == "legacy-map-wins":  # the two files disagree: transformers takes the map's
+        special_map["eos_token"] = "<unk>"
+    elif layout == "modern-ignores-map":  # a config saved with added_tokens_decoder: the map is not read
+        config["added_tokens_decoder"] = {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                                   "normalized": False, "single_word": False}
+                                          for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"])}
+        del config["pad_token"]
+        special_map["pad_token"] = "<pad>"
     config_path.write_text(json.dumps(config))
+    map_path.write_text(json.dumps(special_map))
     messages = [{"role": "system", "content": "be <b>brief</b>"}, {"role": "user", "content": "wörld \"quoted\""},
                 {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)

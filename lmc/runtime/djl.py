@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lmc.runtime.engines.base import Engine, GenerationRequest
-from lmc.runtime.requests import parse_invocation
+from lmc.runtime.requests import lmi_details, parse_invocation
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class DJLHandler:
         parsed: list[tuple[int, list[str], Any, bool]] = []
         for index, item in enumerate(items):
             try:
-                prompts, params, _stream, _details = parse_invocation(item.get_as_json(), self.max_sequence_length)
+                prompts, params, _stream, details = parse_invocation(item.get_as_json(), self.max_sequence_length)
                 for prompt in prompts:
                     _check_length(self.engine, prompt, params.max_new_tokens, self.max_sequence_length)
             except ValueError as exc:
@@ -106,9 +106,9 @@ class DJLHandler:
                 _item_error(output, index, 400, f"the request body is not valid JSON: {exc}")
                 continue
             body = item.get_as_json()
-            parsed.append((index, prompts, params, isinstance(body.get("inputs"), list)))
+            parsed.append((index, prompts, params, isinstance(body.get("inputs"), list), details))
         requests = [GenerationRequest(f"{index}/{n}", prompt, params)
-                    for index, prompts, params, _ in parsed for n, prompt in enumerate(prompts)]
+                    for index, prompts, params, *_ in parsed for n, prompt in enumerate(prompts)]
         try:
             results = {r.id: r for r in self.engine.generate(requests)} if requests else {}
         except Exception as exc:
@@ -116,8 +116,11 @@ class DJLHandler:
             for index, *_ in parsed:
                 _item_error(output, index, 424, f"model failure: {type(exc).__name__}: {exc}")
             return output
-        for index, prompts, _params, was_list in parsed:
+        for index, prompts, _params, was_list, details in parsed:
             texts = [{"generated_text": results[f"{index}/{n}"].text} for n in range(len(prompts))]
+            if details:
+                for n, (text, prompt) in enumerate(zip(texts, prompts)):
+                    text["details"] = lmi_details(prompt, results[f"{index}/{n}"])
             output.add_as_json(texts if was_list else texts[0], batch_index=index)
         return output
 

@@ -2,7 +2,8 @@
 
 Requests are translated into the LMI parameters and validated by the same parser as /invocations,
 then go through the same queue and batches. OpenAI semantics: sampling by default (temperature 1),
-temperature 0 means greedy; `max_tokens` defaults to 16 for completions and to what fits for chat.
+temperature 0 means greedy; `max_tokens` defaults to 16 for completions and, for chat, to the planned
+answer length (the spec's max_output_tokens) within what fits.
 As in vLLM, what the model's generation_config.json sets (temperature, top_p, top_k,
 repetition_penalty; max_new_tokens for chat) replaces those defaults when a request leaves a field out
 (`lmc runtime --generation-config none` turns that off). A chat prompt is tokenized without adding
@@ -171,10 +172,12 @@ async def _handle(request: Request, chat: bool) -> Response:
                 raise ValueError("add_special_tokens must be true or false")
             defaults = runtime.sampling_defaults
             if chat:
-                # Chat clients often omit max_tokens: default to what the planned length leaves (vLLM's
-                # default), or less when generation_config.json sets max_new_tokens.
+                # Chat clients often omit max_tokens: default to the answer length the plan was made for
+                # (generation_config.json's max_new_tokens when it sets one), within what the planned
+                # sequence length leaves. vLLM defaults to all that room, but here a request's
+                # max_new_tokens decides which requests can share a batch.
                 room = runtime.max_sequence_length - runtime.text.count_tokens(prompts[0], special)
-                default_max = max(1, min(defaults.get("max_new_tokens", room), room))
+                default_max = max(1, min(defaults.get("max_new_tokens", runtime.max_output_tokens), room))
             else:
                 default_max = 16
             params = replace(_params(body, default_max, runtime.max_sequence_length, defaults),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lmc.runtime.engines.base import GenerationParams
+from lmc.runtime.engines.base import GenerationParams, GenerationResult
 
 MAX_STOP_SEQUENCES = 16
 _PARAMETER_KEYS = (
@@ -111,6 +111,16 @@ def parse_invocation(body: object, max_sequence_length: int | None = None
     return prompts, params, stream, bool((body.get("parameters") or {}).get("details", False))
 
 
+# LMI's (and TGI's) names for why generation ended.
+_LMI_FINISH = {"length": "length", "eos": "eos_token", "stop": "stop_sequence"}
+
+
+def lmi_details(prompt: str, result: GenerationResult) -> dict[str, Any]:
+    """LMI's `details` object for one answer (without the per-token `tokens` list)."""
+    return {"finish_reason": _LMI_FINISH.get(result.finish_reason, result.finish_reason),
+            "generated_tokens": result.generated_tokens, "inputs": prompt}
+
+
 def _json_type(value: object) -> str:
     if value is None:
         return "null"
@@ -170,6 +180,10 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise ValueError(f"parameters.logit_bias[{key!r}] must be a number in [-100, 100], got {bias!r}")
         pairs.append((int(key), float(bias)))
+    ids = [token for token, _ in pairs]
+    if len(set(ids)) != len(ids):  # "1" and "01" name the same token: the biases would add up past 100
+        twice = next(token for token in ids if ids.count(token) > 1)
+        raise ValueError(f"parameters.logit_bias names token id {twice} more than once")
     return tuple(sorted(pairs))
 
 

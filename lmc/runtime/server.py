@@ -29,8 +29,8 @@ from starlette.routing import Route
 from lmc.runtime.batching import AsyncBatcher, BatchQueue, QueueFull
 from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult, Piece
 from lmc.runtime.metrics import Metrics
-from lmc.runtime.requests import parse_invocation
-from lmc.runtime.startup import TextTools, sampling_defaults as load_sampling_defaults
+from lmc.runtime.requests import lmi_details, parse_invocation
+from lmc.runtime.startup import TextTools, planned_output_tokens, sampling_defaults as load_sampling_defaults
 from lmc.runtime.workers import WorkerGroup, groups_per_instance
 
 log = logging.getLogger("lmc.runtime")
@@ -278,6 +278,9 @@ class Runtime:
         self.model_name = str((plan.get("model") or {}).get("id") or self.model_dir.name)
         self.started_at = int(time.time())
         self.max_sequence_length = int(plan["max_sequence_length"])
+        # The answer length the deployment was planned for (the spec's workload.max_output_tokens): the
+        # default for chat requests without max_tokens, so they batch as the plan assumed.
+        self.max_output_tokens = planned_output_tokens(self.model_dir) or self.max_sequence_length
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
         self.text = text_tools or TextTools(self.model_dir)
@@ -474,19 +477,9 @@ async def invocations(request: Request) -> Response:
     answers = [{"generated_text": result.text} for result in results]
     if details:
         for answer, job, result in zip(answers, jobs, results):
-            answer["details"] = _details(job, result)
+            answer["details"] = lmi_details(job.request.prompt, result)
     runtime.record("invocations", 200, started)
     return JSONResponse(answers[0] if isinstance(body["inputs"], str) else answers)
-
-
-# LMI's (and TGI's) names for why generation ended.
-_LMI_FINISH = {"length": "length", "eos": "eos_token", "stop": "stop_sequence"}
-
-
-def _details(job: Job, result: GenerationResult) -> dict[str, Any]:
-    """LMI's `details` object (without per-token `tokens`: lmc does not return log-probabilities)."""
-    return {"finish_reason": _LMI_FINISH.get(result.finish_reason, result.finish_reason),
-            "generated_tokens": result.generated_tokens, "inputs": job.request.prompt}
 
 
 def _token_object(piece: Piece) -> dict[str, Any]:
@@ -508,7 +501,7 @@ async def _jsonlines(runtime: Runtime, job: Job, started: float) -> AsyncIterato
                 if last is None:  # an engine that does not mark its last piece
                     last = Piece("", payload.token_ids[-1] if payload.token_ids else None)
                 yield _line({"token": _token_object(last), "generated_text": payload.text,
-                             "details": _details(job, payload)})
+                             "details": lmi_details(job.request.prompt, payload)})
     except RequestFailed as exc:
         status = exc.status
         yield _line({"error": exc.message, "code": exc.status})

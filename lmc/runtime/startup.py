@@ -168,6 +168,13 @@ def default_request_timeout_s(plan: dict[str, Any]) -> float:
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
 
 
+def planned_output_tokens(model_dir: Path) -> int | None:
+    """The spec's workload.max_output_tokens as the manifest records it (None when it does not)."""
+    workload = (_read_json(model_dir / MANIFEST_NAME).get("spec") or {}).get("workload") or {}
+    value = workload.get("max_output_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def sampling_defaults(model_dir: Path) -> dict[str, Any]:
     """The model publisher's sampling defaults from `generation_config.json`, for the OpenAI routes.
 
@@ -205,12 +212,13 @@ class TextTools:
 
             self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
         config = _read_json(model_dir / "tokenizer_config.json")
-        # The special tokens a template may write, as transformers passes them: tokenizer_config.json's,
-        # then special_tokens_map.json's (older checkpoints keep them only there). Absent ones stay undefined.
-        legacy = _read_json(model_dir / "special_tokens_map.json")
+        # The special tokens a template may write, as transformers 5 resolves them: a tokenizer_config.json
+        # with added_tokens_decoder (saved by transformers >= 4.34) is the whole story; before that,
+        # special_tokens_map.json's entries win over the config's. Absent ones stay undefined.
+        legacy = {} if "added_tokens_decoder" in config else _read_json(model_dir / "special_tokens_map.json")
         self._special = {}
         for key in _SPECIAL_TOKENS:
-            text = _token_text(config.get(key)) or _token_text(legacy.get(key))
+            text = _token_text(legacy.get(key)) or _token_text(config.get(key))
             if text:
                 self._special[key] = text
         template = config.get("chat_template")

@@ -47,6 +47,11 @@ class _Row:
     # ending in an incomplete character waits for the next token.
     prefix_offset: int = 0
     read_offset: int = 0
+    # Rank 0's running state for the OpenAI penalties and logit_bias (made on first use, on the logits'
+    # device): how often each token was generated, how many of `generated` that counts, and the bias.
+    counts: torch.Tensor | None = None
+    counted: int = 0
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def params(self) -> GenerationParams:
@@ -129,12 +134,9 @@ class DecodeLoop:
                 logits, advance = self._prefill_causal(rows)
             while True:
                 tokens = self._next_tokens(logits, rows)
-                # The streamed tokens' log-probabilities under the model (before penalties and temperature).
-                log_probs = (torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None].to(logits.device))
-                             .squeeze(1).tolist() if stream is not None else [None] * len(rows))
-                for row, token, log_prob in zip(rows, tokens.tolist(), log_probs):
+                for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
                     if row.finish is None:
-                        self._append(row, token, stream, log_prob)
+                        self._append(row, token, stream, logits[i] if stream is not None else None)
                 if all(row.finish is not None for row in rows):
                     break
                 logits = advance(tokens)
@@ -217,7 +219,8 @@ class DecodeLoop:
             try:
                 for i, row in enumerate(rows):
                     tokens[i] = self.pad_id if row.finish is not None else choose_token(
-                        logits[i], row.params, self._context(row), row.generator, row.generated)
+                        logits[i], row.params, self._context(row), row.generator, self._counts(row, logits[i]),
+                        self._bias(row, logits[i]))
             except Exception as exc:  # the other ranks wait in the broadcast: tell them, then fail together
                 failure = exc
                 tokens.fill_(_FAILED)
@@ -230,6 +233,27 @@ class DecodeLoop:
             raise RuntimeError("rank 0 could not choose the next tokens (see its log)")
         return tokens
 
+    @staticmethod
+    def _counts(row: _Row, logits: torch.Tensor) -> torch.Tensor | None:
+        """How often each token was generated, for the frequency/presence penalties: kept up to date one
+        token per step, not recounted."""
+        if not (row.params.frequency_penalty or row.params.presence_penalty):
+            return None
+        vocab = logits.shape[-1]
+        if row.counts is None:
+            row.counts = torch.zeros(vocab, dtype=torch.long, device=logits.device)
+        for token in row.generated[row.counted:]:
+            if token < vocab:
+                row.counts[token] += 1
+        row.counted = len(row.generated)
+        return row.counts
+
+    @staticmethod
+    def _bias(row: _Row, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if row.bias is None and row.params.logit_bias:
+            row.bias = _bias_tensors(row.params.logit_bias, logits)
+        return row.bias
+
     def _context(self, row: _Row) -> list[int]:
         """The ids repetition_penalty looks at (as HF does: the decoder's input)."""
         if self.encoder_decoder:
@@ -238,7 +262,9 @@ class DecodeLoop:
 
     # -- text, stop sequences, streaming ------------------------------------------------------------------
 
-    def _append(self, row: _Row, token: int, stream: TokenCallback | None, log_prob: float | None = None) -> None:
+    def _append(self, row: _Row, token: int, stream: TokenCallback | None, logits: torch.Tensor | None = None) -> None:
+        """Add the chosen `token` to the row; when streaming, send the text it completes with the token's
+        log-probability under `logits` (this step's, before penalties and temperature)."""
         if token in self.eos_token_ids:
             row.finish = "eos"
         else:
@@ -260,10 +286,8 @@ class DecodeLoop:
                 piece = row.text[len(row.streamed):upto]
             if piece or final:  # the last piece always goes, empty or not: it carries the finishing token
                 row.streamed += piece
-                if log_prob is not None and not math.isfinite(log_prob):
-                    log_prob = None  # JSON has no NaN or infinity
                 try:
-                    stream(row.request.id, Piece(piece, token, log_prob, last=final))
+                    stream(row.request.id, Piece(piece, token, _log_prob(logits, token), last=final))
                 except Exception:  # a broken client must not break the lockstep with the other ranks
                     log.exception("streaming callback failed for request %s; no more pieces for it", row.request.id)
                     row.stream_ok = False
@@ -283,23 +307,43 @@ class DecodeLoop:
                                 token_ids=list(row.generated))
 
 
+def _bias_tensors(logit_bias: tuple[tuple[int, float], ...], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # The ids were checked against the tokenizer; logits padded wider or narrower than it are cut to fit.
+    pairs = [(token, bias) for token, bias in logit_bias if token < logits.shape[-1]]
+    return (torch.tensor([token for token, _ in pairs], dtype=torch.long, device=logits.device),
+            torch.tensor([bias for _, bias in pairs], dtype=torch.float32, device=logits.device))
+
+
+def _log_prob(logits: torch.Tensor | None, token: int) -> float | None:
+    """log softmax(logits)[token] without a vocabulary-sized result; None when not finite (JSON has no NaN)
+    or not computable: a streamed log-probability must never fail the batch."""
+    if logits is None:
+        return None
+    try:
+        value = float(logits[token].float() - torch.logsumexp(logits.float(), -1))
+    except Exception:  # an index past the logits, an allocation failure
+        log.exception("could not compute the log-probability of token %d", token)
+        return None
+    return value if math.isfinite(value) else None
+
+
 def choose_token(logits: torch.Tensor, params: GenerationParams, context: list[int],
-                 generator: torch.Generator | None, generated: list[int] | None = None) -> int:
+                 generator: torch.Generator | None, counts: torch.Tensor | None = None,
+                 bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
     """One row's next token: logit_bias, repetition penalty (HF's, over `context`), frequency and presence
-    penalties (OpenAI's, over the `generated` tokens, as vLLM applies them), then greedy or temperature
-    → top-k → top-p sampling (HF order)."""
+    penalties (OpenAI's, over `counts` of the generated tokens, as vLLM applies them), then greedy or
+    temperature → top-k → top-p sampling (HF order). `bias` is params.logit_bias as (ids, values) tensors."""
     scores = logits.float().nan_to_num(nan=float("-inf"))  # a copy; NaN (an fp16 overflow) never wins
-    vocab = scores.numel()
-    for token, bias in params.logit_bias:
-        if token < vocab:  # the request was checked against the tokenizer; the logits may be padded wider
-            scores[token] += bias
+    if bias is None and params.logit_bias:
+        bias = _bias_tensors(params.logit_bias, scores)
+    if bias is not None:
+        scores.index_add_(0, *bias)
     if params.repetition_penalty != 1.0 and context:
         ids = torch.tensor(sorted(set(context)), dtype=torch.long, device=scores.device)
         picked = scores[ids]
         penalty = params.repetition_penalty
         scores[ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
-    if (params.frequency_penalty or params.presence_penalty) and generated:
-        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=vocab)[:vocab].to(scores.device)
+    if counts is not None and (params.frequency_penalty or params.presence_penalty):
         scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     if not params.do_sample or params.temperature < _MIN_TEMPERATURE:
         return int(torch.argmax(scores))
