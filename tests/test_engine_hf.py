@@ -193,6 +193,19 @@ def test_penalties_count_generated_tokens_only_and_follow_the_formula_in_the_loo
     assert 1 < penalised.count(favoured) < 10  # the bias won at first, the penalty later
 
 
+def test_min_new_tokens_holds_eos_back_and_ignore_eos_keeps_going(llama):
+    """A +100 bias makes EOS the choice at every step: it ends the answer at once; with min_new_tokens 3
+    after 3 tokens; with ignore_eos never (a fixed-length answer, as benchmark clients ask for)."""
+    _, engine = llama
+    eos = min(engine.loop.eos_token_ids)
+    force = dict(max_new_tokens=5, logit_bias=((eos, 100.0),))
+    plain, held, ignored = engine.generate([_req(0, PROMPTS[0], **force), _req(1, PROMPTS[0], min_new_tokens=3, **force),
+                                            _req(2, PROMPTS[0], ignore_eos=True, **force)])
+    assert (plain.token_ids, plain.finish_reason) == ([], "eos")
+    assert len(held.token_ids) == 3 and eos not in held.token_ids and held.finish_reason == "eos"
+    assert (ignored.token_ids, ignored.finish_reason, ignored.text) == ([eos] * 5, "length", "")
+
+
 def test_incremental_detokenization_keeps_multibyte_characters_whole(llama):
     _, engine = llama
     text = "héllo 🙂 wörld"

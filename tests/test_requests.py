@@ -72,6 +72,24 @@ def test_openai_penalties_and_logit_bias_are_parsed_and_bounded():
             parse_parameters(bad)
 
 
+def test_min_new_tokens_and_ignore_eos_token_are_parsed():
+    params = parse_parameters({"max_new_tokens": 8, "min_new_tokens": 8, "ignore_eos_token": True})
+    assert (params.min_new_tokens, params.ignore_eos) == (8, True)
+    with pytest.raises(ValueError, match="parameters.min_new_tokens = 9 is more than max_new_tokens = 8"):
+        parse_parameters({"max_new_tokens": 8, "min_new_tokens": 9})
+    with pytest.raises(ValueError, match="parameters.ignore_eos_token must be true or false"):
+        parse_parameters({"ignore_eos_token": 1})
+
+
+def test_openai_extensions_map_to_the_lmi_parameters_and_errors_name_the_openai_field():
+    from lmc.runtime.openai_api import _params
+
+    params = _params({"prompt": "a", "max_tokens": 5, "min_tokens": 3, "ignore_eos": True}, 16, 64)
+    assert (params.min_new_tokens, params.ignore_eos, params.max_new_tokens) == (3, True, 5)
+    with pytest.raises(ValueError, match="^min_tokens = 6 is more than max_tokens = 5$"):
+        _params({"prompt": "a", "max_tokens": 5, "min_tokens": 6}, 16, 64)
+
+
 def test_lmi_and_vllm_spellings_are_accepted():
     """LMI documents `stop_sequences` and `details`; vLLM clients send top_k -1 for "off"."""
     assert parse_parameters({"stop_sequences": ["\n\n", "###"]}).stop == ("\n\n", "###")

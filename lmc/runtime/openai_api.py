@@ -35,7 +35,9 @@ _IGNORED = {"model", "user", "stream_options", "n", "logprobs", "echo", "best_of
             "max_completion_tokens", "response_format", "parallel_tool_calls", "metadata", "store", "service_tier"}
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "frequency_penalty",
              "presence_penalty", "logit_bias")
-_USED = {"prompt", "messages", "max_tokens", "stream", "add_special_tokens", *_SAMPLING}
+# vLLM's extensions that benchmark clients send, and their LMI parameter names.
+_EXTENSIONS = {"min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos_token"}
+_USED = {"prompt", "messages", "max_tokens", "stream", "add_special_tokens", *_SAMPLING, *_EXTENSIONS}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -81,6 +83,9 @@ def _params(body: dict[str, Any], default_max_tokens: int, max_sequence_length: 
     max_tokens = body.get("max_completion_tokens") if body.get("max_tokens") is None else body.get("max_tokens")
     lmi: dict[str, Any] = {"max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
                            "do_sample": True}
+    for key, lmi_key in _EXTENSIONS.items():
+        if body.get(key) is not None:
+            lmi[lmi_key] = body[key]
     for key in _SAMPLING:
         if body.get(key) is not None:
             lmi[key] = body[key]
@@ -89,7 +94,10 @@ def _params(body: dict[str, Any], default_max_tokens: int, max_sequence_length: 
     try:
         return parse_parameters(lmi, max_sequence_length)
     except ValueError as exc:  # name the OpenAI field, not the LMI one
-        raise ValueError(str(exc).replace("parameters.max_new_tokens", "max_tokens").replace("parameters.", "")) from None
+        message = str(exc).replace("parameters.", "").replace("max_new_tokens", "max_tokens")
+        for key, lmi_key in _EXTENSIONS.items():
+            message = message.replace(lmi_key, key)
+        raise ValueError(message) from None
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

@@ -15,6 +15,7 @@ MAX_STOP_SEQUENCES = 16
 _PARAMETER_KEYS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "seed", "stop", "stop_sequences",
     "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "return_full_text", "details",
+    "min_new_tokens", "ignore_eos_token",
 )
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's own limit)
 _BODY_KEYS = ("inputs", "parameters", "stream")
@@ -70,6 +71,13 @@ def parse_parameters(params: dict, max_sequence_length: int | None = None) -> Ge
             values[key] = _number(params, key, minimum=-2.0, maximum=2.0)
     if params.get("logit_bias") is not None:
         values["logit_bias"] = _logit_bias(params["logit_bias"])
+    if params.get("min_new_tokens") is not None:
+        values["min_new_tokens"] = _int(params, "min_new_tokens", minimum=0)
+        if values["min_new_tokens"] > values.get("max_new_tokens", defaults.max_new_tokens):
+            raise ValueError(f"parameters.min_new_tokens = {values['min_new_tokens']} is more than max_new_tokens = "
+                             f"{values.get('max_new_tokens', defaults.max_new_tokens)}")
+    if "ignore_eos_token" in params:
+        values["ignore_eos"] = _bool(params, "ignore_eos_token")
     if "return_full_text" in params:
         values["return_full_text"] = _bool(params, "return_full_text")
     if values.get("temperature", defaults.temperature) == 0.0:

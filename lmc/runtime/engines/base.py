@@ -23,6 +23,10 @@ class GenerationParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # No EOS before this many new tokens (HF's min_new_tokens, vLLM's min_tokens); EOS not an end at all
+    # (vLLM's ignore_eos, LMI's ignore_eos_token: fixed-length answers for benchmarks).
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
     return_full_text: bool = False
     # Whether tokenizing the prompt adds the tokenizer's special tokens (BOS...). False for chat prompts:
     # their template already wrote them (as vLLM and transformers' apply_chat_template do).

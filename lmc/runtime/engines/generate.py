@@ -75,6 +75,7 @@ class DecodeLoop:
         self.max_sequence_length = max_sequence_length
         self.device = device
         self.eos_token_ids = set(eos_token_ids)
+        self._eos_list = tuple(sorted(self.eos_token_ids))
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -218,9 +219,10 @@ class DecodeLoop:
         if self.rank == 0:
             try:
                 for i, row in enumerate(rows):
+                    early = len(row.generated) < row.params.min_new_tokens
                     tokens[i] = self.pad_id if row.finish is not None else choose_token(
                         logits[i], row.params, self._context(row), row.generator, self._counts(row, logits[i]),
-                        self._bias(row, logits[i]))
+                        self._bias(row, logits[i]), self._eos_list if early else ())
             except Exception as exc:  # the other ranks wait in the broadcast: tell them, then fail together
                 failure = exc
                 tokens.fill_(_FAILED)
@@ -265,7 +267,7 @@ class DecodeLoop:
     def _append(self, row: _Row, token: int, stream: TokenCallback | None, logits: torch.Tensor | None = None) -> None:
         """Add the chosen `token` to the row; when streaming, send the text it completes with the token's
         log-probability under `logits` (this step's, before penalties and temperature)."""
-        if token in self.eos_token_ids:
+        if token in self.eos_token_ids and not row.params.ignore_eos:
             row.finish = "eos"
         else:
             row.generated.append(token)
@@ -329,11 +331,14 @@ def _log_prob(logits: torch.Tensor | None, token: int) -> float | None:
 
 def choose_token(logits: torch.Tensor, params: GenerationParams, context: list[int],
                  generator: torch.Generator | None, counts: torch.Tensor | None = None,
-                 bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+                 bias: tuple[torch.Tensor, torch.Tensor] | None = None, suppress: tuple[int, ...] = ()) -> int:
     """One row's next token: logit_bias, repetition penalty (HF's, over `context`), frequency and presence
     penalties (OpenAI's, over `counts` of the generated tokens, as vLLM applies them), then greedy or
-    temperature → top-k → top-p sampling (HF order). `bias` is params.logit_bias as (ids, values) tensors."""
+    temperature → top-k → top-p sampling (HF order). `bias` is params.logit_bias as (ids, values) tensors;
+    `suppress` lists tokens that may not be chosen now (EOS before min_new_tokens)."""
     scores = logits.float().nan_to_num(nan=float("-inf"))  # a copy; NaN (an fp16 overflow) never wins
+    if suppress:
+        scores[[token for token in suppress if token < scores.numel()]] = float("-inf")
     if bias is None and params.logit_bias:
         bias = _bias_tensors(params.logit_bias, scores)
     if bias is not None:
