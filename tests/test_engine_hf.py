@@ -204,6 +204,24 @@ def test_min_new_tokens_holds_eos_back_and_ignore_eos_keeps_going(llama):
     assert (plain.token_ids, plain.finish_reason) == ([], "eos")
     assert len(held.token_ids) == 3 and eos not in held.token_ids and held.finish_reason == "eos"
     assert (ignored.token_ids, ignored.finish_reason, ignored.text) == ([eos] * 5, "length", "")
+    # with ignore_eos, min_new_tokens does not hold EOS back either (it ends nothing): vLLM's rule
+    both = engine.generate([_req(3, PROMPTS[0], min_new_tokens=3, ignore_eos=True, **force)])[0]
+    assert both.token_ids == [eos] * 5
+
+
+def test_min_new_tokens_also_holds_stop_sequences_back(llama):
+    """As vLLM: a stop sequence counts only once min_new_tokens tokens exist, and only where it ends in
+    text produced from then on; an earlier occurrence does not cut the answer short."""
+    _, engine = llama
+    full = engine.generate([_req(0, PROMPTS[0], max_new_tokens=10)])[0]
+    first = engine.generate([_req(0, PROMPTS[0], max_new_tokens=1)])[0].text
+    stop = first[:2] if len(first) >= 2 else first
+    assert engine.generate([_req(0, PROMPTS[0], max_new_tokens=10, stop=(stop,))])[0].token_ids == full.token_ids[:1]
+    held = engine.generate([_req(0, PROMPTS[0], max_new_tokens=10, min_new_tokens=6, stop=(stop,))])[0]
+    assert len(held.token_ids) >= 6 and full.text.startswith(held.text)
+    five = engine.generate([_req(0, PROMPTS[0], max_new_tokens=5)])[0].text
+    if held.finish_reason == "stop":  # a later occurrence may end it, never one inside the first 5 tokens' text
+        assert len(held.text) + len(stop) > len(five)
 
 
 def test_incremental_detokenization_keeps_multibyte_characters_whole(llama):

@@ -199,6 +199,20 @@ def test_chat_without_max_tokens_gets_the_planned_answer_length(tmp_path, spec, 
     assert chat["max_new_tokens"] == reply.usage.completion_tokens == expected  # the rendered prompt is 3 words
 
 
+def test_chat_min_tokens_without_max_tokens_gets_room_for_them(tmp_path):
+    record = tmp_path / "record"
+    record.mkdir()
+    plan = fake_plan(max_sequence_length=1024)
+    model = write_artifact(tmp_path / "m", plan, engine_kwargs={"record_dir": str(record)},
+                           spec={"workload": {"max_output_tokens": 100}})
+    with ServerThread(Runtime(model, plan, request_timeout_s=30)) as srv:
+        srv.wait_ready()
+        reply = httpx.post(srv.url + "/v1/chat/completions",
+                           json={"messages": [{"role": "user", "content": "hi"}], "min_tokens": 300})
+    assert reply.status_code == 200, reply.text
+    assert [params["max_new_tokens"] for params in _recorded(record)] == [300]
+
+
 def test_sampling_defaults_skip_values_the_parser_refuses(tmp_path, caplog):
     import json
 

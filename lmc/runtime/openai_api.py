@@ -186,6 +186,8 @@ async def _handle(request: Request, chat: bool) -> Response:
                 # max_new_tokens decides which requests can share a batch.
                 room = runtime.max_sequence_length - runtime.text.count_tokens(prompts[0], special)
                 default_max = max(1, min(defaults.get("max_new_tokens", runtime.max_output_tokens), room))
+                if isinstance(body.get("min_tokens"), int):  # a client asking for at least n tokens gets room for them
+                    default_max = max(default_max, min(body["min_tokens"], room))
             else:
                 default_max = 16
             params = replace(_params(body, default_max, runtime.max_sequence_length, defaults),

@@ -41,6 +41,9 @@ class _Row:
     streamed: str = ""
     finish: str | None = None
     stream_ok: bool = True
+    # Stop sequences count only if they end past this much of the text: the text before the
+    # min_new_tokens-th token (as vLLM checks them only once min_tokens tokens exist).
+    stop_from: int = 0
     # Incremental detokenization (as TGI does): the text is decoded in a window that starts a few
     # tokens before the new ones, so a tokenizer that drops a leading space (SentencePiece) or merges
     # byte tokens (byte fallback) decodes the new tokens as they read after their context; a window
@@ -219,7 +222,7 @@ class DecodeLoop:
         if self.rank == 0:
             try:
                 for i, row in enumerate(rows):
-                    early = len(row.generated) < row.params.min_new_tokens
+                    early = not row.params.ignore_eos and len(row.generated) < row.params.min_new_tokens
                     tokens[i] = self.pad_id if row.finish is not None else choose_token(
                         logits[i], row.params, self._context(row), row.generator, self._counts(row, logits[i]),
                         self._bias(row, logits[i]), self._eos_list if early else ())
@@ -271,8 +274,11 @@ class DecodeLoop:
             row.finish = "eos"
         else:
             row.generated.append(token)
+            if len(row.generated) == row.params.min_new_tokens:
+                row.stop_from = len(row.text)
             self._extend_text(row, final=False)
-            cut = _first_stop(row.text, row.params.stop)
+            early = len(row.generated) < row.params.min_new_tokens
+            cut = None if early else _first_stop(row.text, row.params.stop, row.stop_from)
             if cut is not None:
                 row.text = row.text[:cut]
                 row.finish = "stop"
@@ -369,8 +375,9 @@ def choose_token(logits: torch.Tensor, params: GenerationParams, context: list[i
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [index for index in (text.find(stop) for stop in stops) if index >= 0]
+def _first_stop(text: str, stops: tuple[str, ...], ends_after: int = 0) -> int | None:
+    """Where the first stop sequence ending past `ends_after` starts in `text` (None: no such stop)."""
+    hits = [index for index in (text.find(stop, max(0, ends_after - len(stop) + 1)) for stop in stops) if index >= 0]
     return min(hits) if hits else None
 
 
