@@ -69,6 +69,32 @@ def test_chat_stream(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_n_gives_n_choices_in_openai_order_counting_each_prompt_once(client):
+    reply = client.completions.create(model="x", prompt=["a b", "c d e"], max_tokens=2, n=2, temperature=0)
+    assert [(c.index, c.text) for c in reply.choices] == [
+        (0, expected_text("a b", 2)), (1, expected_text("a b", 2)), (2, expected_text("c d e", 2)),
+        (3, expected_text("c d e", 2))]
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (5, 8)
+    chat = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=1, n=3)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and chat.usage.prompt_tokens == 3
+
+
+def test_n_copies_sample_with_distinct_seeds(tmp_path):
+    """One seed for n copies would give n identical samples: copy i gets seed + i (reproducible as a whole)."""
+    from lmc.runtime.engines.base import GenerationParams
+    from lmc.runtime.openai_api import _make_jobs
+
+    plan = fake_plan()
+    runtime = Runtime(write_artifact(tmp_path / "m", plan), plan, request_timeout_s=30)
+    jobs = _make_jobs(runtime, ["p q", "r"], GenerationParams(do_sample=True, seed=7), 3, False, "prompt")
+    assert [(job.request.prompt, job.request.params.seed) for job in jobs] == [
+        ("p q", 7), ("p q", 8), ("p q", 9), ("r", 7), ("r", 8), ("r", 9)]
+    unseeded = _make_jobs(runtime, ["p"], GenerationParams(do_sample=True), 2, False, "prompt")
+    assert [job.request.params.seed for job in unseeded] == [None, None]  # each row draws its own
+    with pytest.raises(Exception, match="n = 9 for 2 prompt\\(s\\) is 18 answers; the request queue holds 16"):
+        _make_jobs(runtime, ["a", "b"], GenerationParams(), 9, False, "prompt")
+
+
 def test_models_lists_the_served_model_for_clients_that_discover_it(client, server):
     [model] = client.models.list().data
     assert (model.id, model.object, model.owned_by) == ("fake/tiny", "model", "lmc")
@@ -92,8 +118,10 @@ def test_message_names_reach_the_template():
 
 
 def test_openai_errors_are_400_with_the_reason(client, server):
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model="x", prompt="a", n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be a positive integer, got 0"):
+        client.completions.create(model="x", prompt="a", n=0)
+    with pytest.raises(openai.BadRequestError, match="n > 1 is not supported with stream = true"):
+        client.completions.create(model="x", prompt="a", n=2, stream=True)
     with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
         client.completions.create(model="x", prompt="a", max_tokens=0)
     reply = httpx.post(server.url + "/v1/chat/completions", json={"messages": []})

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from lmc.runtime.server import Job, Runtime
 
 # Keys clients commonly send that do not change generation here; anything else unknown is a 400.
-# (n, logprobs, echo, suffix, best_of and response_format are checked in _check_body: only no-op values pass.)
+# (logprobs, echo, suffix, best_of and response_format are checked in _check_body: only no-op values pass.)
 _IGNORED = {"model", "user", "stream_options", "n", "logprobs", "echo", "best_of", "suffix", "top_logprobs",
             "max_completion_tokens", "response_format", "parallel_tool_calls", "metadata", "store", "service_tier"}
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "frequency_penalty",
@@ -58,8 +58,11 @@ def _check_body(body: Any, required: str) -> dict[str, Any]:
     unknown = sorted(set(body) - _USED - _IGNORED)
     if unknown:
         raise ValueError(f"unsupported field {unknown[0]!r}")
-    if body.get("n", 1) not in (1, None):
-        raise ValueError("n must be 1: one completion per prompt")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    if (n or 1) > 1 and body.get("stream"):
+        raise ValueError("n > 1 is not supported with stream = true")
     if body.get("logprobs") not in (None, False, 0):
         raise ValueError("logprobs are not supported")
     if body.get("echo") not in (None, False):
@@ -197,7 +200,8 @@ async def _handle(request: Request, chat: bool) -> Response:
         stream = body.get("stream", False)
         if stream and len(prompts) != 1:
             raise RequestFailed(400, "stream = true takes a single prompt, not a list")
-        jobs = runtime.make_jobs(prompts, params, stream, label="messages" if chat else "prompt")
+        n = body.get("n") or 1
+        jobs = _make_jobs(runtime, prompts, params, n, stream, label="messages" if chat else "prompt")
         runtime.admit(jobs)
     except RequestFailed as exc:
         runtime.record(endpoint, exc.status)
@@ -220,11 +224,12 @@ async def _handle(request: Request, chat: bool) -> Response:
         return _error(exc.status, exc.message)
     finally:
         runtime.release()
-    prompt_tokens = sum(job.prompt_tokens for job in jobs)
+    prompt_tokens = sum(job.prompt_tokens for job in jobs[::n])  # each prompt once, however many choices
     completion_tokens = sum(result.generated_tokens for result in results)
     if chat:
-        choices = [{"index": 0, "message": {"role": "assistant", "content": results[0].text},
-                    "finish_reason": _finish_reason(results[0].finish_reason), "logprobs": None}]
+        choices = [{"index": index, "message": {"role": "assistant", "content": result.text},
+                    "finish_reason": _finish_reason(result.finish_reason), "logprobs": None}
+                   for index, result in enumerate(results)]
     else:
         choices = [{"index": index, "text": result.text, "finish_reason": _finish_reason(result.finish_reason),
                     "logprobs": None} for index, result in enumerate(results)]
@@ -232,6 +237,20 @@ async def _handle(request: Request, chat: bool) -> Response:
     return JSONResponse({"id": ident, "object": "chat.completion" if chat else "text_completion",
                          "created": created, "model": model, "choices": choices,
                          "usage": _usage(prompt_tokens, completion_tokens)})
+
+
+def _make_jobs(runtime: "Runtime", prompts: list[str], params, n: int, stream: bool, label: str) -> list["Job"]:
+    """`n` jobs per prompt, in OpenAI's choice order (prompt by prompt). With a seed, copy i samples with
+    seed + i: one seed for all would give n identical answers."""
+    from lmc.runtime.server import RequestFailed
+
+    capacity = runtime.scheduler.batcher.queue.capacity
+    if n * len(prompts) > capacity:
+        raise RequestFailed(400, f"n = {n} for {len(prompts)} prompt(s) is {n * len(prompts)} answers; the request "
+                                 f"queue holds {capacity}")
+    copies = [runtime.make_jobs(prompts, params if params.seed is None else replace(params, seed=params.seed + i),
+                                stream, label) for i in range(n)]
+    return [copy[k] for k in range(len(prompts)) for copy in copies]
 
 
 async def _stream(runtime: "Runtime", job: "Job", chat: bool, ident: str, created: int, model: str,
