@@ -237,7 +237,30 @@ def test_chat_prompts_get_one_bos_as_apply_chat_template_gives(tmp_path):
         forced = tokenizer("quick", add_special_tokens=False).input_ids[0]
         biased = client.completions.create(model="m", prompt="hello", max_tokens=3, temperature=0,
                                            logit_bias={str(forced): 100})
+        scored = client.completions.create(model="m", prompt="the quick brown fox", max_tokens=3, temperature=0,
+                                           logprobs=2)
+        chat_scored = client.chat.completions.create(model="m", messages=messages, max_tokens=3, temperature=0,
+                                                     logprobs=True, top_logprobs=2)
     assert biased.choices[0].text == tokenizer.decode([forced] * 3, clean_up_tokenization_spaces=False) != ""
+
+    def reference(prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+        """HF greedy ids and each one's log-probability from HF's own forward."""
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        new = out[0, len(prompt_ids):].tolist()
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(out).logits[0].float(), -1)
+        return new, [float(log_probs[len(prompt_ids) - 1 + i, token]) for i, token in enumerate(new)]
+
+    new, values = reference(tokenizer("the quick brown fox").input_ids)
+    logprobs = scored.choices[0].logprobs
+    assert logprobs.tokens == [tokenizer.decode([token]) for token in new]
+    assert logprobs.token_logprobs == pytest.approx(values, abs=1e-4)
+    for chosen, value, top in zip(logprobs.tokens, values, logprobs.top_logprobs):
+        assert len(top) == 2 and top[chosen] == pytest.approx(value, abs=1e-4) == max(top.values())  # greedy
+    new, values = reference(ids)
+    content = chat_scored.choices[0].logprobs.content
+    assert [item.logprob for item in content] == pytest.approx(values, abs=1e-4)
+    assert [len(item.top_logprobs) for item in content] == [2, 2, 2]
     assert chat.usage.prompt_tokens == len(ids)
     assert chat.choices[0].message.content == expected
     assert completion.usage.prompt_tokens == len(ids) + 1  # a completion prompt gets the tokenizer's BOS too

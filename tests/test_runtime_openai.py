@@ -134,6 +134,15 @@ def test_openai_errors_are_400_with_the_reason(client, server):
                             ({"frequency_penalty": 3}, "frequency_penalty must be in [-2, 2]")]:
         reply = httpx.post(server.url + "/v1/completions", json={"prompt": "a", **field})
         assert reply.status_code == 400 and reply.json()["error"]["message"].startswith(message), reply.text
+    for path, field, message in [
+            ("completions", {"logprobs": 21}, "logprobs must be an integer in [0, 20], got 21"),
+            ("completions", {"logprobs": 2, "stream": True}, "logprobs are not supported with stream = true"),
+            ("completions", {"top_logprobs": 2}, "top_logprobs is a chat field; completions take logprobs = k"),
+            ("chat/completions", {"logprobs": 3}, "logprobs must be true or false"),
+            ("chat/completions", {"top_logprobs": 2}, "top_logprobs needs logprobs = true")]:
+        body = {"messages": [{"role": "user", "content": "a"}]} if path.startswith("chat") else {"prompt": "a"}
+        reply = httpx.post(server.url + f"/v1/{path}", json={**body, **field})
+        assert reply.status_code == 400 and reply.json()["error"]["message"] == message, reply.text
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1, "response_format": {"type": "text"},
                                                           "best_of": 1, "presence_penalty": 0.5, "logit_bias": {"3": 1}})
     assert ok.status_code == 200, ok.text

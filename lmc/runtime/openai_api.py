@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from lmc.runtime.server import Job, Runtime
 
 # Keys clients commonly send that do not change generation here; anything else unknown is a 400.
-# (logprobs, echo, suffix, best_of and response_format are checked in _check_body: only no-op values pass.)
+# (echo, suffix, best_of and response_format are checked in _check_body: only no-op values pass; n and
+# logprobs are read where the request is made.)
 _IGNORED = {"model", "user", "stream_options", "n", "logprobs", "echo", "best_of", "suffix", "top_logprobs",
             "max_completion_tokens", "response_format", "parallel_tool_calls", "metadata", "store", "service_tier"}
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "frequency_penalty",
@@ -63,8 +64,6 @@ def _check_body(body: Any, required: str) -> dict[str, Any]:
         raise ValueError(f"n must be a positive integer, got {n!r}")
     if (n or 1) > 1 and body.get("stream"):
         raise ValueError("n > 1 is not supported with stream = true")
-    if body.get("logprobs") not in (None, False, 0):
-        raise ValueError("logprobs are not supported")
     if body.get("echo") not in (None, False):
         raise ValueError("echo is not supported")
     if body.get("suffix") not in (None, ""):
@@ -101,6 +100,50 @@ def _params(body: dict[str, Any], default_max_tokens: int, max_sequence_length: 
         for key, lmi_key in _EXTENSIONS.items():
             message = message.replace(lmi_key, key)
         raise ValueError(message) from None
+
+
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives per token the answer reports (None: no logprobs). Completions: `logprobs: k`;
+    chat: `logprobs: true` with `top_logprobs: k`. Not with streaming."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if logprobs not in (None, True, False):
+            raise ValueError("logprobs must be true or false")
+        if top is not None and not logprobs:
+            raise ValueError("top_logprobs needs logprobs = true")
+        count = (top or 0) if logprobs else None
+    else:
+        if top is not None:
+            raise ValueError("top_logprobs is a chat field; completions take logprobs = k")
+        count = None if logprobs in (None, False) else logprobs
+    if count is None:
+        return None
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_LOGPROBS:
+        raise ValueError(f"{'top_logprobs' if chat else 'logprobs'} must be an integer in [0, {MAX_LOGPROBS}], got {count!r}")
+    if body.get("stream"):
+        raise ValueError("logprobs are not supported with stream = true")
+    return count
+
+
+def _choice_logprobs(runtime: "Runtime", result, chat: bool) -> dict[str, Any] | None:
+    """OpenAI's logprobs object for one choice, from the engine's per-token entries."""
+    if result.logprobs is None:
+        return None
+    token = runtime.text.token_text
+    if chat:
+        def entry(token_id: int, value: float) -> dict[str, Any]:
+            text = token(token_id)
+            return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [dict(entry(token_id, value), top_logprobs=[entry(i, v) for i, v in top])
+                            for token_id, (value, top) in zip(result.token_ids, result.logprobs)]}
+    texts = [token(token_id) for token_id in result.token_ids[:len(result.logprobs)]]
+    offsets = [sum(len(text) for text in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [value for value, _ in result.logprobs],
+            "top_logprobs": [{token(i): v for i, v in top} for _, top in result.logprobs], "text_offset": offsets}
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -194,7 +237,7 @@ async def _handle(request: Request, chat: bool) -> Response:
             else:
                 default_max = 16
             params = replace(_params(body, default_max, runtime.max_sequence_length, defaults),
-                             add_special_tokens=special)
+                             add_special_tokens=special, logprobs=_logprobs(body, chat))
         except ValueError as exc:
             raise RequestFailed(400, str(exc)) from None
         stream = body.get("stream", False)
@@ -228,11 +271,11 @@ async def _handle(request: Request, chat: bool) -> Response:
     completion_tokens = sum(result.generated_tokens for result in results)
     if chat:
         choices = [{"index": index, "message": {"role": "assistant", "content": result.text},
-                    "finish_reason": _finish_reason(result.finish_reason), "logprobs": None}
-                   for index, result in enumerate(results)]
+                    "finish_reason": _finish_reason(result.finish_reason),
+                    "logprobs": _choice_logprobs(runtime, result, chat)} for index, result in enumerate(results)]
     else:
         choices = [{"index": index, "text": result.text, "finish_reason": _finish_reason(result.finish_reason),
-                    "logprobs": None} for index, result in enumerate(results)]
+                    "logprobs": _choice_logprobs(runtime, result, chat)} for index, result in enumerate(results)]
     runtime.record(endpoint, 200, started)
     return JSONResponse({"id": ident, "object": "chat.completion" if chat else "text_completion",
                          "created": created, "model": model, "choices": choices,

@@ -232,6 +232,12 @@ class TextTools:
         if isinstance(template, str) and template:
             self._template = _compile_template(template)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as the tokenizer decodes it alone (special tokens included), for logprobs."""
+        if self._tokenizer is None:
+            return f"<{token_id}>"
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
     @property
     def vocab_size(self) -> int | None:
         """The tokenizer's vocabulary size, added tokens included (None without tokenizer.json)."""

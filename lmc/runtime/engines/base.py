@@ -27,6 +27,8 @@ class GenerationParams:
     # (vLLM's ignore_eos, LMI's ignore_eos_token: fixed-length answers for benchmarks).
     min_new_tokens: int = 0
     ignore_eos: bool = False
+    # OpenAI's logprobs: None off; k >= 0: each generated token's log-probability and the k most likely.
+    logprobs: int | None = None
     return_full_text: bool = False
     # Whether tokenizing the prompt adds the tokenizer's special tokens (BOS...). False for chat prompts:
     # their template already wrote them (as vLLM and transformers' apply_chat_template do).
@@ -48,6 +50,8 @@ class GenerationResult:
     generated_tokens: int
     finish_reason: str  # "length" | "stop" | "eos"
     token_ids: list[int] = field(default_factory=list)
+    # With params.logprobs: per generated token, (its log-probability, ((id, log-probability) of the most likely)).
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,9 @@ class _Row:
     counts: torch.Tensor | None = None
     counted: int = 0
     bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    # With params.logprobs: the entry for the token just chosen (kept once it is appended), and the list.
+    pending_logprob: tuple[float, tuple[tuple[int, float], ...]] | None = None
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
 
     @property
     def params(self) -> GenerationParams:
@@ -226,6 +229,8 @@ class DecodeLoop:
                     tokens[i] = self.pad_id if row.finish is not None else choose_token(
                         logits[i], row.params, self._context(row), row.generator, self._counts(row, logits[i]),
                         self._bias(row, logits[i]), self._eos_list if early else ())
+                    if row.finish is None and row.params.logprobs is not None:
+                        row.pending_logprob = _logprob_entry(logits[i], int(tokens[i]), row.params.logprobs)
             except Exception as exc:  # the other ranks wait in the broadcast: tell them, then fail together
                 failure = exc
                 tokens.fill_(_FAILED)
@@ -274,6 +279,9 @@ class DecodeLoop:
             row.finish = "eos"
         else:
             row.generated.append(token)
+            if row.pending_logprob is not None:
+                row.logprobs.append(row.pending_logprob)
+                row.pending_logprob = None
             if len(row.generated) == row.params.min_new_tokens:
                 row.stop_from = len(row.text)
             self._extend_text(row, final=False)
@@ -312,7 +320,8 @@ class DecodeLoop:
         text = row.request.prompt + row.text if row.params.return_full_text else row.text
         return GenerationResult(id=row.request.id, text=text, prompt_tokens=len(row.prompt_ids),
                                 generated_tokens=len(row.generated), finish_reason=row.finish or "length",
-                                token_ids=list(row.generated))
+                                token_ids=list(row.generated),
+                                logprobs=list(row.logprobs) if row.params.logprobs is not None else None)
 
 
 def _bias_tensors(logit_bias: tuple[tuple[int, float], ...], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,6 +342,16 @@ def _log_prob(logits: torch.Tensor | None, token: int) -> float | None:
         log.exception("could not compute the log-probability of token %d", token)
         return None
     return value if math.isfinite(value) else None
+
+
+def _logprob_entry(logits: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """`token`'s log-probability under the model (before penalties and temperature, as vLLM's default) and
+    the `top` most likely tokens with theirs. Values that are not finite (masked or NaN logits) become
+    -9999.0, as vLLM reports them: JSON has no infinity."""
+    log_probs = torch.log_softmax(logits.float(), -1).nan_to_num(nan=-9999.0, neginf=-9999.0)
+    best = torch.topk(log_probs, min(top, log_probs.numel())) if top else None
+    alternatives = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
+    return float(log_probs[token]), alternatives
 
 
 def choose_token(logits: torch.Tensor, params: GenerationParams, context: list[int],
