@@ -423,3 +423,17 @@ def test_byte_fallback_newline_then_a_cut_emoji_streams_what_the_final_text_says
         on_token=lambda rid, piece: pieces.append(piece.text))[0]
     assert result.finish_reason == "length"
     assert "".join(pieces) == result.text and result.text.startswith(" the")
+
+
+def test_logprob_token_texts_keep_the_leading_space_a_sentencepiece_decoder_strips(tmp_path):
+    """TextTools.token_text decodes a token as it reads after other text: '▁brown' is ' brown', not
+    'brown', so completions' tokens join up to the answer and top_logprobs keys stay distinct."""
+    from lmc.runtime.startup import TextTools
+
+    tokenizer = _sentencepiece_like_tokenizer()
+    tokenizer.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    tools = TextTools(tmp_path)
+    ids = tokenizer("the quick brown fox", add_special_tokens=False).input_ids
+    assert "".join(tokenizer.decode([i]) for i in ids) != " the quick brown fox"  # alone, each loses its space
+    assert "".join(tools.token_text(i) for i in ids) == " the quick brown fox"
+    assert tools.token_text(tokenizer.convert_tokens_to_ids("</s>")) == "</s>"

@@ -110,6 +110,20 @@ def test_a_failure_mid_stream_sends_the_error_then_done(server):
     assert events[-1] == "data: [DONE]"
 
 
+def test_logprobs_zero_is_on_and_the_sampled_token_is_always_among_the_alternatives():
+    from types import SimpleNamespace
+
+    from lmc.runtime.engines.base import GenerationResult
+    from lmc.runtime.openai_api import _choice_logprobs, _logprobs
+
+    assert _logprobs({"logprobs": 0}, chat=False) == 0 and _logprobs({"logprobs": False}, chat=False) is None
+    runtime = SimpleNamespace(text=SimpleNamespace(token_text=lambda token: f"<{token}>"))
+    sampled = GenerationResult("r", "x", 1, 2, "length", token_ids=[5, 1], logprobs=[(-3.0, ((1, -0.1),)), (-0.2, ((1, -0.2),))])
+    assert _choice_logprobs(runtime, sampled, chat=False) == {
+        "tokens": ["<5>", "<1>"], "token_logprobs": [-3.0, -0.2], "text_offset": [0, 3],
+        "top_logprobs": [{"<1>": -0.1, "<5>": -3.0}, {"<1>": -0.2}]}
+
+
 def test_message_names_reach_the_template():
     from lmc.runtime.openai_api import _messages
 
@@ -130,7 +144,8 @@ def test_openai_errors_are_400_with_the_reason(client, server):
     assert reply.status_code == 400 and reply.json()["error"]["message"] == "add_special_tokens must be true or false"
     # Fields that would change the answer are refused rather than dropped (a JSON-mode request must not get free text).
     for field, message in [({"response_format": {"type": "json_object"}}, "response_format: only"),
-                            ({"best_of": 3}, "best_of must be 1"), ({"suffix": "end"}, "suffix is not supported"),
+                            ({"best_of": 3}, "best_of must be 1 (or equal to n)"),
+                            ({"suffix": "end"}, "suffix is not supported"),
                             ({"frequency_penalty": 3}, "frequency_penalty must be in [-2, 2]")]:
         reply = httpx.post(server.url + "/v1/completions", json={"prompt": "a", **field})
         assert reply.status_code == 400 and reply.json()["error"]["message"].startswith(message), reply.text

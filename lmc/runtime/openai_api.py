@@ -68,8 +68,8 @@ def _check_body(body: Any, required: str) -> dict[str, Any]:
         raise ValueError("echo is not supported")
     if body.get("suffix") not in (None, ""):
         raise ValueError("suffix is not supported")
-    if body.get("best_of") not in (None, 1):
-        raise ValueError("best_of must be 1: one completion per prompt")
+    if body.get("best_of") not in (None, 1, body.get("n") or 1):
+        raise ValueError("best_of must be 1 (or equal to n): lmc returns every sampled answer")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise ValueError("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas)")
@@ -118,7 +118,7 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     else:
         if top is not None:
             raise ValueError("top_logprobs is a chat field; completions take logprobs = k")
-        count = None if logprobs in (None, False) else logprobs
+        count = None if logprobs is None or logprobs is False else logprobs  # 0 is on: the sampled token only
     if count is None:
         return None
     if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_LOGPROBS:
@@ -143,7 +143,9 @@ def _choice_logprobs(runtime: "Runtime", result, chat: bool) -> dict[str, Any] |
     texts = [token(token_id) for token_id in result.token_ids[:len(result.logprobs)]]
     offsets = [sum(len(text) for text in texts[:i]) for i in range(len(texts))]
     return {"tokens": texts, "token_logprobs": [value for value, _ in result.logprobs],
-            "top_logprobs": [{token(i): v for i, v in top} for _, top in result.logprobs], "text_offset": offsets}
+            # OpenAI: up to logprobs + 1 entries, the sampled token always among them
+            "top_logprobs": [{**{token(i): v for i, v in top}, text: value}
+                             for text, (value, top) in zip(texts, result.logprobs)], "text_offset": offsets}
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

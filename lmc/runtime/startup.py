@@ -206,6 +206,7 @@ class TextTools:
 
     def __init__(self, model_dir: Path):
         self._tokenizer = None
+        self._anchor: tuple[list[int], str] | None = None
         tokenizer_file = model_dir / "tokenizer.json"
         if tokenizer_file.is_file():
             from tokenizers import Tokenizer
@@ -233,9 +234,18 @@ class TextTools:
             self._template = _compile_template(template)
 
     def token_text(self, token_id: int) -> str:
-        """One token's text as the tokenizer decodes it alone (special tokens included), for logprobs."""
+        """One token's text as it reads after other text (special tokens included), for logprobs. Decoded
+        behind an anchor token: decoders that strip the first leading space (SentencePiece's) would turn
+        '▁world' alone into 'world'."""
         if self._tokenizer is None:
             return f"<{token_id}>"
+        if self._anchor is None:
+            ids = self._tokenizer.encode("a", add_special_tokens=False).ids
+            self._anchor = (ids[-1:], self._tokenizer.decode(ids[-1:], skip_special_tokens=False))
+        anchor_ids, anchor_text = self._anchor
+        text = self._tokenizer.decode(anchor_ids + [token_id], skip_special_tokens=False)
+        if anchor_ids and text.startswith(anchor_text):
+            return text[len(anchor_text):]
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     @property
