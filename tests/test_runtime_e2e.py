@@ -81,6 +81,11 @@ def serve_and_compare(checkpoint: Path, artifact_dir: Path, worker_env: dict | N
         streamed = httpx.post(server.url + "/invocations", timeout=120,
                               json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": NEW_TOKENS}, "stream": True})
         lines = [json.loads(line) for line in streamed.text.splitlines()]
+        detailed = httpx.post(server.url + "/invocations", timeout=120,
+                              json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}})
+    tokens = detailed.json()["details"]["tokens"]  # LMI: one {id, text, log_prob} per generated token
+    assert [token["id"] for token in tokens] == hf_greedy(checkpoint, PROMPTS[0], NEW_TOKENS)
+    assert all(isinstance(token["text"], str) and token["log_prob"] <= 0 for token in tokens)
     reference = hf_reference(checkpoint, PROMPTS, NEW_TOKENS)
     assert [answer["generated_text"] for answer in batch.json()] == [text for text, _ in reference]
     text, count = reference[0]

@@ -7,7 +7,7 @@ names the offending key and says what is accepted; the server answers it with 40
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from lmc.runtime.engines.base import GenerationParams, GenerationResult
 
@@ -123,10 +123,15 @@ def parse_invocation(body: object, max_sequence_length: int | None = None
 _LMI_FINISH = {"length": "length", "eos": "eos_token", "stop": "stop_sequence"}
 
 
-def lmi_details(prompt: str, result: GenerationResult) -> dict[str, Any]:
-    """LMI's `details` object for one answer (without the per-token `tokens` list)."""
-    return {"finish_reason": _LMI_FINISH.get(result.finish_reason, result.finish_reason),
-            "generated_tokens": result.generated_tokens, "inputs": prompt}
+def lmi_details(prompt: str, result: GenerationResult, token_text: Callable[[int], str] | None = None) -> dict[str, Any]:
+    """LMI's `details` object for one answer; `tokens` ({id, text, log_prob} per generated token) when the
+    engine reported log-probabilities and `token_text` can name the tokens."""
+    details: dict[str, Any] = {"finish_reason": _LMI_FINISH.get(result.finish_reason, result.finish_reason),
+                               "generated_tokens": result.generated_tokens, "inputs": prompt}
+    if result.logprobs is not None and token_text is not None:
+        details["tokens"] = [{"id": token, "text": token_text(token), "log_prob": value}
+                             for token, (value, _) in zip(result.token_ids, result.logprobs)]
+    return details
 
 
 def _json_type(value: object) -> str:

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -458,6 +458,8 @@ async def invocations(request: Request) -> Response:
             raise RequestFailed(400, str(exc)) from None
         if stream and len(prompts) != 1:
             raise RequestFailed(400, "stream = true takes a single string in inputs, not a list")
+        if details and not stream:  # LMI's details.tokens: each generated token's id, text and log-probability
+            params = replace(params, logprobs=0)
         jobs = runtime.make_jobs(prompts, params, stream)
         runtime.admit(jobs)
     except RequestFailed as exc:
@@ -477,7 +479,7 @@ async def invocations(request: Request) -> Response:
     answers = [{"generated_text": result.text} for result in results]
     if details:
         for answer, job, result in zip(answers, jobs, results):
-            answer["details"] = lmi_details(job.request.prompt, result)
+            answer["details"] = lmi_details(job.request.prompt, result, runtime.text.token_text)
     runtime.record("invocations", 200, started)
     return JSONResponse(answers[0] if isinstance(body["inputs"], str) else answers)
 
