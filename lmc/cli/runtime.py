@@ -81,16 +81,16 @@ def run(args: argparse.Namespace) -> int:
         # imports them once and every rank is forked from it. It touches nothing from the artifact.
         start_process_server(artifact.plan)
         from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES, Runtime, serve
-        from lmc.runtime.startup import default_request_timeout_s, sampling_defaults
+        from lmc.runtime.startup import default_request_timeout_s
 
         timeout = timeout or default_request_timeout_s(artifact.plan)
         max_body = int(max_body or DEFAULT_MAX_BODY_BYTES)
         # Workers start now and wait at the gate; they touch nothing from the artifact (not even
         # model.py) until every file's sha256 is verified.
         gate = mp_context(artifact.plan).Event()
-        defaults = sampling_defaults(artifact.model_dir) if generation_config == "auto" else {}
+        # None: the Runtime reads the model's generation_config.json itself.
         runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body,
-                          worker_gate=gate, sampling_defaults=defaults)
+                          worker_gate=gate, sampling_defaults=None if generation_config == "auto" else {})
         runtime.scheduler.start_groups()
         try:
             verify_hashes(artifact.model_dir, artifact.manifest)
@@ -103,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
             "serving %s on %s:%d: engine %s, %d group(s) x TP %d, batch %d, queue %d, timeout %gs",
             artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,
             artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"], artifact.plan["job_queue_size"], timeout)
-        if defaults:
+        if runtime.sampling_defaults:
             logging.getLogger("lmc.runtime").info(
                 "OpenAI routes default to the model's generation_config.json: %s",
-                ", ".join(f"{key} {value}" for key, value in defaults.items()))
+                ", ".join(f"{key} {value}" for key, value in runtime.sampling_defaults.items()))
         serve(runtime, args.host, port)
         if runtime.scheduler.fatal is not None:
             raise runtime.scheduler.fatal  # one line, its exit code (the workers are stopped by now)

@@ -17,6 +17,7 @@ import asyncio
 import json
 import time
 import uuid
+from itertools import accumulate
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -141,7 +142,7 @@ def _choice_logprobs(runtime: "Runtime", result, chat: bool) -> dict[str, Any] |
         return {"content": [dict(entry(token_id, value), top_logprobs=[entry(i, v) for i, v in top])
                             for token_id, (value, top) in zip(result.token_ids, result.logprobs)]}
     texts = [token(token_id) for token_id in result.token_ids[:len(result.logprobs)]]
-    offsets = [sum(len(text) for text in texts[:i]) for i in range(len(texts))]
+    offsets = list(accumulate((len(text) for text in texts[:-1]), initial=0))[:len(texts)]
     return {"tokens": texts, "token_logprobs": [value for value, _ in result.logprobs],
             # OpenAI: up to logprobs + 1 entries, the sampled token always among them
             "top_logprobs": [{**{token(i): v for i, v in top}, text: value}

@@ -81,7 +81,6 @@ class DecodeLoop:
         self.max_sequence_length = max_sequence_length
         self.device = device
         self.eos_token_ids = set(eos_token_ids)
-        self._eos_list = tuple(sorted(self.eos_token_ids))
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -228,7 +227,7 @@ class DecodeLoop:
                     early = not row.params.ignore_eos and len(row.generated) < row.params.min_new_tokens
                     tokens[i] = self.pad_id if row.finish is not None else choose_token(
                         logits[i], row.params, self._context(row), row.generator, self._counts(row, logits[i]),
-                        self._bias(row, logits[i]), self._eos_list if early else ())
+                        self._bias(row, logits[i]), tuple(self.eos_token_ids) if early else ())
                     if row.finish is None and row.params.logprobs is not None:
                         row.pending_logprob = _logprob_entry(logits[i], int(tokens[i]), row.params.logprobs)
             except Exception as exc:  # the other ranks wait in the broadcast: tell them, then fail together
