@@ -5,9 +5,10 @@ handler's logic, not the real Output's wire format."""
 from __future__ import annotations
 
 import json
+import threading
 
-from lmc.runtime.djl import DJLHandler
-from lmc.runtime.engines.base import GenerationResult
+from lmc.runtime.djl import JSONLINES, DJLHandler
+from lmc.runtime.engines.base import GenerationResult, Piece
 
 
 class FakeInput:
@@ -30,10 +31,15 @@ class FakeInput:
 
 
 class FakeEngine:
+    """Answers each prompt upper-cased, one character a token (id = the character's code point, log-probability
+    -0.5); with `hold`, waits on that Event after streaming the first piece; `fail` (an exception) is raised
+    before generating or, with `fail_after_first`, after the first piece."""
+
     max_sequence_length = 64
 
-    def __init__(self, fail=False):
-        self.loaded, self.batches, self.fail = None, [], fail
+    def __init__(self, fail=None, hold=None, fail_after_first=False):
+        self.loaded, self.batches, self.fail, self.hold, self.fail_after_first = None, [], fail, hold, fail_after_first
+        self.finished = threading.Event()
 
     def load(self, model_dir, rank, world_size):
         self.loaded = (str(model_dir), rank, world_size)
@@ -43,9 +49,22 @@ class FakeEngine:
 
     def generate(self, batch, on_token=None):
         self.batches.append(batch)
-        if self.fail:
-            raise RuntimeError("CUDA out of memory")
-        return [GenerationResult(r.id, r.prompt.upper()[: r.params.max_new_tokens], 1, 1, "length") for r in batch]
+        if self.fail and not self.fail_after_first:
+            raise self.fail
+        results = []
+        for r in batch:
+            text = r.prompt.upper()[: r.params.max_new_tokens]
+            for i, char in enumerate(text):
+                if on_token is not None:
+                    on_token(r.id, Piece(char, ord(char), -0.5, last=i == len(text) - 1))
+                if i == 0 and self.fail:
+                    raise self.fail
+                if i == 0 and self.hold is not None:
+                    assert self.hold.wait(10)
+            logprobs = [(-0.5, ((ord(c), -0.5),)) for c in text] if r.params.logprobs is not None else None
+            results.append(GenerationResult(r.id, text, 1, len(text), "length", [ord(c) for c in text], logprobs))
+        self.finished.set()
+        return results
 
 
 def _json(output, index):
@@ -80,7 +99,7 @@ def test_a_batch_is_generated_together_and_answered_per_index():
 
 
 def test_a_model_failure_fails_the_batch_with_424():
-    handler = DJLHandler(lambda: FakeEngine(fail=True))
+    handler = DJLHandler(lambda: FakeEngine(fail=RuntimeError("CUDA out of memory")))
     output = handler.handle(FakeInput(batches=[FakeInput({"inputs": "a"}), FakeInput({"inputs": "b"})]))
     for index in (0, 1):
         assert _json(output, index) == {"error": "model failure: RuntimeError: CUDA out of memory", "code": 424}
@@ -109,8 +128,64 @@ def test_details_are_added_when_asked_as_the_lmi_server_does():
         FakeInput({"inputs": ["x"], "parameters": {"details": True}}),
         FakeInput({"inputs": "plain"}),
     ]))
-    assert _json(output, 0) == {"generated_text": "ABC D", "details": {"finish_reason": "length", "generated_tokens": 1,
-                                                                        "inputs": "abc def"}}
-    assert _json(output, 1) == [{"generated_text": "X", "details": {"finish_reason": "length", "generated_tokens": 1,
-                                                                     "inputs": "x"}}]
+    tokens = [{"id": ord(c), "text": f"<{ord(c)}>", "log_prob": -0.5} for c in "ABC D"]  # no tokenizer.json here
+    assert _json(output, 0) == {"generated_text": "ABC D", "details": {"finish_reason": "length", "generated_tokens": 5,
+                                                                        "inputs": "abc def", "tokens": tokens}}
+    assert _json(output, 1) == [{"generated_text": "X", "details": {
+        "finish_reason": "length", "generated_tokens": 1, "inputs": "x",
+        "tokens": [{"id": ord("X"), "text": f"<{ord('X')}>", "log_prob": -0.5}]}}]
     assert _json(output, 2) == {"generated_text": "PLAIN"}
+
+
+def _lines(data: bytes) -> list[dict]:
+    assert data.endswith(b"\n")
+    return [json.loads(line) for line in data.decode().splitlines()]
+
+
+def _expected_lines(text: str, prompt: str) -> list[dict]:
+    tokens = [{"token": {"id": ord(c), "text": c, "log_prob": -0.5}} for c in text]
+    tokens[-1].update(generated_text=text, details={"finish_reason": "length", "generated_tokens": len(text),
+                                                     "inputs": prompt})
+    return tokens
+
+
+def test_a_lone_streaming_request_is_streamed_as_it_is_generated():
+    hold = threading.Event()
+    engine = FakeEngine(hold=hold)
+    handler = DJLHandler(lambda: engine)
+    output = handler.handle(FakeInput(batches=[FakeInput({"inputs": "abc", "stream": True})]))
+    assert output.properties["content-type"] == JSONLINES and output.content == {}
+    assert engine.batches == []  # nothing runs until DJL reads the stream
+    stream = output.stream_content
+    first = json.loads(next(stream))
+    assert first == {"token": {"id": ord("A"), "text": "A", "log_prob": -0.5}}
+    assert not engine.finished.is_set()  # the first line came while the engine was still generating
+    hold.set()
+    rest = [json.loads(line) for line in stream]
+    assert [first, *rest] == _expected_lines("ABC", "abc")
+    assert output.stream_output_formatter is None  # the lines go out as they are, not in DJL's default wrapper
+
+
+def test_a_streaming_request_batched_with_others_gets_its_lines_at_once():
+    engine = FakeEngine()
+    handler = DJLHandler(lambda: engine)
+    output = handler.handle(FakeInput(batches=[FakeInput({"inputs": "ab", "stream": True}), FakeInput({"inputs": "cd"})]))
+    assert len(engine.batches) == 1 and len(engine.batches[0]) == 2
+    assert output.properties["batch_0_Content-Type"] == JSONLINES
+    assert _lines(output.content[0]) == _expected_lines("AB", "ab")
+    assert _json(output, 1) == {"generated_text": "CD"}
+
+
+def test_a_failure_mid_stream_ends_it_with_an_error_line():
+    handler = DJLHandler(lambda: FakeEngine(fail=RuntimeError("NCCL timeout"), fail_after_first=True))
+    output = handler.handle(FakeInput({"inputs": "xyz", "stream": True}))
+    lines = [json.loads(line) for line in output.stream_content]
+    assert lines == [{"token": {"id": ord("X"), "text": "X", "log_prob": -0.5}},
+                     {"error": "model failure: RuntimeError: NCCL timeout", "code": 424}]
+
+
+def test_streaming_a_list_of_inputs_is_a_400():
+    handler = DJLHandler(lambda: FakeEngine())
+    output = handler.handle(FakeInput(batches=[FakeInput({"inputs": ["a", "b"], "stream": True})]))
+    assert output.stream_content is None
+    assert _json(output, 0) == {"error": "stream = true takes a single string in inputs, not a list", "code": 400}

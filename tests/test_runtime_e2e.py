@@ -120,6 +120,83 @@ def test_gpt_neox_at_tp2_matches_hf(tmp_path):
     serve_and_compare(checkpoint, artifact)
 
 
+# One DJL MPI-mode rank: loads the artifact's generated model.py as DJL's Python engine would, warms it
+# up, answers a batch and a stream; rank 0 writes what it answered to argv[2].
+_DJL_RANK = r"""
+import importlib.util, json, os, sys
+artifact, out, bodies, stream_body = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+
+
+class Input:  # the part of djl_python.inputs.Input the handler uses
+    def __init__(self, body=None, batches=None):
+        self.body, self.batches = body, batches
+
+    def is_empty(self):
+        return self.body is None and not self.batches
+
+    def get_properties(self):
+        return {"model_dir": artifact}
+
+    def get_batches(self):
+        return self.batches if self.batches is not None else [self]
+
+    def get_as_json(self):
+        return self.body
+
+
+spec = importlib.util.spec_from_file_location("model", os.path.join(artifact, "model.py"))
+model = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(model)
+assert model.handle(Input()) is None
+batch = model.handle(Input(batches=[Input(body) for body in bodies]))
+stream = model.handle(Input(batches=[Input(stream_body)]))
+lines = [json.loads(line) for line in stream.stream_content]
+if os.environ["RANK"] == "0":
+    with open(out, "w") as f:
+        json.dump({"batch": {str(k): json.loads(v) for k, v in batch.content.items()}, "stream": lines,
+                   "stream_content_type": stream.properties.get("content-type")}, f)
+"""
+
+
+def test_the_generated_model_py_serves_under_djl_mpi_mode_at_tp2_as_hf_generates(tmp_path):
+    """What a stock LMI container does with the artifact (option.entryPoint=model.py, one process per TP
+    rank, torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR): same answers as HF generate, details
+    listing the tokens, and a stream of LMI jsonlines."""
+    import os
+    import subprocess
+    import sys
+
+    from runtime_fakes import free_port
+
+    checkpoint, artifact = build(tmp_path, "llama", tp=2)
+    params = {"max_new_tokens": NEW_TOKENS}
+    bodies = [{"inputs": PROMPTS, "parameters": params}, {"inputs": PROMPTS[0], "parameters": {**params, "details": True}}]
+    stream_body = {"inputs": PROMPTS[1], "parameters": params, "stream": True}
+    out = tmp_path / "rank0.json"
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH")])))
+    ranks = [subprocess.Popen([sys.executable, "-c", _DJL_RANK, str(artifact), str(out), json.dumps(bodies),
+                               json.dumps(stream_body)], env=dict(env, RANK=str(rank)), stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    for rank in ranks:
+        _, err = rank.communicate(timeout=300)
+        assert rank.returncode == 0, err[-3000:]
+    answered = json.loads(out.read_text())
+    reference = hf_reference(checkpoint, PROMPTS, NEW_TOKENS)
+    assert answered["batch"]["0"] == [{"generated_text": text} for text, _ in reference]
+    detailed = answered["batch"]["1"]
+    assert detailed["generated_text"] == reference[0][0]
+    tokens = detailed["details"]["tokens"]
+    assert [token["id"] for token in tokens] == hf_greedy(checkpoint, PROMPTS[0], NEW_TOKENS)
+    assert "".join(token["text"] for token in tokens) == reference[0][0]
+    assert all(token["log_prob"] <= 0 for token in tokens)
+    lines = answered["stream"]
+    assert answered["stream_content_type"] == "application/jsonlines"
+    assert "".join(line["token"]["text"] for line in lines) == lines[-1]["generated_text"] == reference[1][0]
+    assert lines[-1]["details"] == {"finish_reason": "length", "generated_tokens": reference[1][1], "inputs": PROMPTS[1]}
+    assert all("generated_text" not in line for line in lines[:-1]) and len(lines) > 1
+
+
 GPU_SPEC = """\
 [model]
 id = "tiny/llama"

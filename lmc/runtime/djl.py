@@ -3,8 +3,12 @@
 DJL calls `handle(inputs)` with a djl_python Input: first an empty one (warm-up: load the model), then
 batches (`get_batches()`, one Input per request, each `get_as_json()` an LMI body). The answer is one
 Output with a JSON result per batch index; a malformed request fails alone (400), a model failure
-fails its whole batch (424, the DJL convention). Streaming bodies are answered whole: DJL's own
-streaming protocol is not implemented here (`lmc runtime` streams).
+fails its whole batch (424, the DJL convention).
+
+Streaming (`"stream": true`) answers LMI's jsonlines, the lines `lmc runtime` sends. DJL streams a
+whole Output, not one request of a batch, so a streaming request that came alone (batch of one, always
+so with batch_size 1) is streamed as it is generated (`Output.add_stream_content`); one batched with
+others gets the same lines at once, when its batch is done.
 
 In DJL's MPI mode every TP rank runs this handler: the rank comes from RANK / OMPI_COMM_WORLD_RANK
 and torch.distributed is initialised from MASTER_ADDR / MASTER_PORT before the engine loads.
@@ -15,13 +19,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import sys
+import threading
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
-from lmc.runtime.engines.base import Engine, GenerationRequest
-from lmc.runtime.requests import lmi_details, parse_invocation
+from lmc.runtime.engines.base import Engine, GenerationParams, GenerationRequest, Piece
+from lmc.runtime.requests import lmi_details, lmi_last_line, lmi_token_line, parse_invocation
 
 log = logging.getLogger(__name__)
+
+JSONLINES = "application/jsonlines"
 
 
 class _Output:
@@ -32,13 +42,22 @@ class _Output:
         self.message = ""
         self.properties: dict[str, str] = {}
         self.content: dict[Any, Any] = {}
+        self.stream_content: Iterator[Any] | None = None
+        self.stream_output_formatter = None
 
     def add_property(self, key: str, value: str):
         self.properties[key] = value
         return self
 
+    def add(self, value, key=None, batch_index=None):
+        self.content[batch_index if batch_index is not None else key] = value
+        return self
+
     def add_as_json(self, value, key=None, batch_index=None):
-        self.content[batch_index if batch_index is not None else key] = json.dumps(value, ensure_ascii=False)
+        return self.add(json.dumps(value, ensure_ascii=False), key, batch_index)
+
+    def add_stream_content(self, stream_content, output_formatter=None):
+        self.stream_content, self.stream_output_formatter = stream_content, output_formatter
         return self
 
     def error(self, error: str, code: int = 424, message: str = "prediction failure"):
@@ -62,12 +81,28 @@ def env_rank() -> tuple[int, int]:
     return int(rank), int(world)
 
 
+@dataclass(frozen=True)
+class _Item:
+    """One parsed request of a batch: its batch index, prompts (one per answer) and how to answer."""
+
+    index: int
+    prompts: list[str]
+    params: GenerationParams
+    was_list: bool
+    stream: bool
+    details: bool
+
+    def request(self, n: int) -> GenerationRequest:
+        return GenerationRequest(f"{self.index}/{n}", self.prompts[n], self.params)
+
+
 class DJLHandler:
     """`handle(inputs)` for djl_python; `create_engine_fn()` returns the (unloaded) engine the plan chose."""
 
     def __init__(self, create_engine_fn: Callable[[], Engine], *, max_sequence_length: int | None = None):
         self._create_engine = create_engine_fn
         self.engine: Engine | None = None
+        self.text = None  # startup.TextTools: token texts for details.tokens, the vocabulary size
         self.max_sequence_length = max_sequence_length
         self.output_class = _output_class()
 
@@ -75,6 +110,8 @@ class DJLHandler:
         return self.handle(inputs)
 
     def initialize(self, properties: dict) -> None:
+        from lmc.runtime.startup import TextTools
+
         model_dir = Path(properties.get("model_dir") or os.environ.get("MODEL_DIR") or "/opt/ml/model")
         rank, world = env_rank()
         if world > 1:
@@ -83,6 +120,7 @@ class DJLHandler:
         engine.load(model_dir, rank, world)
         if self.max_sequence_length is None:
             self.max_sequence_length = getattr(engine, "max_sequence_length", None)
+        self.text = TextTools(model_dir)
         self.engine = engine
         log.info("lmc DJL handler ready: rank %d of %d, model %s", rank, world, model_dir)
 
@@ -93,36 +131,115 @@ class DJLHandler:
             return None  # the warm-up call: loading was the point
         items = inputs.get_batches() if hasattr(inputs, "get_batches") else [inputs]
         output = self.output_class()
-        parsed: list[tuple[int, list[str], Any, bool]] = []
+        parsed: list[_Item] = []
         for index, item in enumerate(items):
             try:
-                prompts, params, _stream, details = parse_invocation(item.get_as_json(), self.max_sequence_length)
-                for prompt in prompts:
-                    _check_length(self.engine, prompt, params.max_new_tokens, self.max_sequence_length)
+                parsed.append(self._parse(index, item))
             except ValueError as exc:
                 _item_error(output, index, 400, str(exc))
-                continue
             except Exception as exc:  # an unreadable body (not JSON)
                 _item_error(output, index, 400, f"the request body is not valid JSON: {exc}")
-                continue
-            body = item.get_as_json()
-            parsed.append((index, prompts, params, isinstance(body.get("inputs"), list), details))
-        requests = [GenerationRequest(f"{index}/{n}", prompt, params)
-                    for index, prompts, params, *_ in parsed for n, prompt in enumerate(prompts)]
+        if len(items) == 1 and parsed and parsed[0].stream:
+            output.add_property("content-type", JSONLINES)
+            return output.add_stream_content(self._stream(parsed[0].request(0)), None)
+        requests = [item.request(n) for item in parsed for n in range(len(item.prompts))]
+        pieces: dict[str, list[Piece]] = {item.request(0).id: [] for item in parsed if item.stream}
+
+        def on_token(request_id: str, piece: Piece | str) -> None:
+            if request_id in pieces:
+                pieces[request_id].append(piece if isinstance(piece, Piece) else Piece(piece))
+
         try:
-            results = {r.id: r for r in self.engine.generate(requests)} if requests else {}
+            results = {r.id: r for r in self.engine.generate(requests, on_token if pieces else None)} if requests else {}
         except Exception as exc:
             log.exception("generation failed")
-            for index, *_ in parsed:
-                _item_error(output, index, 424, f"model failure: {type(exc).__name__}: {exc}")
+            for item in parsed:
+                _item_error(output, item.index, 424, f"model failure: {type(exc).__name__}: {exc}")
             return output
-        for index, prompts, _params, was_list, details in parsed:
-            texts = [{"generated_text": results[f"{index}/{n}"].text} for n in range(len(prompts))]
-            if details:
-                for n, (text, prompt) in enumerate(zip(texts, prompts)):
-                    text["details"] = lmi_details(prompt, results[f"{index}/{n}"])
-            output.add_as_json(texts if was_list else texts[0], batch_index=index)
+        for item in parsed:
+            if item.stream:
+                request = item.request(0)
+                events = [*(("token", piece) for piece in pieces[request.id]), ("done", results[request.id])]
+                output.add_property(f"batch_{item.index}_Content-Type", JSONLINES)
+                output.add(b"".join(_jsonlines(request.prompt, events)), batch_index=item.index)
+                continue
+            answers = [{"generated_text": results[f"{item.index}/{n}"].text} for n in range(len(item.prompts))]
+            if item.details:
+                for n, answer in enumerate(answers):
+                    answer["details"] = lmi_details(item.prompts[n], results[f"{item.index}/{n}"], self.text.token_text)
+            output.add_as_json(answers if item.was_list else answers[0], batch_index=item.index)
         return output
+
+    def _parse(self, index: int, item) -> _Item:
+        """One batch item's body, checked as `lmc runtime` checks /invocations (ValueError: a 400)."""
+        body = item.get_as_json()
+        prompts, params, stream, details = parse_invocation(body, self.max_sequence_length)
+        if stream and len(prompts) != 1:
+            raise ValueError("stream = true takes a single string in inputs, not a list")
+        vocab = self.text.vocab_size
+        if params.logit_bias and vocab is not None and params.logit_bias[-1][0] >= vocab:
+            raise ValueError(f"logit_bias names token id {params.logit_bias[-1][0]}; the vocabulary has ids 0-{vocab - 1}")
+        for prompt in prompts:
+            _check_length(self.engine, prompt, params.max_new_tokens, self.max_sequence_length)
+        if details and not stream:  # LMI's details.tokens: each generated token's id, text and log-probability
+            params = replace(params, logprobs=0)
+        return _Item(index, prompts, params, isinstance(body.get("inputs"), list), stream, details)
+
+    def _stream(self, request: GenerationRequest) -> Iterator[bytes]:
+        """The jsonlines of `request`, each as soon as it is generated: the engine runs in a thread
+        (started at the first line asked for: DJL iterates the stream right after `handle` returns,
+        and handles nothing else until it ends) and hands its pieces over through a queue."""
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        device = _cuda_device()
+
+        def run() -> None:
+            if device is not None:  # the current CUDA device is per thread
+                sys.modules["torch"].cuda.set_device(device)
+            try:
+                events.put(("done", self.engine.generate([request], lambda _id, piece: events.put(("token", piece)))[0]))
+            except Exception as exc:
+                log.exception("generation failed")
+                events.put(("error", exc))
+
+        threading.Thread(target=run, name="lmc-djl-stream", daemon=True).start()
+
+        def drain() -> Iterator[tuple[str, Any]]:
+            while True:
+                event = events.get()
+                yield event
+                if event[0] != "token":
+                    return
+
+        yield from _jsonlines(request.prompt, drain())
+
+
+def _jsonlines(prompt: str, events: Iterable[tuple[str, Any]]) -> Iterator[bytes]:
+    """LMI jsonlines from ("token", Piece | str)* then ("done", GenerationResult) or ("error", exception):
+    a token line per piece, the last piece's line with generated_text and details, or an error line."""
+    last = None
+    for kind, payload in events:
+        if kind == "token":
+            piece = payload if isinstance(payload, Piece) else Piece(payload)
+            if piece.last:
+                last = piece  # sent with the result
+            else:
+                yield _line(lmi_token_line(piece))
+        elif kind == "done":
+            yield _line(lmi_last_line(prompt, last, payload))
+        else:
+            yield _line({"error": f"model failure: {type(payload).__name__}: {payload}", "code": 424})
+
+
+def _line(obj: dict) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
+def _cuda_device() -> int | None:
+    """The calling thread's CUDA device when torch has CUDA initialised, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
 
 
 def _check_length(engine, prompt: str, max_new_tokens: int, max_sequence_length: int | None) -> None:

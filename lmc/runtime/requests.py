@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from lmc.runtime.engines.base import GenerationParams, GenerationResult
+from lmc.runtime.engines.base import GenerationParams, GenerationResult, Piece
 
 MAX_STOP_SEQUENCES = 16
 _PARAMETER_KEYS = (
@@ -132,6 +132,20 @@ def lmi_details(prompt: str, result: GenerationResult, token_text: Callable[[int
         details["tokens"] = [{"id": token, "text": token_text(token), "log_prob": value}
                              for token, (value, _) in zip(result.token_ids, result.logprobs)]
     return details
+
+
+def lmi_token_line(piece: Piece) -> dict[str, Any]:
+    """One line of an LMI jsonlines stream: the token that completed `piece`'s text."""
+    return {"token": {"id": piece.token_id, "text": piece.text, "log_prob": piece.log_prob}}
+
+
+def lmi_last_line(prompt: str, last: Piece | None, result: GenerationResult) -> dict[str, Any]:
+    """The stream's last line: the finishing token (`last`, the piece marked last; None when the engine
+    marks none) with `generated_text` and `details`, so a client reading line["token"] meets no line
+    without it."""
+    if last is None:
+        last = Piece("", result.token_ids[-1] if result.token_ids else None)
+    return {**lmi_token_line(last), "generated_text": result.text, "details": lmi_details(prompt, result)}
 
 
 def _json_type(value: object) -> str:

@@ -29,7 +29,7 @@ from starlette.routing import Route
 from lmc.runtime.batching import AsyncBatcher, BatchQueue, QueueFull
 from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult, Piece
 from lmc.runtime.metrics import Metrics
-from lmc.runtime.requests import lmi_details, parse_invocation
+from lmc.runtime.requests import lmi_details, lmi_last_line, lmi_token_line, parse_invocation
 from lmc.runtime.startup import TextTools, planned_output_tokens, sampling_defaults as load_sampling_defaults
 from lmc.runtime.workers import WorkerGroup, groups_per_instance
 
@@ -484,13 +484,9 @@ async def invocations(request: Request) -> Response:
     return JSONResponse(answers[0] if isinstance(body["inputs"], str) else answers)
 
 
-def _token_object(piece: Piece) -> dict[str, Any]:
-    return {"id": piece.token_id, "text": piece.text, "log_prob": piece.log_prob}
-
-
 async def _jsonlines(runtime: Runtime, job: Job, started: float) -> AsyncIterator[bytes]:
     """LMI streaming: one {"token": {"id", "text", "log_prob"}} line per piece; the last line also carries
-    "generated_text" and "details" (so a client reading line["token"] never meets a line without it)."""
+    "generated_text" and "details" (requests.lmi_last_line)."""
     status = 200
     try:
         last = None
@@ -498,12 +494,9 @@ async def _jsonlines(runtime: Runtime, job: Job, started: float) -> AsyncIterato
             if kind == "token" and payload.last:
                 last = payload  # sent with the result
             elif kind == "token":
-                yield _line({"token": _token_object(payload)})
+                yield _line(lmi_token_line(payload))
             else:
-                if last is None:  # an engine that does not mark its last piece
-                    last = Piece("", payload.token_ids[-1] if payload.token_ids else None)
-                yield _line({"token": _token_object(last), "generated_text": payload.text,
-                             "details": lmi_details(job.request.prompt, payload)})
+                yield _line(lmi_last_line(job.request.prompt, last, payload))
     except RequestFailed as exc:
         status = exc.status
         yield _line({"error": exc.message, "code": exc.status})
