@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -372,6 +374,11 @@ def _sentencepiece_like_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]
                                   + [f"<0x{i:02X}>" for i in range(256)])
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    # The trainer made the byte tokens special (added) tokens, which decode(skip_special_tokens=True) drops;
+    # in Llama-2's tokenizer they are ordinary vocabulary entries.
+    data = json.loads(tok.to_str())
+    data["added_tokens"] = [t for t in data["added_tokens"] if not t["content"].startswith("<0x")]
+    tok = Tokenizer.from_str(json.dumps(data))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
 
 
@@ -422,7 +429,36 @@ def test_byte_fallback_newline_then_a_cut_emoji_streams_what_the_final_text_says
         [GenerationRequest("a", "fox", GenerationParams(max_new_tokens=len(script)))],
         on_token=lambda rid, piece: pieces.append(piece.text))[0]
     assert result.finish_reason == "length"
-    assert "".join(pieces) == result.text and result.text.startswith(" the")
+    # the newline as soon as it is whole; the cut emoji held back until the end, then as the decoder gives it
+    assert pieces == [" the", "\n", "\ufffd\ufffd"] and "".join(pieces) == result.text
+
+
+def test_streamed_pieces_carry_the_logprobs_of_the_tokens_their_text_covers():
+    """A piece whose text waited for later tokens (an emoji in four byte tokens) brings all their logprobs;
+    together the pieces list exactly the result's entries, in order, and the EOS none."""
+    tokenizer = _sentencepiece_like_tokenizer()
+    emoji = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "\U0001F600".encode()]
+    script = tokenizer(" the", add_special_tokens=False)["input_ids"] + emoji + tokenizer(" fox", add_special_tokens=False)["input_ids"]
+    pieces = []
+    result = _scripted_loop(tokenizer, script).generate(
+        [GenerationRequest("a", "fox", GenerationParams(max_new_tokens=20, logprobs=2))],
+        on_token=lambda rid, piece: pieces.append(piece))[0]
+    assert result.finish_reason == "eos" and result.token_ids == script
+    streamed = [entry for piece in pieces for entry in piece.logprobs]
+    assert streamed == [(token, value, top) for token, (value, top) in zip(result.token_ids, result.logprobs)]
+    [carrier] = [piece for piece in pieces if "\U0001F600" in piece.text]
+    assert [token for token, _, _ in carrier.logprobs] == emoji
+    assert all(len(top) == 2 for _, _, top in streamed)
+    assert pieces[-1].last and pieces[-1].logprobs == ()  # the EOS: the finish, no entry
+    assert all(piece.logprobs is None for piece in _stream_pieces(tokenizer, script, logprobs=None))
+
+
+def _stream_pieces(tokenizer, script, logprobs):
+    pieces = []
+    _scripted_loop(tokenizer, script).generate(
+        [GenerationRequest("a", "fox", GenerationParams(max_new_tokens=20, logprobs=logprobs))],
+        on_token=lambda rid, piece: pieces.append(piece))
+    return pieces
 
 
 def test_logprob_token_texts_keep_the_leading_space_a_sentencepiece_decoder_strips(tmp_path):

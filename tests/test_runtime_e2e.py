@@ -323,6 +323,11 @@ def test_chat_prompts_get_one_bos_as_apply_chat_template_gives(tmp_path):
                                            logprobs=2)
         chat_scored = client.chat.completions.create(model="m", messages=messages, max_tokens=3, temperature=0,
                                                      logprobs=True, top_logprobs=2)
+        # streamed, the chunks carry the same logprobs, each with the tokens its text covers
+        scored_chunks = [c.choices[0] for c in client.completions.create(
+            model="m", prompt="the quick brown fox", max_tokens=3, temperature=0, logprobs=2, stream=True)]
+        chat_chunks = [c.choices[0] for c in client.chat.completions.create(
+            model="m", messages=messages, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2, stream=True)]
     assert biased.choices[0].text == tokenizer.decode([forced] * 3, clean_up_tokenization_spaces=False) != ""
 
     def reference(prompt_ids: list[int]) -> tuple[list[int], list[float]]:
@@ -339,8 +344,13 @@ def test_chat_prompts_get_one_bos_as_apply_chat_template_gives(tmp_path):
     assert logprobs.token_logprobs == pytest.approx(values, abs=1e-4)
     for chosen, value, top in zip(logprobs.tokens, values, logprobs.top_logprobs):
         assert len(top) == 2 and top[chosen] == pytest.approx(value, abs=1e-4) == max(top.values())  # greedy
+    streamed = [chunk.logprobs for chunk in scored_chunks if chunk.logprobs is not None]
+    assert "".join(chunk.text for chunk in scored_chunks) == scored.choices[0].text
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [item for part in streamed for item in getattr(part, key)] == getattr(logprobs, key)
     new, values = reference(ids)
     content = chat_scored.choices[0].logprobs.content
+    assert [item for chunk in chat_chunks if chunk.logprobs for item in chunk.logprobs.content] == content
     assert [item.logprob for item in content] == pytest.approx(values, abs=1e-4)
     assert [len(item.top_logprobs) for item in content] == [2, 2, 2]
     assert chat.usage.prompt_tokens == len(ids)

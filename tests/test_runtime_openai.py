@@ -79,6 +79,38 @@ def test_n_gives_n_choices_in_openai_order_counting_each_prompt_once(client):
     assert [c.index for c in chat.choices] == [0, 1, 2] and chat.usage.prompt_tokens == 3
 
 
+def test_n_choices_stream_side_by_side_each_with_its_index_and_finish(client):
+    stream = client.completions.create(model="x", prompt="one two", max_tokens=3, n=2, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    texts, finishes = {0: "", 1: ""}, {}
+    for c in chunks[:-1]:
+        [choice] = c.choices
+        texts[choice.index] += choice.text
+        if choice.finish_reason:
+            assert choice.index not in finishes  # one finish per choice, and nothing after it
+            finishes[choice.index] = choice.finish_reason
+        else:
+            assert choice.index not in finishes
+    assert texts == {0: expected_text("one two", 3), 1: expected_text("one two", 3)}
+    assert finishes == {0: "length", 1: "length"}
+    assert chunks[-1].choices == [] and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (2, 6)
+    chat = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                               n=3, temperature=0, stream=True))
+    assert [c.choices[0].index for c in chat if c.choices[0].delta.role == "assistant"] == [0, 1, 2]
+    for index in range(3):
+        mine = [c.choices[0] for c in chat if c.choices[0].index == index]
+        assert "".join(choice.delta.content or "" for choice in mine) == expected_text("<user> hi <assistant>", 2)
+        assert mine[-1].finish_reason == "length"
+
+
+def test_a_failure_in_one_of_n_streamed_choices_ends_the_stream_with_the_error(server):
+    reply = httpx.post(server.url + "/v1/completions", json={"prompt": "RAISE", "max_tokens": 2, "n": 2, "stream": True})
+    events = [line for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-2][6:])["error"]["code"] == 424
+    assert events[-1] == "data: [DONE]" and len(events) == 2
+
+
 def test_n_copies_sample_with_distinct_seeds(tmp_path):
     """One seed for n copies would give n identical samples: copy i gets seed + i (reproducible as a whole)."""
     from lmc.runtime.engines.base import GenerationParams
@@ -134,8 +166,6 @@ def test_message_names_reach_the_template():
 def test_openai_errors_are_400_with_the_reason(client, server):
     with pytest.raises(openai.BadRequestError, match="n must be a positive integer, got 0"):
         client.completions.create(model="x", prompt="a", n=0)
-    with pytest.raises(openai.BadRequestError, match="n > 1 is not supported with stream = true"):
-        client.completions.create(model="x", prompt="a", n=2, stream=True)
     with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
         client.completions.create(model="x", prompt="a", max_tokens=0)
     reply = httpx.post(server.url + "/v1/chat/completions", json={"messages": []})
@@ -151,7 +181,6 @@ def test_openai_errors_are_400_with_the_reason(client, server):
         assert reply.status_code == 400 and reply.json()["error"]["message"].startswith(message), reply.text
     for path, field, message in [
             ("completions", {"logprobs": 21}, "logprobs must be an integer in [0, 20], got 21"),
-            ("completions", {"logprobs": 2, "stream": True}, "logprobs are not supported with stream = true"),
             ("completions", {"top_logprobs": 2}, "top_logprobs is a chat field; completions take logprobs = k"),
             ("chat/completions", {"logprobs": 3}, "logprobs must be true or false"),
             ("chat/completions", {"top_logprobs": 2}, "top_logprobs needs logprobs = true")]:

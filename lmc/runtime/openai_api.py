@@ -63,8 +63,6 @@ def _check_body(body: Any, required: str) -> dict[str, Any]:
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"n must be a positive integer, got {n!r}")
-    if (n or 1) > 1 and body.get("stream"):
-        raise ValueError("n > 1 is not supported with stream = true")
     if body.get("echo") not in (None, False):
         raise ValueError("echo is not supported")
     if body.get("suffix") not in (None, ""):
@@ -108,7 +106,7 @@ MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     """How many alternatives per token the answer reports (None: no logprobs). Completions: `logprobs: k`;
-    chat: `logprobs: true` with `top_logprobs: k`. Not with streaming."""
+    chat: `logprobs: true` with `top_logprobs: k`."""
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if chat:
         if logprobs not in (None, True, False):
@@ -124,29 +122,37 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
         return None
     if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_LOGPROBS:
         raise ValueError(f"{'top_logprobs' if chat else 'logprobs'} must be an integer in [0, {MAX_LOGPROBS}], got {count!r}")
-    if body.get("stream"):
-        raise ValueError("logprobs are not supported with stream = true")
     return count
 
 
+# One generated token's logprobs: (its id, its log-probability, ((id, log-probability) of the most likely)).
+Entry = tuple[int, float, tuple[tuple[int, float], ...]]
+
+
 def _choice_logprobs(runtime: "Runtime", result, chat: bool) -> dict[str, Any] | None:
-    """OpenAI's logprobs object for one choice, from the engine's per-token entries."""
+    """OpenAI's logprobs object for one whole choice, from the engine's per-token entries."""
     if result.logprobs is None:
         return None
-    token = runtime.text.token_text
+    entries = [(token_id, value, top) for token_id, (value, top) in zip(result.token_ids, result.logprobs)]
+    return _logprobs_object(runtime.text.token_text, entries, chat)
+
+
+def _logprobs_object(token_text, entries: list[Entry] | tuple[Entry, ...], chat: bool, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's logprobs object for `entries` (a whole choice, or a streamed chunk's tokens; completions'
+    text_offset continues from `offset`, the token texts' length before them)."""
     if chat:
         def entry(token_id: int, value: float) -> dict[str, Any]:
-            text = token(token_id)
+            text = token_text(token_id)
             return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
 
         return {"content": [dict(entry(token_id, value), top_logprobs=[entry(i, v) for i, v in top])
-                            for token_id, (value, top) in zip(result.token_ids, result.logprobs)]}
-    texts = [token(token_id) for token_id in result.token_ids[:len(result.logprobs)]]
-    offsets = list(accumulate((len(text) for text in texts[:-1]), initial=0))[:len(texts)]
-    return {"tokens": texts, "token_logprobs": [value for value, _ in result.logprobs],
+                            for token_id, value, top in entries]}
+    texts = [token_text(token_id) for token_id, _, _ in entries]
+    offsets = list(accumulate((len(text) for text in texts[:-1]), initial=offset))[:len(texts)]
+    return {"tokens": texts, "token_logprobs": [value for _, value, _ in entries],
             # OpenAI: up to logprobs + 1 entries, the sampled token always among them
-            "top_logprobs": [{**{token(i): v for i, v in top}, text: value}
-                             for text, (value, top) in zip(texts, result.logprobs)], "text_offset": offsets}
+            "top_logprobs": [{**{token_text(i): v for i, v in top}, text: value}
+                             for text, (_, value, top) in zip(texts, entries)], "text_offset": offsets}
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -257,7 +263,7 @@ async def _handle(request: Request, chat: bool) -> Response:
     created = int(time.time())
     model = runtime.model_name
     if stream:
-        return StreamingResponse(_stream(runtime, jobs[0], chat, ident, created, model, _include_usage(body), started),
+        return StreamingResponse(_stream(runtime, jobs, chat, ident, created, model, _include_usage(body), started),
                                  media_type="text/event-stream")
     import asyncio
 
@@ -299,34 +305,47 @@ def _make_jobs(runtime: "Runtime", prompts: list[str], params, n: int, stream: b
     return [copy[k] for k in range(len(prompts)) for copy in copies]
 
 
-async def _stream(runtime: "Runtime", job: "Job", chat: bool, ident: str, created: int, model: str,
+async def _stream(runtime: "Runtime", jobs: list["Job"], chat: bool, ident: str, created: int, model: str,
                   include_usage: bool, started: float) -> AsyncIterator[bytes]:
+    """SSE chunks for the `n` choices of one prompt (`jobs`, choice i = jobs[i]), as their pieces come:
+    each chunk one choice's text (and, with logprobs, its tokens'), its finish chunk when it ends, then
+    usage (when asked) and [DONE] after the last."""
     from lmc.runtime.server import CLIENT_CLOSED, RequestFailed
 
     kind_name = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(piece: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(index: int, piece: str | None, finish: str | None, role: bool = False,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if piece is None else {"content": piece})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": piece or "", "finish_reason": finish, "logprobs": logprobs}
         return {"id": ident, "object": kind_name, "created": created, "model": model, "choices": [choice]}
 
     status = 200
+    offsets = [0] * len(jobs)  # completions' text_offset: each choice's token texts so far
+    generated = 0
     try:
         if chat:
-            yield _sse(chunk(None, None, role=True))
-        async for kind, payload in runtime.events(job):
+            for index in range(len(jobs)):
+                yield _sse(chunk(index, None, None, role=True))
+        async for index, kind, payload in _events(runtime, jobs):
             if kind == "token":
-                if payload.text:  # the last piece may be empty (an EOS): the finish chunk says it
-                    yield _sse(chunk(payload.text, None))
+                logprobs = None
+                if payload.logprobs:
+                    logprobs = _logprobs_object(runtime.text.token_text, payload.logprobs, chat, offsets[index])
+                    if not chat:
+                        offsets[index] += sum(len(text) for text in logprobs["tokens"])
+                if payload.text or logprobs:  # the last piece may be empty (an EOS): the finish chunk says it
+                    yield _sse(chunk(index, payload.text, None, logprobs=logprobs))
             else:
-                yield _sse(chunk(None, _finish_reason(payload.finish_reason)))
-                if include_usage:
-                    yield _sse({"id": ident, "object": kind_name, "created": created, "model": model, "choices": [],
-                                "usage": _usage(job.prompt_tokens, payload.generated_tokens)})
-                yield b"data: [DONE]\n\n"
+                generated += payload.generated_tokens
+                yield _sse(chunk(index, None, _finish_reason(payload.finish_reason)))
+        if include_usage:
+            yield _sse({"id": ident, "object": kind_name, "created": created, "model": model, "choices": [],
+                        "usage": _usage(jobs[0].prompt_tokens, generated)})
+        yield b"data: [DONE]\n\n"
     except RequestFailed as exc:
         status = exc.status
         yield _sse({"error": {"message": exc.message, "code": exc.status, "type": "server_error"}})
@@ -337,6 +356,37 @@ async def _stream(runtime: "Runtime", job: "Job", chat: bool, ident: str, create
     finally:
         runtime.release()
         runtime.record("chat_completions" if chat else "completions", status, started)
+
+
+async def _events(runtime: "Runtime", jobs: list["Job"]) -> AsyncIterator[tuple[int, str, Any]]:
+    """(job index, kind, payload) for the events of `jobs` in the order they come (Runtime.events each),
+    until every job is done; the first failure is raised and the other jobs are given up."""
+    if len(jobs) == 1:
+        async for kind, payload in runtime.events(jobs[0]):
+            yield 0, kind, payload
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, job: "Job") -> None:
+        try:
+            async for kind, payload in runtime.events(job):
+                await merged.put((index, kind, payload))
+        except Exception as exc:  # RequestFailed: a model failure or the timeout
+            await merged.put((index, "failed", exc))
+
+    tasks = [asyncio.create_task(pump(index, job)) for index, job in enumerate(jobs)]
+    try:
+        running = len(jobs)
+        while running:
+            index, kind, payload = await merged.get()
+            if kind == "failed":
+                raise payload
+            running -= kind == "done"
+            yield index, kind, payload
+    finally:  # cancelling a pump ends its Runtime.events, which gives its job up
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def models(request: Request) -> Response:

@@ -64,6 +64,9 @@ class Piece:
     token_id: int | None = None
     log_prob: float | None = None
     last: bool = False
+    # With params.logprobs: (token id, log-probability, ((id, log-probability) of the most likely)) for each
+    # generated token since the previous piece, as GenerationResult.logprobs lists them (an EOS has none).
+    logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] | None = None
 
 
 # Called as tokens are produced: (request id, the new piece: a Piece, or its text alone).

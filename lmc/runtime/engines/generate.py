@@ -58,6 +58,7 @@ class _Row:
     # With params.logprobs: the entry for the token just chosen (kept once it is appended), and the list.
     pending_logprob: tuple[float, tuple[tuple[int, float], ...]] | None = None
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    logprobs_streamed: int = 0  # how many of `logprobs` went out with streamed pieces
 
     @property
     def params(self) -> GenerationParams:
@@ -301,8 +302,13 @@ class DecodeLoop:
                 piece = row.text[len(row.streamed):upto]
             if piece or final:  # the last piece always goes, empty or not: it carries the finishing token
                 row.streamed += piece
+                entries = None
+                if row.params.logprobs is not None:  # those of the tokens this piece's text covers
+                    start, row.logprobs_streamed = row.logprobs_streamed, len(row.logprobs)
+                    entries = tuple((token_id, value, top) for token_id, (value, top)
+                                    in zip(row.generated[start:], row.logprobs[start:]))
                 try:
-                    stream(row.request.id, Piece(piece, token, _log_prob(logits, token), last=final))
+                    stream(row.request.id, Piece(piece, token, _log_prob(logits, token), last=final, logprobs=entries))
                 except Exception:  # a broken client must not break the lockstep with the other ranks
                     log.exception("streaming callback failed for request %s; no more pieces for it", row.request.id)
                     row.stream_ok = False
