@@ -28,7 +28,8 @@ def expected_text(prompt: str, max_new_tokens: int) -> str:
 class FakeEngine:
     """Knobs: `step_delay_s` per generated token (slow), `load_delay_s`, `record_dir` (one line per
     batch: rank, size and each request's sampling parameters; pid files per rank), `load_error` / `load_error_rank` (load raises an
-    LmcError), `load_crash_rank` (load raises a plain error). Prompts containing RAISE make generate raise."""
+    LmcError), `load_crash_rank` (load raises a plain error). Prompts containing RAISE make generate raise;
+    RAISE@N only when that request's seed is N (one of n choices)."""
 
     def __init__(self, step_delay_s: float = 0.0, load_delay_s: float = 0.0, record_dir: str | None = None,
                  load_error: str | None = None, load_error_rank: int | None = None, load_crash_rank: int | None = None):
@@ -61,8 +62,10 @@ class FakeEngine:
                 params = [{key: getattr(r.params, key) for key in ("max_new_tokens", "do_sample", "temperature", "top_p",
                                                                     "top_k", "repetition_penalty")} for r in batch]
                 handle.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "size": len(batch), "params": params}) + "\n")
-        if any("RAISE" in request.prompt for request in batch):
-            raise RuntimeError("fake failure requested by the prompt")
+        for request in batch:
+            words = [word for word in request.prompt.split() if word.startswith("RAISE")]
+            if any(word == "RAISE" or word == f"RAISE@{request.params.seed}" for word in words):
+                raise RuntimeError("fake failure requested by the prompt")
         texts = {r.id: expected_text(r.prompt, r.params.max_new_tokens) for r in batch}
         steps = max(r.params.max_new_tokens for r in batch)
         for step in range(steps):

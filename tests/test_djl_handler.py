@@ -142,10 +142,11 @@ def _lines(data: bytes) -> list[dict]:
     return [json.loads(line) for line in data.decode().splitlines()]
 
 
-def _expected_lines(text: str, prompt: str) -> list[dict]:
+def _expected_lines(text: str, prompt: str, details: bool = False) -> list[dict]:
     tokens = [{"token": {"id": ord(c), "text": c, "log_prob": -0.5}} for c in text]
-    tokens[-1].update(generated_text=text, details={"finish_reason": "length", "generated_tokens": len(text),
-                                                     "inputs": prompt})
+    tokens[-1]["generated_text"] = text
+    if details:
+        tokens[-1]["details"] = {"finish_reason": "length", "generated_tokens": len(text), "inputs": prompt}
     return tokens
 
 
@@ -153,7 +154,8 @@ def test_a_lone_streaming_request_is_streamed_as_it_is_generated():
     hold = threading.Event()
     engine = FakeEngine(hold=hold)
     handler = DJLHandler(lambda: engine)
-    output = handler.handle(FakeInput(batches=[FakeInput({"inputs": "abc", "stream": True})]))
+    output = handler.handle(FakeInput(batches=[FakeInput({"inputs": "abc", "stream": True,
+                                                          "parameters": {"details": True}})]))
     assert output.properties["content-type"] == JSONLINES and output.content == {}
     assert engine.batches == []  # nothing runs until DJL reads the stream
     stream = output.stream_content
@@ -162,7 +164,7 @@ def test_a_lone_streaming_request_is_streamed_as_it_is_generated():
     assert not engine.finished.is_set()  # the first line came while the engine was still generating
     hold.set()
     rest = [json.loads(line) for line in stream]
-    assert [first, *rest] == _expected_lines("ABC", "abc")
+    assert [first, *rest] == _expected_lines("ABC", "abc", details=True)
     assert output.stream_output_formatter is None  # the lines go out as they are, not in DJL's default wrapper
 
 
@@ -182,6 +184,18 @@ def test_a_failure_mid_stream_ends_it_with_an_error_line():
     lines = [json.loads(line) for line in output.stream_content]
     assert lines == [{"token": {"id": ord("X"), "text": "X", "log_prob": -0.5}},
                      {"error": "model failure: RuntimeError: NCCL timeout", "code": 424}]
+
+
+def test_a_stream_whose_generation_dies_outside_exception_still_ends():
+    """A BaseException (or a failing set_device) in the generation thread must still end the stream: DJL
+    serves nothing else until it does."""
+    handler = DJLHandler(lambda: FakeEngine(fail=SystemExit(3)))
+    output = handler.handle(FakeInput({"inputs": "xyz", "stream": True}))
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(json.loads(line) for line in output.stream_content), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive() and lines == [{"error": "model failure: SystemExit: 3", "code": 424}]
 
 
 def test_streaming_a_list_of_inputs_is_a_400():

@@ -96,6 +96,8 @@ def test_hf_engine_names_follow_the_process_model():
     assert one["engine"] == "Python"
     assert two["engine"] == "MPI"
     assert "option.max_tokens" not in one
+    # MPI: every rank must get each request (the handler's ranks decode in lockstep), not rank 0 alone
+    assert two["option.use_passive_workers"] == "false" and "option.use_passive_workers" not in one
 
 
 def test_neuronx_plan_has_n_positions_and_compiled_graph_path():

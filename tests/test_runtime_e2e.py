@@ -79,7 +79,8 @@ def serve_and_compare(checkpoint: Path, artifact_dir: Path, worker_env: dict | N
                            json={"inputs": PROMPTS, "parameters": {"max_new_tokens": NEW_TOKENS}})
         assert batch.status_code == 200, batch.text
         streamed = httpx.post(server.url + "/invocations", timeout=120,
-                              json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": NEW_TOKENS}, "stream": True})
+                              json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": NEW_TOKENS, "details": True},
+                                    "stream": True})
         lines = [json.loads(line) for line in streamed.text.splitlines()]
         detailed = httpx.post(server.url + "/invocations", timeout=120,
                               json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}})
@@ -121,7 +122,7 @@ def test_gpt_neox_at_tp2_matches_hf(tmp_path):
 
 
 # One DJL MPI-mode rank: loads the artifact's generated model.py as DJL's Python engine would, warms it
-# up, answers a batch and a stream; rank 0 writes what it answered to argv[2].
+# up, answers a batch and a stream, and writes what it answered to argv[2] (a format string for its rank).
 _DJL_RANK = r"""
 import importlib.util, json, os, sys
 artifact, out, bodies, stream_body = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -151,17 +152,17 @@ assert model.handle(Input()) is None
 batch = model.handle(Input(batches=[Input(body) for body in bodies]))
 stream = model.handle(Input(batches=[Input(stream_body)]))
 lines = [json.loads(line) for line in stream.stream_content]
-if os.environ["RANK"] == "0":
-    with open(out, "w") as f:
-        json.dump({"batch": {str(k): json.loads(v) for k, v in batch.content.items()}, "stream": lines,
-                   "stream_content_type": stream.properties.get("content-type")}, f)
+with open(out.format(os.environ["RANK"]), "w") as f:
+    json.dump({"batch": {str(k): json.loads(v) for k, v in batch.content.items()}, "stream": lines,
+               "stream_content_type": stream.properties.get("content-type")}, f)
 """
 
 
 def test_the_generated_model_py_serves_under_djl_mpi_mode_at_tp2_as_hf_generates(tmp_path):
     """What a stock LMI container does with the artifact (option.entryPoint=model.py, one process per TP
     rank, torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR): same answers as HF generate, details
-    listing the tokens, and a stream of LMI jsonlines."""
+    listing the tokens, and a stream of LMI jsonlines, from every rank (DJL returns the last rank's
+    answer, or rank 0's with passive workers)."""
     import os
     import subprocess
     import sys
@@ -171,8 +172,8 @@ def test_the_generated_model_py_serves_under_djl_mpi_mode_at_tp2_as_hf_generates
     checkpoint, artifact = build(tmp_path, "llama", tp=2)
     params = {"max_new_tokens": NEW_TOKENS}
     bodies = [{"inputs": PROMPTS, "parameters": params}, {"inputs": PROMPTS[0], "parameters": {**params, "details": True}}]
-    stream_body = {"inputs": PROMPTS[1], "parameters": params, "stream": True}
-    out = tmp_path / "rank0.json"
+    stream_body = {"inputs": PROMPTS[1], "parameters": {**params, "details": True}, "stream": True}
+    out = tmp_path / "rank{}.json"
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH")])))
     ranks = [subprocess.Popen([sys.executable, "-c", _DJL_RANK, str(artifact), str(out), json.dumps(bodies),
@@ -181,7 +182,9 @@ def test_the_generated_model_py_serves_under_djl_mpi_mode_at_tp2_as_hf_generates
     for rank in ranks:
         _, err = rank.communicate(timeout=300)
         assert rank.returncode == 0, err[-3000:]
-    answered = json.loads(out.read_text())
+    answers = [json.loads(Path(str(out).format(rank)).read_text()) for rank in range(2)]
+    assert answers[0] == answers[1]
+    answered = answers[1]
     reference = hf_reference(checkpoint, PROMPTS, NEW_TOKENS)
     assert answered["batch"]["0"] == [{"generated_text": text} for text, _ in reference]
     detailed = answered["batch"]["1"]

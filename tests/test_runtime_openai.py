@@ -111,6 +111,34 @@ def test_a_failure_in_one_of_n_streamed_choices_ends_the_stream_with_the_error(s
     assert events[-1] == "data: [DONE]" and len(events) == 2
 
 
+def test_when_one_of_n_streamed_choices_fails_the_others_are_given_up_at_once(tmp_path):
+    """Choice 0 (seed 7) fails in its batch; choices 1 and 2, queued or decoding behind it (batch_size 1, 0.5 s
+    a token), are given up when the error ends the stream, not left to run to their end."""
+    import time
+
+    plan = fake_plan(batch_size=1, max_batch_delay_ms=0)
+    runtime = Runtime(write_artifact(tmp_path / "m", plan, {"step_delay_s": 0.5}), plan, request_timeout_s=30)
+    abandoned = {}
+    original = runtime.scheduler.abandon
+
+    def abandon(job):
+        abandoned.setdefault(job.request.params.seed, time.monotonic())
+        original(job)
+
+    runtime.scheduler.abandon = abandon
+    with ServerThread(runtime) as server:
+        server.wait_ready()
+        reply = httpx.post(server.url + "/v1/completions", timeout=30, json={
+            "prompt": "RAISE@7 x", "n": 3, "seed": 7, "max_tokens": 4, "temperature": 1, "stream": True})
+        ended = time.monotonic()
+        events = [line for line in reply.text.splitlines() if line.startswith("data: ")]
+        assert json.loads(events[-2][6:])["error"]["code"] == 424 and events[-1] == "data: [DONE]"
+        time.sleep(0.3)
+        assert set(abandoned) == {7, 8, 9}
+        assert all(at - ended < 0.3 for at in abandoned.values())  # not after their 2 s of decoding
+        assert runtime._in_flight == 0
+
+
 def test_n_copies_sample_with_distinct_seeds(tmp_path):
     """One seed for n copies would give n identical samples: copy i gets seed + i (reproducible as a whole)."""
     from lmc.runtime.engines.base import GenerationParams

@@ -72,6 +72,11 @@ def test_stream_is_jsonlines_token_by_token_then_the_text(server):
     assert len(tokens) == 7 and tokens[-1] == ""  # the fake engine does not mark its last piece
     assert "".join(tokens) == lines[-1]["generated_text"] == expected_text("alpha beta gamma", 6)
     assert all(set(line) == {"token"} for line in lines[:-1])
+    assert set(lines[-1]) == {"token", "generated_text"}  # details only when asked, as LMI
+    detailed = post(server, {"inputs": "alpha beta gamma", "parameters": {"max_new_tokens": 6, "details": True},
+                             "stream": True})
+    lines = [json.loads(line) for line in detailed.text.splitlines()]
+    assert all(set(line) == {"token"} for line in lines[:-1])
     assert lines[-1]["details"] == {"finish_reason": "length", "generated_tokens": 6, "inputs": "alpha beta gamma"}
 
 

@@ -117,6 +117,9 @@ class DJLHandler:
         if world > 1:
             _init_distributed(rank, world)
         engine = self._create_engine()
+        # DJL reads one rank's answer: rank 0's with passive workers (serving.properties turns them off:
+        # every rank must get the requests to run its part), the last rank's otherwise. Every rank answers.
+        engine.every_rank_answers = True
         engine.load(model_dir, rank, world)
         if self.max_sequence_length is None:
             self.max_sequence_length = getattr(engine, "max_sequence_length", None)
@@ -141,7 +144,7 @@ class DJLHandler:
                 _item_error(output, index, 400, f"the request body is not valid JSON: {exc}")
         if len(items) == 1 and parsed and parsed[0].stream:
             output.add_property("content-type", JSONLINES)
-            return output.add_stream_content(self._stream(parsed[0].request(0)), None)
+            return output.add_stream_content(self._stream(parsed[0].request(0), parsed[0].details), None)
         requests = [item.request(n) for item in parsed for n in range(len(item.prompts))]
         pieces: dict[str, list[Piece]] = {item.request(0).id: [] for item in parsed if item.stream}
 
@@ -161,7 +164,7 @@ class DJLHandler:
                 request = item.request(0)
                 events = [*(("token", piece) for piece in pieces[request.id]), ("done", results[request.id])]
                 output.add_property(f"batch_{item.index}_Content-Type", JSONLINES)
-                output.add(b"".join(_jsonlines(request.prompt, events)), batch_index=item.index)
+                output.add(b"".join(_jsonlines(request.prompt, events, item.details)), batch_index=item.index)
                 continue
             answers = [{"generated_text": results[f"{item.index}/{n}"].text} for n in range(len(item.prompts))]
             if item.details:
@@ -185,7 +188,7 @@ class DJLHandler:
             params = replace(params, logprobs=0)
         return _Item(index, prompts, params, isinstance(body.get("inputs"), list), stream, details)
 
-    def _stream(self, request: GenerationRequest) -> Iterator[bytes]:
+    def _stream(self, request: GenerationRequest, details: bool) -> Iterator[bytes]:
         """The jsonlines of `request`, each as soon as it is generated: the engine runs in a thread
         (started at the first line asked for: DJL iterates the stream right after `handle` returns,
         and handles nothing else until it ends) and hands its pieces over through a queue."""
@@ -193,11 +196,11 @@ class DJLHandler:
         device = _cuda_device()
 
         def run() -> None:
-            if device is not None:  # the current CUDA device is per thread
-                sys.modules["torch"].cuda.set_device(device)
-            try:
+            try:  # whatever happens, the stream gets its last event: DJL serves nothing else until it ends
+                if device is not None:  # the current CUDA device is per thread
+                    sys.modules["torch"].cuda.set_device(device)
                 events.put(("done", self.engine.generate([request], lambda _id, piece: events.put(("token", piece)))[0]))
-            except Exception as exc:
+            except BaseException as exc:
                 log.exception("generation failed")
                 events.put(("error", exc))
 
@@ -210,12 +213,13 @@ class DJLHandler:
                 if event[0] != "token":
                     return
 
-        yield from _jsonlines(request.prompt, drain())
+        yield from _jsonlines(request.prompt, drain(), details)
 
 
-def _jsonlines(prompt: str, events: Iterable[tuple[str, Any]]) -> Iterator[bytes]:
+def _jsonlines(prompt: str, events: Iterable[tuple[str, Any]], details: bool) -> Iterator[bytes]:
     """LMI jsonlines from ("token", Piece | str)* then ("done", GenerationResult) or ("error", exception):
-    a token line per piece, the last piece's line with generated_text and details, or an error line."""
+    a token line per piece, the last piece's line with generated_text (and details when asked), or an
+    error line."""
     last = None
     for kind, payload in events:
         if kind == "token":
@@ -225,7 +229,7 @@ def _jsonlines(prompt: str, events: Iterable[tuple[str, Any]]) -> Iterator[bytes
             else:
                 yield _line(lmi_token_line(piece))
         elif kind == "done":
-            yield _line(lmi_last_line(prompt, last, payload))
+            yield _line(lmi_last_line(prompt, last, payload, details))
         else:
             yield _line({"error": f"model failure: {type(payload).__name__}: {payload}", "code": 424})
 

@@ -139,13 +139,16 @@ def lmi_token_line(piece: Piece) -> dict[str, Any]:
     return {"token": {"id": piece.token_id, "text": piece.text, "log_prob": piece.log_prob}}
 
 
-def lmi_last_line(prompt: str, last: Piece | None, result: GenerationResult) -> dict[str, Any]:
+def lmi_last_line(prompt: str, last: Piece | None, result: GenerationResult, details: bool) -> dict[str, Any]:
     """The stream's last line: the finishing token (`last`, the piece marked last; None when the engine
-    marks none) with `generated_text` and `details`, so a client reading line["token"] meets no line
-    without it."""
+    marks none), so a client reading line["token"] meets no line without it, with `generated_text`, and
+    `details` (without tokens: the lines gave them) when the request asked for them, as LMI does."""
     if last is None:
         last = Piece("", result.token_ids[-1] if result.token_ids else None)
-    return {**lmi_token_line(last), "generated_text": result.text, "details": lmi_details(prompt, result)}
+    line = {**lmi_token_line(last), "generated_text": result.text}
+    if details:
+        line["details"] = lmi_details(prompt, result)
+    return line
 
 
 def _json_type(value: object) -> str:

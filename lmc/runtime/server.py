@@ -466,7 +466,7 @@ async def invocations(request: Request) -> Response:
         runtime.record("invocations", exc.status)
         return error_response(exc.status, exc.message)
     if stream:
-        return StreamingResponse(_jsonlines(runtime, jobs[0], started), media_type="application/jsonlines")
+        return StreamingResponse(_jsonlines(runtime, jobs[0], details, started), media_type="application/jsonlines")
     try:
         results = await asyncio.gather(*(runtime.result(job) for job in jobs))
     except RequestFailed as exc:
@@ -484,9 +484,9 @@ async def invocations(request: Request) -> Response:
     return JSONResponse(answers[0] if isinstance(body["inputs"], str) else answers)
 
 
-async def _jsonlines(runtime: Runtime, job: Job, started: float) -> AsyncIterator[bytes]:
+async def _jsonlines(runtime: Runtime, job: Job, details: bool, started: float) -> AsyncIterator[bytes]:
     """LMI streaming: one {"token": {"id", "text", "log_prob"}} line per piece; the last line also carries
-    "generated_text" and "details" (requests.lmi_last_line)."""
+    "generated_text", and "details" when asked (requests.lmi_last_line)."""
     status = 200
     try:
         last = None
@@ -496,7 +496,7 @@ async def _jsonlines(runtime: Runtime, job: Job, started: float) -> AsyncIterato
             elif kind == "token":
                 yield _line(lmi_token_line(payload))
             else:
-                yield _line(lmi_last_line(job.request.prompt, last, payload))
+                yield _line(lmi_last_line(job.request.prompt, last, payload, details))
     except RequestFailed as exc:
         status = exc.status
         yield _line({"error": exc.message, "code": exc.status})

@@ -74,7 +74,13 @@ TokenCallback = Callable[[str, "Piece | str"], None]
 
 
 class Engine(Protocol):
-    """A loaded model on one TP rank. All ranks of a group call `generate` in lockstep."""
+    """A loaded model on one TP rank. All ranks of a group call `generate` in lockstep.
+
+    lmc's workers answer with rank 0's results and pieces: the other ranks may leave out logprobs and
+    not call `on_token`. Set `every_rank_answers` before `load` when every rank's answer is read (DJL's
+    MPI mode returns the last rank's); engines whose groups are one process may ignore it."""
+
+    every_rank_answers: bool
 
     def load(self, model_dir: Path, rank: int, world_size: int) -> None:
         """Load rank `rank`'s shard of the artifact in `model_dir` (only that shard file)."""

@@ -73,10 +73,15 @@ Prefill = Callable[[list[list[int]], int], tuple[torch.Tensor, Callable[[torch.T
 
 class DecodeLoop:
     """Generation over a loaded model on one rank. `group` None means no tensor parallelism. With
-    `prefill`, the engine runs the model (transformers-neuronx) and this loop does the rest."""
+    `prefill`, the engine runs the model (transformers-neuronx) and this loop does the rest.
+
+    Rank 0 chooses the tokens (and broadcasts them); only rank 0 streams pieces and computes logprobs,
+    unless `every_rank_answers` (DJL's MPI mode answers with the last rank's output): then every rank
+    does, from its own copy of the gathered logits."""
 
     def __init__(self, model, tokenizer, *, max_sequence_length: int, device: torch.device, eos_token_ids: set[int],
-                 rank: int = 0, world_size: int = 1, group=None, prefill: Prefill | None = None):
+                 rank: int = 0, world_size: int = 1, group=None, prefill: Prefill | None = None,
+                 every_rank_answers: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.max_sequence_length = max_sequence_length
@@ -86,6 +91,7 @@ class DecodeLoop:
         self.world_size = world_size
         self.group = group
         self.prefill = prefill
+        self.every_rank_answers = every_rank_answers
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (min(self.eos_token_ids) if self.eos_token_ids else 0)
         self.encoder_decoder = False
@@ -131,7 +137,7 @@ class DecodeLoop:
         return [results[request.id] for request in batch]
 
     def _decode(self, rows: list[_Row], on_token: TokenCallback | None) -> list[_Row]:
-        stream = on_token if self.rank == 0 else None
+        stream = on_token if self.rank == 0 or self.every_rank_answers else None
         with torch.inference_mode():
             if self.prefill is not None:
                 logits, advance = self.prefill([row.prompt_ids for row in rows], self.pad_id)
@@ -241,6 +247,10 @@ class DecodeLoop:
             raise failure
         if len(rows) and int(tokens[0]) == _FAILED:
             raise RuntimeError("rank 0 could not choose the next tokens (see its log)")
+        if self.rank != 0 and self.every_rank_answers:
+            for i, row in enumerate(rows):
+                if row.finish is None and row.params.logprobs is not None:
+                    row.pending_logprob = _logprob_entry(logits[i], int(tokens[i]), row.params.logprobs)
         return tokens
 
     @staticmethod
