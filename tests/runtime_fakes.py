@@ -67,15 +67,27 @@ class FakeEngine:
             if any(word == "RAISE" or word == f"RAISE@{request.params.seed}" for word in words):
                 raise RuntimeError("fake failure requested by the prompt")
         texts = {r.id: expected_text(r.prompt, r.params.max_new_tokens) for r in batch}
+        made = {r.id: 0 for r in batch}  # tokens generated so far; a row on_token turns down stops
+        stopped: set[str] = set()
         steps = max(r.params.max_new_tokens for r in batch)
         for step in range(steps):
             time.sleep(self.step_delay_s)
             for request in batch:
-                if step < request.params.max_new_tokens and on_token is not None:
-                    on_token(request.id, " " + texts[request.id].split(" ")[step + 1])
-        return [GenerationResult(id=r.id, text=texts[r.id], prompt_tokens=self.count_tokens(r.prompt),
-                                 generated_tokens=r.params.max_new_tokens, finish_reason="length")
-                for r in batch]
+                if step < request.params.max_new_tokens and request.id not in stopped:
+                    made[request.id] += 1
+                    if on_token is not None and on_token(request.id, " " + texts[request.id].split(" ")[step + 1]) is False:
+                        stopped.add(request.id)
+            if len(stopped) == len(batch):
+                break
+        results = [GenerationResult(id=r.id, text="".join(f" {w}" for w in texts[r.id].split()[:made[r.id]]),
+                                    prompt_tokens=self.count_tokens(r.prompt), generated_tokens=made[r.id],
+                                    finish_reason="cancelled" if r.id in stopped else "length") for r in batch]
+        if self.record_dir is not None:
+            with open(self.record_dir / "finished.jsonl", "a") as handle:
+                for result in results:
+                    handle.write(json.dumps({"rank": self.rank, "id": result.id, "generated_tokens": result.generated_tokens,
+                                             "finish_reason": result.finish_reason, "at": time.time()}) + "\n")
+        return results
 
 
 def fake_plan(**overrides: Any) -> dict[str, Any]:

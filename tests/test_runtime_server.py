@@ -215,12 +215,45 @@ def test_full_queue_answers_503_at_once_then_serves_again(tmp_path):
         assert post(srv, {"inputs": "after", "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 
-def test_request_timeout_is_424_and_nothing_hangs(tmp_path):
-    with serve_fake(tmp_path / "m", engine_kwargs={"step_delay_s": 0.2}, request_timeout_s=0.5) as srv:
-        start = time.monotonic()
+def _finished(record, deadline_s: float = 10.0) -> list[dict]:
+    """The fake engine's finished.jsonl lines, once there are some (rank 0's)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        path = record / "finished.jsonl"
+        if path.exists() and path.read_text().strip():
+            return [json.loads(line) for line in path.read_text().splitlines() if json.loads(line)["rank"] == 0]
+        time.sleep(0.05)
+    return []
+
+
+def test_request_timeout_is_424_and_stops_its_row(tmp_path):
+    record = tmp_path / "record"
+    record.mkdir()
+    with serve_fake(tmp_path / "m", engine_kwargs={"step_delay_s": 0.2, "record_dir": str(record)},
+                    request_timeout_s=0.5) as srv:
+        start = time.time()
         reply = post(srv, {"inputs": "slow", "parameters": {"max_new_tokens": 20}})
         assert reply.status_code == 424 and "timed out after 0.5s" in reply.json()["error"]
-        assert time.monotonic() - start < 20 * 0.2  # answered before the generation itself could end
+        assert time.time() - start < 20 * 0.2  # answered before the generation itself could end
+        # and the group did not decode the other 17 tokens nobody would read
+        [row] = _finished(record)
+        assert row["finish_reason"] == "cancelled" and row["generated_tokens"] < 20
+        assert row["at"] - start < 20 * 0.2 * 0.5
+
+
+def test_a_stream_the_client_drops_stops_its_row(tmp_path):
+    record = tmp_path / "record"
+    record.mkdir()
+    with serve_fake(tmp_path / "m", engine_kwargs={"step_delay_s": 0.1, "record_dir": str(record)}) as srv:
+        start = time.time()
+        with httpx.stream("POST", srv.url + "/invocations", timeout=30,
+                          json={"inputs": "drop me", "parameters": {"max_new_tokens": 60}, "stream": True}) as reply:
+            next(reply.iter_lines())
+        [row] = _finished(record)
+        assert row["finish_reason"] == "cancelled" and row["generated_tokens"] < 60
+        assert row["at"] - start < 60 * 0.1 * 0.5  # not after the 6 s the whole answer takes
+        assert post(srv, {"inputs": "next one", "parameters": {"max_new_tokens": 3}}).json() == {
+            "generated_text": expected_text("next one", 3)}
 
 
 def test_a_stream_the_client_drops_is_recorded_as_499_and_releases_its_slot(server):

@@ -68,6 +68,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
     finished: bool = False  # answered, failed or abandoned: later events are dropped
+    batch: tuple[int, int] | None = None  # (group, batch id) while a worker group decodes it
 
     @property
     def id(self) -> str:
@@ -146,8 +147,14 @@ class Scheduler:
             raise RequestFailed(503, str(exc)) from None
 
     def abandon(self, job: Job) -> None:
+        """The job's answer is no longer wanted (or has been given): out of the queue, and, when a group
+        is decoding it, that group stops its row (a client that left must not hold a batch slot)."""
         job.finished = True
         self.batcher.remove(job)
+        if job.batch is not None:
+            group, batch_id = job.batch
+            job.batch = None
+            self.groups[group].cancel(batch_id, job.id)
 
     # -- dispatch: one coroutine per group
 
@@ -165,12 +172,16 @@ class Scheduler:
                 continue
             batch_id = next(self._batch_ids)
             self._batches[batch_id] = {job.id: job for job in jobs}
+            for job in jobs:
+                job.batch = (index, batch_id)
             done = self._loop.create_future()
             self._batch_done[batch_id] = done
             try:
                 group.submit(batch_id, [job.request for job in jobs], [job.id for job in jobs if job.stream])
             except RuntimeError:  # it went down; its on_down is still on its way to this loop
                 del self._batches[batch_id], self._batch_done[batch_id]
+                for job in jobs:
+                    job.batch = None
                 self.batcher.requeue(jobs)
                 self._set_ready(index, False)  # wait for on_ready instead of spinning on the same batch
                 await asyncio.sleep(0)
@@ -241,6 +252,7 @@ class Scheduler:
             job = jobs.pop(result.id, None)
             if job is None:
                 continue
+            job.batch = None
             self.metrics.generated_tokens.inc(result.generated_tokens)
             self.metrics.prompt_tokens.inc(result.prompt_tokens)
             if job.first_token_at is None:
@@ -253,6 +265,7 @@ class Scheduler:
 
     def _failure(self, batch_id: int, message: str) -> None:
         for job in self._batches.pop(batch_id, {}).values():
+            job.batch = None
             self._fail(job, 424, message)
         self._finish_batch(batch_id)
 

@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -267,14 +268,16 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
         dist.destroy_process_group()
 
 
-def _next_message(spec: WorkerSpec, conn: Connection | None, control) -> tuple:
+def _next_message(spec: WorkerSpec, conn: Connection | None, control, inbox: deque) -> tuple:
     message: tuple | None = None
     if spec.rank == 0:
         assert conn is not None
         try:
-            message = conn.recv() if conn.poll(HEARTBEAT_S) else ("noop",)
+            message = inbox.popleft() if inbox else conn.recv() if conn.poll(HEARTBEAT_S) else ("noop",)
         except (EOFError, OSError):  # the front end is gone
             message = ("stop",)
+        if message[0] == "cancel":  # for a batch that has ended
+            message = ("noop",)
     if spec.world_size > 1:
         import torch.distributed as dist
 
@@ -286,8 +289,9 @@ def _next_message(spec: WorkerSpec, conn: Connection | None, control) -> tuple:
 
 
 def _serve_loop(engine, spec: WorkerSpec, conn: Connection | None, control) -> None:
+    inbox: deque = deque()  # rank 0: messages that came during a batch and wait for its end
     while True:
-        message = _next_message(spec, conn, control)
+        message = _next_message(spec, conn, control, inbox)
         kind = message[0]
         if kind == "stop":
             return
@@ -298,12 +302,18 @@ def _serve_loop(engine, spec: WorkerSpec, conn: Connection | None, control) -> N
         if spec.rank == 0:
             assert conn is not None
             seen: set[str] = set()
+            cancelled: set[str] = set()
 
-            def on_token(request_id: str, piece: Piece | str, _batch=batch_id, _forward=frozenset(forward), _seen=seen):
+            def on_token(request_id: str, piece: Piece | str, _batch=batch_id, _forward=frozenset(forward), _seen=seen,
+                         _cancelled=cancelled) -> bool:
+                _read_cancellations(conn, _batch, _cancelled, inbox)
+                if request_id in _cancelled or "*" in _cancelled:
+                    return False  # the decode loop stops that row
                 # Streaming requests get every piece; the others only their first (for TTFT).
                 if request_id in _forward or request_id not in _seen:
                     _seen.add(request_id)
                     conn.send(("token", _batch, request_id, piece if isinstance(piece, Piece) else Piece(piece)))
+                return True
         try:
             results = engine.generate(list(requests), on_token)
         except Exception as exc:  # a model failure: answered 424, the group keeps serving
@@ -312,6 +322,21 @@ def _serve_loop(engine, spec: WorkerSpec, conn: Connection | None, control) -> N
             continue
         if spec.rank == 0:
             conn.send(("result", batch_id, results))
+
+
+def _read_cancellations(conn: Connection, batch_id: int, cancelled: set[str], inbox: deque) -> None:
+    """Rank 0, during a batch: take the front end's messages that have come. Cancellations of this batch's
+    requests go into `cancelled` ("*" when the front end is gone); anything else waits in `inbox`."""
+    try:
+        while conn.poll(0):
+            message = conn.recv()
+            if message[0] != "cancel":
+                inbox.append(message)
+            elif message[1] == batch_id:
+                cancelled.add(message[2])
+    except (EOFError, OSError):
+        cancelled.add("*")
+        inbox.append(("stop",))
 
 
 # ---------------------------------------------------------------- the supervisor (front end)
@@ -386,6 +411,17 @@ class WorkerGroup:
             except (OSError, ValueError) as exc:
                 self._in_flight = None
                 raise RuntimeError(f"worker group {self.group} is gone: {exc}") from None
+
+    def cancel(self, batch_id: int, request_id: str) -> None:
+        """Tell rank 0 that `request_id` of the running batch `batch_id` is no longer wanted: it stops
+        decoding that row at its next piece. Nothing when that batch is over."""
+        with self._send_lock:
+            if self._conn is None or self._in_flight != batch_id:
+                return
+            try:
+                self._conn.send(("cancel", batch_id, request_id))
+            except (OSError, ValueError):
+                pass  # the group is going down; its supervisor says so
 
     def kill(self, reason: str) -> None:
         """Tear the group down now (a hung batch); the supervisor restarts it."""

@@ -48,7 +48,7 @@ class GenerationResult:
     text: str
     prompt_tokens: int
     generated_tokens: int
-    finish_reason: str  # "length" | "stop" | "eos"
+    finish_reason: str  # "length" | "stop" | "eos" | "cancelled"
     token_ids: list[int] = field(default_factory=list)
     # With params.logprobs: per generated token, (its log-probability, ((id, log-probability) of the most likely)).
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
@@ -69,8 +69,10 @@ class Piece:
     logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] | None = None
 
 
-# Called as tokens are produced: (request id, the new piece: a Piece, or its text alone).
-TokenCallback = Callable[[str, "Piece | str"], None]
+# Called as tokens are produced: (request id, the new piece: a Piece, or its text alone). Returning False
+# says the answer is no longer wanted (its client left, it timed out): rank 0 stops decoding that row,
+# every rank with it, and its result comes back with finish_reason "cancelled".
+TokenCallback = Callable[[str, "Piece | str"], "bool | None"]
 
 
 class Engine(Protocol):

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first new one (TGI uses 5 too)
 _FAILED = -1  # broadcast instead of tokens when rank 0 could not choose them
+_CANCELLED = -2  # broadcast instead of a row's token when its answer is no longer wanted
 _MIN_TEMPERATURE = 1e-5  # below this, dividing the logits overflows: greedy, which it tends to anyway
 
 
@@ -41,6 +42,7 @@ class _Row:
     streamed: str = ""
     finish: str | None = None
     stream_ok: bool = True
+    cancelled: bool = False  # rank 0: the stream callback said the answer is no longer wanted
     # Stop sequences count only if they end past this much of the text: the text before the
     # min_new_tokens-th token (as vLLM checks them only once min_tokens tokens exist).
     stop_from: int = 0
@@ -231,6 +233,9 @@ class DecodeLoop:
         if self.rank == 0:
             try:
                 for i, row in enumerate(rows):
+                    if row.finish is None and row.cancelled:
+                        tokens[i] = _CANCELLED
+                        continue
                     early = not row.params.ignore_eos and len(row.generated) < row.params.min_new_tokens
                     tokens[i] = self.pad_id if row.finish is not None else choose_token(
                         logits[i], row.params, self._context(row), row.generator, self._counts(row, logits[i]),
@@ -247,6 +252,9 @@ class DecodeLoop:
             raise failure
         if len(rows) and int(tokens[0]) == _FAILED:
             raise RuntimeError("rank 0 could not choose the next tokens (see its log)")
+        for i in (tokens == _CANCELLED).nonzero().flatten().tolist():  # on every rank alike
+            rows[i].finish = "cancelled"
+            tokens[i] = self.pad_id
         if self.rank != 0 and self.every_rank_answers:
             for i, row in enumerate(rows):
                 if row.finish is None and row.params.logprobs is not None:
@@ -318,7 +326,9 @@ class DecodeLoop:
                     entries = tuple((token_id, value, top) for token_id, (value, top)
                                     in zip(row.generated[start:], row.logprobs[start:]))
                 try:
-                    stream(row.request.id, Piece(piece, token, _log_prob(logits, token), last=final, logprobs=entries))
+                    wanted = stream(row.request.id, Piece(piece, token, _log_prob(logits, token), last=final,
+                                                          logprobs=entries))
+                    row.cancelled = wanted is False and not final
                 except Exception:  # a broken client must not break the lockstep with the other ranks
                     log.exception("streaming callback failed for request %s; no more pieces for it", row.request.id)
                     row.stream_ok = False
