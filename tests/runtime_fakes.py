@@ -56,7 +56,7 @@ class FakeEngine:
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 
-    def generate(self, batch: list[GenerationRequest], on_token=None) -> list[GenerationResult]:
+    def generate(self, batch: list[GenerationRequest], on_token=None, cancelled=None) -> list[GenerationResult]:
         if self.record_dir is not None:
             with open(self.record_dir / "batches.jsonl", "a") as handle:
                 params = [{key: getattr(r.params, key) for key in ("max_new_tokens", "do_sample", "temperature", "top_p",
@@ -67,18 +67,20 @@ class FakeEngine:
             if any(word == "RAISE" or word == f"RAISE@{request.params.seed}" for word in words):
                 raise RuntimeError("fake failure requested by the prompt")
         texts = {r.id: expected_text(r.prompt, r.params.max_new_tokens) for r in batch}
-        made = {r.id: 0 for r in batch}  # tokens generated so far; a row on_token turns down stops
+        made = {r.id: 0 for r in batch}  # tokens generated so far; rows the cancel probe names stop
         stopped: set[str] = set()
         steps = max(r.params.max_new_tokens for r in batch)
         for step in range(steps):
+            if cancelled is not None:
+                stopped.update(r.id for r in batch if r.id in cancelled())
+            if len(stopped) == len(batch):
+                break
             time.sleep(self.step_delay_s)
             for request in batch:
                 if step < request.params.max_new_tokens and request.id not in stopped:
                     made[request.id] += 1
-                    if on_token is not None and on_token(request.id, " " + texts[request.id].split(" ")[step + 1]) is False:
-                        stopped.add(request.id)
-            if len(stopped) == len(batch):
-                break
+                    if on_token is not None:
+                        on_token(request.id, " " + texts[request.id].split(" ")[step + 1])
         results = [GenerationResult(id=r.id, text="".join(f" {w}" for w in texts[r.id].split()[:made[r.id]]),
                                     prompt_tokens=self.count_tokens(r.prompt), generated_tokens=made[r.id],
                                     finish_reason="cancelled" if r.id in stopped else "length") for r in batch]

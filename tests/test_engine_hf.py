@@ -453,6 +453,24 @@ def test_streamed_pieces_carry_the_logprobs_of_the_tokens_their_text_covers():
     assert all(piece.logprobs is None for piece in _stream_pieces(tokenizer, script, logprobs=None))
 
 
+def test_the_cancel_probe_stops_a_row_that_streams_nothing_and_skips_rows_cancelled_before_their_run():
+    """Cancellation must not wait for a piece: a row generating special tokens (empty text) never streams."""
+    tokenizer = _sentencepiece_like_tokenizer()
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    calls, pieces = [], []
+
+    def probe():
+        calls.append(len(calls))
+        return {"a", "gone"} if len(calls) > 3 else {"gone"}  # once before the run, then once per step
+
+    loop = _scripted_loop(tokenizer, [bos] * 30)
+    results = loop.generate([GenerationRequest(rid, "fox", GenerationParams(max_new_tokens=30, ignore_eos=True))
+                             for rid in ("a", "gone")], on_token=lambda rid, piece: pieces.append(piece), cancelled=probe)
+    assert pieces == [] and [r.text for r in results] == ["", ""]
+    assert [(r.finish_reason, r.generated_tokens) for r in results] == [("cancelled", 2), ("cancelled", 0)]
+    assert len(calls) == 4  # the row stopped at the third step's probe, before a third token
+
+
 def _stream_pieces(tokenizer, script, logprobs):
     pieces = []
     _scripted_loop(tokenizer, script).generate(

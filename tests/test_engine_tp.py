@@ -174,8 +174,9 @@ def test_a_token_choice_failing_on_rank_0_fails_every_rank_together(tp2_run):
 
 
 def _cancelling_rank(rank: int, opened: list[str], artifact: str) -> dict:
-    """Rank 0's stream callback turns request "a" down at its second piece (its client left): every rank
-    stops that row, the other row decodes on, and the next batch is served in lockstep."""
+    """Rank 0's cancel probe names request "x" from the start and "a" once it has streamed two pieces (their
+    clients left): every rank leaves "x" out of the run and stops "a", "b" decodes on, and the next batch
+    is served in lockstep."""
     from lmc.runtime.engines import create_engine
     from lmc.runtime.engines.base import GenerationParams, GenerationRequest
 
@@ -186,11 +187,13 @@ def _cancelling_rank(rank: int, opened: list[str], artifact: str) -> dict:
 
     def on_token(request_id, piece):
         pieces[request_id] += 1
-        return not (request_id == "a" and pieces["a"] >= 2)
+
+    def probe():
+        return {"x", "a"} if pieces["a"] >= 2 else {"x"}
 
     batch = [GenerationRequest(rid, PROMPTS[0], GenerationParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-             for rid in ("a", "b")]
-    results = engine.generate(batch, on_token)
+             for rid in ("a", "x", "b")]
+    results = engine.generate(batch, on_token, cancelled=probe if rank == 0 else None)
     then = engine.generate([GenerationRequest("c", PROMPTS[1], GenerationParams(max_new_tokens=4))])[0].token_ids
     return {"results": [(r.finish_reason, r.generated_tokens, r.token_ids) for r in results], "then": then,
             "pieces": pieces}
@@ -199,9 +202,10 @@ def _cancelling_rank(rank: int, opened: list[str], artifact: str) -> dict:
 def test_a_row_turned_down_on_rank_0_stops_on_every_rank(tp2_run):
     checkpoints, artifacts, _ = tp2_run
     results = run_tp_ranks(_cancelling_rank, artifacts["llama"][1], timeout_s=120)
-    (a_reason, a_count, a_ids), (b_reason, b_count, b_ids) = results[0]["results"]
+    (a_reason, a_count, a_ids), x, (b_reason, b_count, b_ids) = results[0]["results"]
     assert (a_reason, b_reason) == ("cancelled", "length") and b_count == NEW_TOKENS
     assert 2 <= a_count < NEW_TOKENS and a_ids == b_ids[:a_count]  # the same greedy row, cut short
+    assert x == ("cancelled", 0, [])  # never decoded
     assert results[1]["results"] == results[0]["results"]  # rank 1 learnt it from the broadcast
     assert results[1]["pieces"] == {"a": 0, "b": 0}  # (rank 1 streams nothing)
     assert results[0]["then"] == results[1]["then"] == hf_greedy(checkpoints["llama"], PROMPTS[1], 4)

@@ -229,16 +229,38 @@ def _finished(record, deadline_s: float = 10.0) -> list[dict]:
 def test_request_timeout_is_424_and_stops_its_row(tmp_path):
     record = tmp_path / "record"
     record.mkdir()
-    with serve_fake(tmp_path / "m", engine_kwargs={"step_delay_s": 0.2, "record_dir": str(record)},
+    with serve_fake(tmp_path / "m", engine_kwargs={"step_delay_s": 0.6, "record_dir": str(record)},
                     request_timeout_s=0.5) as srv:
         start = time.time()
         reply = post(srv, {"inputs": "slow", "parameters": {"max_new_tokens": 20}})
         assert reply.status_code == 424 and "timed out after 0.5s" in reply.json()["error"]
-        assert time.time() - start < 20 * 0.2  # answered before the generation itself could end
-        # and the group did not decode the other 17 tokens nobody would read
+        assert time.time() - start < 20 * 0.6  # answered before the generation itself could end
+        # and the group did not decode the other tokens nobody would read
         [row] = _finished(record)
         assert row["finish_reason"] == "cancelled" and row["generated_tokens"] < 20
-        assert row["at"] - start < 20 * 0.2 * 0.5
+        assert row["at"] - start < 20 * 0.6 * 0.25
+        # its first token came after the timeout: no time-to-first-token was observed for it
+        assert "lmc_time_to_first_token_seconds_count 0.0" in httpx.get(srv.url + "/metrics").text
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/invocations", {"inputs": "gave up", "parameters": {"max_new_tokens": 60}}),
+    ("/v1/completions", {"prompt": "gave up", "max_tokens": 60, "n": 2}),
+], ids=["invocations", "openai-n2"])
+def test_a_client_that_gives_up_on_a_whole_answer_stops_its_rows(tmp_path, path, body):
+    record = tmp_path / "record"
+    record.mkdir()
+    with serve_fake(tmp_path / "m", engine_kwargs={"step_delay_s": 0.1, "record_dir": str(record)}) as srv:
+        start = time.time()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + path, json=body, timeout=0.5)
+        rows = _finished(record)
+        assert rows and all(row["finish_reason"] == "cancelled" and row["generated_tokens"] < 60 for row in rows)
+        assert all(row["at"] - start < 60 * 0.1 * 0.5 for row in rows)
+        metrics = httpx.get(srv.url + "/metrics").text
+        endpoint = path.strip("/").replace("/", "_").removeprefix("v1_")
+        assert f'lmc_requests_total{{endpoint="{endpoint}",status="499"}} 1.0' in metrics, metrics
+        assert "lmc_requests_in_flight 0.0" in metrics
 
 
 def test_a_stream_the_client_drops_stops_its_row(tmp_path):

@@ -112,3 +112,74 @@ def test_a_fatal_load_failure_stops_the_group_and_tells_the_scheduler(tmp_path):
         assert str(fatal) == "worker group 0 cannot load the model: no SDK here"
         assert srv.runtime.scheduler.groups[0].restarts == 0
         assert "lmc_worker_group_restarts_total 0.0" in srv.runtime.metrics.render().decode()  # nothing restarted
+
+
+class _Rank0:
+    """Rank 0's serve loop (world size 1) in a thread, over a real Pipe, as the supervisor drives it."""
+
+    def __init__(self, step_delay_s: float = 0.05):
+        import multiprocessing
+
+        from lmc.runtime import workers
+        from runtime_fakes import FakeEngine
+
+        self.front, end = multiprocessing.Pipe(duplex=True)
+        self.errors: list[str] = []
+
+        def run():
+            try:
+                workers._serve_loop(FakeEngine(step_delay_s=step_delay_s), workers.WorkerSpec("-", 0, 0, 1, "none"), end, None)
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                self.errors.append(repr(exc))
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def batch(self, batch_id: int, *rows: tuple[str, int]) -> None:
+        from lmc.runtime.engines.base import GenerationParams, GenerationRequest
+
+        self.front.send(("batch", batch_id, [GenerationRequest(rid, "a b c", GenerationParams(max_new_tokens=n))
+                                             for rid, n in rows], []))
+
+    def answer(self, timeout_s: float = 10.0) -> tuple:
+        while self.front.poll(timeout_s):
+            message = self.front.recv()
+            if message[0] != "token":
+                return message
+        raise AssertionError("rank 0 sent no answer")
+
+
+def test_rank0_ignores_a_cancel_that_comes_after_its_batch_ended():
+    """abandon() can run while the result is on its way: the late cancel must not be read as a batch."""
+    rank0 = _Rank0()
+    rank0.batch(1, ("x", 3))
+    assert rank0.answer()[0] == "result"
+    rank0.front.send(("cancel", 1, "x"))
+    rank0.batch(2, ("y", 3))
+    kind, batch_id, results = rank0.answer()
+    assert (kind, batch_id, [(r.id, r.finish_reason) for r in results]) == ("result", 2, [("y", "length")])
+    assert rank0.errors == []
+
+
+def test_rank0_cancels_only_rows_of_its_running_batch_and_keeps_other_messages_for_later():
+    rank0 = _Rank0()
+    rank0.batch(2, ("x", 20), ("y", 20))
+    time.sleep(0.2)
+    rank0.front.send(("cancel", 1, "y"))  # another batch's request of the same id: not this row
+    rank0.front.send(("cancel", 2, "x"))
+    rank0.front.send(("stop",))  # the drain gave up: honoured once the batch has answered
+    kind, _, results = rank0.answer()
+    assert kind == "result"
+    x, y = results
+    assert x.finish_reason == "cancelled" and x.generated_tokens < 20 and (y.finish_reason, y.generated_tokens) == ("length", 20)
+    rank0.thread.join(5)
+    assert not rank0.thread.is_alive() and rank0.errors == []
+
+
+def test_rank0_stops_cleanly_when_the_front_end_goes_away_mid_batch():
+    rank0 = _Rank0()
+    rank0.batch(1, ("x", 200))
+    time.sleep(0.2)
+    rank0.front.close()
+    rank0.thread.join(5)  # the rows are given up at once (200 steps would take 10 s), no traceback
+    assert not rank0.thread.is_alive() and rank0.errors == []

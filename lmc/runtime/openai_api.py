@@ -265,10 +265,8 @@ async def _handle(request: Request, chat: bool) -> Response:
     if stream:
         return StreamingResponse(_stream(runtime, jobs, chat, ident, created, model, _include_usage(body), started),
                                  media_type="text/event-stream")
-    import asyncio
-
     try:
-        results = await asyncio.gather(*(runtime.result(job) for job in jobs))
+        results = await runtime.results(jobs, request)
     except RequestFailed as exc:
         for job in jobs:
             runtime.scheduler.abandon(job)

@@ -255,7 +255,7 @@ class Scheduler:
             job.batch = None
             self.metrics.generated_tokens.inc(result.generated_tokens)
             self.metrics.prompt_tokens.inc(result.prompt_tokens)
-            if job.first_token_at is None:
+            if job.first_token_at is None and not job.finished:  # (a given-up job never had a first token)
                 self.metrics.ttft.observe(time.monotonic() - job.enqueued_at)
             if not job.finished:
                 job.events.put_nowait(("done", result))
@@ -409,6 +409,24 @@ class Runtime:
         if self._in_flight == 0:
             self._idle.set()
 
+    async def results(self, jobs: list[Job], request: Request) -> list[GenerationResult]:
+        """Every job's result, in order (the first failure raised). A client that disconnects first gets
+        its jobs given up, so their rows stop, and RequestFailed 499: nobody reads the answer."""
+        answers = asyncio.ensure_future(asyncio.gather(*(self.result(job) for job in jobs)))
+        gone = asyncio.ensure_future(_client_gone(request))
+        answered = False
+        try:
+            await asyncio.wait({answers, gone}, return_when=asyncio.FIRST_COMPLETED)
+            answered = answers.done()
+        finally:
+            gone.cancel()
+            if not answers.done():
+                answers.cancel()  # each result() gives its job up as it ends
+                await asyncio.gather(answers, return_exceptions=True)
+        if not answered:
+            raise RequestFailed(CLIENT_CLOSED, "the client closed the connection before the answer")
+        return answers.result()
+
     async def result(self, job: Job) -> GenerationResult:
         """Wait for the job's result; RequestFailed 424 on a model failure or the timeout."""
         events = self.events(job)
@@ -481,7 +499,7 @@ async def invocations(request: Request) -> Response:
     if stream:
         return StreamingResponse(_jsonlines(runtime, jobs[0], details, started), media_type="application/jsonlines")
     try:
-        results = await asyncio.gather(*(runtime.result(job) for job in jobs))
+        results = await runtime.results(jobs, request)
     except RequestFailed as exc:
         for job in jobs:
             runtime.scheduler.abandon(job)
@@ -519,6 +537,13 @@ async def _jsonlines(runtime: Runtime, job: Job, details: bool, started: float) 
     finally:
         runtime.release()
         runtime.record("invocations", status, started)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: the ASGI server's next message is
+    the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _line(obj: dict) -> bytes:

@@ -305,28 +305,30 @@ def _serve_loop(engine, spec: WorkerSpec, conn: Connection | None, control) -> N
             cancelled: set[str] = set()
 
             def on_token(request_id: str, piece: Piece | str, _batch=batch_id, _forward=frozenset(forward), _seen=seen,
-                         _cancelled=cancelled) -> bool:
-                _read_cancellations(conn, _batch, _cancelled, inbox)
-                if request_id in _cancelled or "*" in _cancelled:
-                    return False  # the decode loop stops that row
+                         _cancelled=cancelled) -> None:
                 # Streaming requests get every piece; the others only their first (for TTFT).
-                if request_id in _forward or request_id not in _seen:
+                if request_id not in _cancelled and (request_id in _forward or request_id not in _seen):
                     _seen.add(request_id)
                     conn.send(("token", _batch, request_id, piece if isinstance(piece, Piece) else Piece(piece)))
-                return True
+
+            def probe(_batch=batch_id, _cancelled=cancelled, _ids=[r.id for r in requests]) -> set[str]:
+                if _read_cancellations(conn, _batch, _cancelled, inbox):
+                    _cancelled.update(_ids)  # the front end is gone: nobody reads any of them
+                return _cancelled
         try:
-            results = engine.generate(list(requests), on_token)
+            results = engine.generate(list(requests), on_token, cancelled=probe if spec.rank == 0 else None)
         except Exception as exc:  # a model failure: answered 424, the group keeps serving
-            if spec.rank == 0:
-                conn.send(("error", batch_id, f"model failure: {type(exc).__name__}: {exc}"))
+            if spec.rank == 0 and not _send(conn, ("error", batch_id, f"model failure: {type(exc).__name__}: {exc}")):
+                inbox.append(("stop",))
             continue
-        if spec.rank == 0:
-            conn.send(("result", batch_id, results))
+        if spec.rank == 0 and not _send(conn, ("result", batch_id, results)):
+            inbox.append(("stop",))
 
 
-def _read_cancellations(conn: Connection, batch_id: int, cancelled: set[str], inbox: deque) -> None:
+def _read_cancellations(conn: Connection, batch_id: int, cancelled: set[str], inbox: deque) -> bool:
     """Rank 0, during a batch: take the front end's messages that have come. Cancellations of this batch's
-    requests go into `cancelled` ("*" when the front end is gone); anything else waits in `inbox`."""
+    requests go into `cancelled`; anything else waits in `inbox`. True when the front end is gone (a
+    stop is then queued)."""
     try:
         while conn.poll(0):
             message = conn.recv()
@@ -335,8 +337,19 @@ def _read_cancellations(conn: Connection, batch_id: int, cancelled: set[str], in
             elif message[1] == batch_id:
                 cancelled.add(message[2])
     except (EOFError, OSError):
-        cancelled.add("*")
-        inbox.append(("stop",))
+        if ("stop",) not in inbox:
+            inbox.append(("stop",))
+        return True
+    return False
+
+
+def _send(conn: Connection, message: tuple) -> bool:
+    """Rank 0's answer to the front end; False when it is gone."""
+    try:
+        conn.send(message)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- the supervisor (front end)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Collection, Protocol
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,12 @@ class Piece:
     logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] | None = None
 
 
-# Called as tokens are produced: (request id, the new piece: a Piece, or its text alone). Returning False
-# says the answer is no longer wanted (its client left, it timed out): rank 0 stops decoding that row,
-# every rank with it, and its result comes back with finish_reason "cancelled".
-TokenCallback = Callable[[str, "Piece | str"], "bool | None"]
+# Called as tokens are produced: (request id, the new piece: a Piece, or its text alone).
+TokenCallback = Callable[[str, "Piece | str"], None]
+# Called by rank 0 before each step: the ids of the batch's requests whose answers are no longer wanted
+# (the client left, the request timed out). Their rows stop, on every rank at the same step, and their
+# results come back with finish_reason "cancelled".
+CancelProbe = Callable[[], "Collection[str]"]
 
 
 class Engine(Protocol):
@@ -87,7 +89,8 @@ class Engine(Protocol):
     def load(self, model_dir: Path, rank: int, world_size: int) -> None:
         """Load rank `rank`'s shard of the artifact in `model_dir` (only that shard file)."""
 
-    def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
+    def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None,
+                 cancelled: CancelProbe | None = None) -> list[GenerationResult]:
         """Generate for a batch; results in the batch's order. Raises on a model failure."""
 
     def count_tokens(self, text: str) -> int:

@@ -17,12 +17,13 @@ import logging
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 import torch.distributed as dist
 
-from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult, Piece, TokenCallback
+from lmc.runtime.engines.base import (CancelProbe, GenerationParams, GenerationRequest, GenerationResult, Piece,
+                                      TokenCallback)
 
 log = logging.getLogger(__name__)
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
@@ -42,7 +43,7 @@ class _Row:
     streamed: str = ""
     finish: str | None = None
     stream_ok: bool = True
-    cancelled: bool = False  # rank 0: the stream callback said the answer is no longer wanted
+    cancelled: bool = False  # rank 0: the cancel probe named this row's request
     # Stop sequences count only if they end past this much of the text: the text before the
     # min_new_tokens-th token (as vLLM checks them only once min_tokens tokens exist).
     stop_from: int = 0
@@ -122,11 +123,14 @@ class DecodeLoop:
     # -- the loop -----------------------------------------------------------------------------------------
 
     def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None,
-                 max_rows: int | None = None, same_length: bool = False) -> list[GenerationResult]:
+                 cancelled: CancelProbe | None = None, max_rows: int | None = None,
+                 same_length: bool = False) -> list[GenerationResult]:
         """Decode `batch`, in runs: left padding puts every row's positions at the widest prompt's, so
         a run keeps its widest prompt plus its largest max_new_tokens within max_sequence_length (the
         positions the model has, and the KV cache the plan reserved), and at most `max_rows` rows.
-        `same_length` (a model that cannot mask left padding): each run holds prompts of one length."""
+        `same_length` (a model that cannot mask left padding): each run holds prompts of one length.
+        `cancelled` (rank 0's; see CancelProbe) is asked before each run, whose cancelled rows are left
+        out, and before each step."""
         rows = [self._row(request) for request in batch]
         if same_length:
             rows.sort(key=lambda row: len(row.prompt_ids))  # stable: equal lengths stay in arrival order
@@ -134,11 +138,32 @@ class DecodeLoop:
         lengths = [len(row.prompt_ids) for row in rows]
         for run in pack_batches(rows, lengths, [row.params.max_new_tokens for row in rows],
                                 max_rows or len(rows) or 1, self.max_sequence_length, same_length):
-            for row in self._decode(run, on_token):
+            live = self._drop_cancelled(run, cancelled)
+            if live:
+                self._decode(live, on_token, cancelled)
+            for row in run:
                 results[row.request.id] = self._result(row)
         return [results[request.id] for request in batch]
 
-    def _decode(self, rows: list[_Row], on_token: TokenCallback | None) -> list[_Row]:
+    def _drop_cancelled(self, run: list[_Row], cancelled: CancelProbe | None) -> list[_Row]:
+        """`run` without the rows rank 0's probe names (they finish "cancelled" unprefilled), the same on
+        every rank: rank 0 broadcasts which."""
+        if cancelled is None and self.world_size == 1:
+            return run
+        gone = torch.zeros(len(run), dtype=torch.long, device=self.device)
+        if self.rank == 0 and cancelled is not None:
+            names = _ask(cancelled)
+            gone.copy_(torch.tensor([row.request.id in names for row in run], dtype=torch.long))
+        if self.world_size > 1:
+            source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+            dist.broadcast(gone, src=source, group=self.group)
+        for row, flag in zip(run, gone.tolist()):
+            if flag:
+                row.finish = "cancelled"
+        return [row for row in run if row.finish is None]
+
+    def _decode(self, rows: list[_Row], on_token: TokenCallback | None, cancelled: CancelProbe | None = None
+                ) -> list[_Row]:
         stream = on_token if self.rank == 0 or self.every_rank_answers else None
         with torch.inference_mode():
             if self.prefill is not None:
@@ -148,6 +173,10 @@ class DecodeLoop:
             else:
                 logits, advance = self._prefill_causal(rows)
             while True:
+                if self.rank == 0 and cancelled is not None:
+                    names = _ask(cancelled)
+                    for row in rows:
+                        row.cancelled = row.cancelled or row.request.id in names
                 tokens = self._next_tokens(logits, rows)
                 for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
                     if row.finish is None:
@@ -326,9 +355,7 @@ class DecodeLoop:
                     entries = tuple((token_id, value, top) for token_id, (value, top)
                                     in zip(row.generated[start:], row.logprobs[start:]))
                 try:
-                    wanted = stream(row.request.id, Piece(piece, token, _log_prob(logits, token), last=final,
-                                                          logprobs=entries))
-                    row.cancelled = wanted is False and not final
+                    stream(row.request.id, Piece(piece, token, _log_prob(logits, token), last=final, logprobs=entries))
                 except Exception:  # a broken client must not break the lockstep with the other ranks
                     log.exception("streaming callback failed for request %s; no more pieces for it", row.request.id)
                     row.stream_ok = False
@@ -347,6 +374,15 @@ class DecodeLoop:
                                 generated_tokens=len(row.generated), finish_reason=row.finish or "length",
                                 token_ids=list(row.generated),
                                 logprobs=list(row.logprobs) if row.params.logprobs is not None else None)
+
+
+def _ask(cancelled: CancelProbe) -> Collection[str]:
+    """The probe's answer; nothing when it fails (the other ranks are waiting in the next broadcast)."""
+    try:
+        return cancelled()
+    except Exception:
+        log.exception("the cancel probe failed; no row is cancelled this step")
+        return ()
 
 
 def _bias_tensors(logit_bias: tuple[tuple[int, float], ...], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lmc.errors import ArtifactError, InternalError, MissingDependencyError
 from lmc.layouts import shard_path
-from lmc.runtime.engines.base import GenerationRequest, GenerationResult, TokenCallback
+from lmc.runtime.engines.base import CancelProbe, GenerationRequest, GenerationResult, TokenCallback
 
 log = logging.getLogger(__name__)
 
@@ -202,10 +202,11 @@ class HFEngine:
         model.eval()
         return model.to(device)
 
-    def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
+    def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None,
+                 cancelled: CancelProbe | None = None) -> list[GenerationResult]:
         if self.loop is None:
             raise InternalError("generate called before load")
-        return self.loop.generate(batch, on_token)
+        return self.loop.generate(batch, on_token, cancelled=cancelled)
 
     def count_tokens(self, text: str) -> int:
         if self.loop is None:

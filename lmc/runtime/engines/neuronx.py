@@ -26,7 +26,7 @@ from pathlib import Path
 from lmc.errors import InternalError, MissingDependencyError
 from lmc.neuron_sdk import (AMP, COMPILED_DIR, NEURON_PIP_INDEX, SAMPLING_CLASSES, from_pretrained_kwargs,
                             int8_neuron_config, neuron_cc_flags)
-from lmc.runtime.engines.base import GenerationRequest, GenerationResult, TokenCallback
+from lmc.runtime.engines.base import CancelProbe, GenerationRequest, GenerationResult, TokenCallback
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +107,14 @@ class NeuronxEngine:
     def count_tokens(self, text: str) -> int:
         return self._loop.count_tokens(text)
 
-    def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
+    def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None,
+                 cancelled: CancelProbe | None = None) -> list[GenerationResult]:
         if self._loop is None:
             raise InternalError("generate called before load")
         # Runs fit the compiled graphs (batch size, positions). GPT-J's graphs ignore start_ids (its
         # attention mask comes from cache positions only), so a left-padded row would attend to its
         # padding: its runs hold prompts of one length.
-        return self._loop.generate(batch, on_token, max_rows=self.batch_size,
+        return self._loop.generate(batch, on_token, cancelled=cancelled, max_rows=self.batch_size,
                                    same_length=self.family not in LEFT_PADDING_FAMILIES)
 
     def _prefill(self, prompts: list[list[int]], pad_id: int):
