@@ -471,6 +471,27 @@ def test_the_cancel_probe_stops_a_row_that_streams_nothing_and_skips_rows_cancel
     assert len(calls) == 4  # the row stopped at the third step's probe, before a third token
 
 
+def test_rows_cancelled_while_an_earlier_run_decodes_are_never_prefilled():
+    """A batch split into runs (max_rows 1): the probe is asked before each run, so a row cancelled while
+    the first run decoded is left out of the second, which then does not run at all."""
+    tokenizer = _sentencepiece_like_tokenizer()
+    loop = _scripted_loop(tokenizer, tokenizer(" the quick", add_special_tokens=False)["input_ids"])
+    prefilled, ended = [], []
+    inner = loop.prefill
+
+    def prefill(prompts, pad_id):
+        prefilled.append(len(prompts))
+        return inner(prompts, pad_id)
+
+    loop.prefill = prefill
+    results = loop.generate([GenerationRequest(rid, "fox", GenerationParams(max_new_tokens=5)) for rid in ("first", "second")],
+                            on_token=lambda rid, piece: piece.last and ended.append(rid),
+                            cancelled=lambda: {"second"} if ended else set(), max_rows=1)
+    assert results[0].finish_reason != "cancelled" and results[0].generated_tokens > 0
+    assert (results[1].finish_reason, results[1].generated_tokens) == ("cancelled", 0)
+    assert prefilled == [1]
+
+
 def _stream_pieces(tokenizer, script, logprobs):
     pieces = []
     _scripted_loop(tokenizer, script).generate(

@@ -161,17 +161,28 @@ def test_rank0_ignores_a_cancel_that_comes_after_its_batch_ended():
     assert rank0.errors == []
 
 
-def test_rank0_cancels_only_rows_of_its_running_batch_and_keeps_other_messages_for_later():
+def test_rank0_cancels_only_rows_of_its_running_batch():
     rank0 = _Rank0()
     rank0.batch(2, ("x", 20), ("y", 20))
     time.sleep(0.2)
     rank0.front.send(("cancel", 1, "y"))  # another batch's request of the same id: not this row
     rank0.front.send(("cancel", 2, "x"))
-    rank0.front.send(("stop",))  # the drain gave up: honoured once the batch has answered
     kind, _, results = rank0.answer()
     assert kind == "result"
     x, y = results
     assert x.finish_reason == "cancelled" and x.generated_tokens < 20 and (y.finish_reason, y.generated_tokens) == ("length", 20)
+    assert rank0.errors == []
+
+
+def test_a_stop_during_a_batch_stops_its_rows_answers_then_ends_rank0():
+    """The front end stops a group mid-batch only when its drain gave up: nobody will read the rows."""
+    rank0 = _Rank0()
+    rank0.batch(1, ("x", 200), ("y", 200))
+    time.sleep(0.2)
+    rank0.front.send(("stop",))
+    kind, _, results = rank0.answer()
+    assert kind == "result" and [r.finish_reason for r in results] == ["cancelled", "cancelled"]
+    assert all(r.generated_tokens < 200 for r in results)
     rank0.thread.join(5)
     assert not rank0.thread.is_alive() and rank0.errors == []
 

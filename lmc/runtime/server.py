@@ -412,7 +412,8 @@ class Runtime:
     async def results(self, jobs: list[Job], request: Request) -> list[GenerationResult]:
         """Every job's result, in order (the first failure raised). A client that disconnects first gets
         its jobs given up, so their rows stop, and RequestFailed 499: nobody reads the answer."""
-        answers = asyncio.ensure_future(asyncio.gather(*(self.result(job) for job in jobs)))
+        waits = [asyncio.ensure_future(self.result(job)) for job in jobs]
+        answers = asyncio.gather(*waits)
         gone = asyncio.ensure_future(_client_gone(request))
         answered = False
         try:
@@ -420,9 +421,11 @@ class Runtime:
             answered = answers.done()
         finally:
             gone.cancel()
-            if not answers.done():
-                answers.cancel()  # each result() gives its job up as it ends
-                await asyncio.gather(answers, return_exceptions=True)
+            # The client left, or one job failed (the others are not waited for): each wait still running
+            # gives its job up as it is cancelled.
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
         if not answered:
             raise RequestFailed(CLIENT_CLOSED, "the client closed the connection before the answer")
         return answers.result()

@@ -309,11 +309,12 @@ def _serve_loop(engine, spec: WorkerSpec, conn: Connection | None, control) -> N
                 # Streaming requests get every piece; the others only their first (for TTFT).
                 if request_id not in _cancelled and (request_id in _forward or request_id not in _seen):
                     _seen.add(request_id)
-                    conn.send(("token", _batch, request_id, piece if isinstance(piece, Piece) else Piece(piece)))
+                    if not _send(conn, ("token", _batch, request_id, piece if isinstance(piece, Piece) else Piece(piece))):
+                        _cancelled.add(request_id)  # the front end is gone: the next probe stops every row
 
             def probe(_batch=batch_id, _cancelled=cancelled, _ids=[r.id for r in requests]) -> set[str]:
                 if _read_cancellations(conn, _batch, _cancelled, inbox):
-                    _cancelled.update(_ids)  # the front end is gone: nobody reads any of them
+                    _cancelled.update(_ids)  # nobody reads any of them
                 return _cancelled
         try:
             results = engine.generate(list(requests), on_token, cancelled=probe if spec.rank == 0 else None)
@@ -327,8 +328,9 @@ def _serve_loop(engine, spec: WorkerSpec, conn: Connection | None, control) -> N
 
 def _read_cancellations(conn: Connection, batch_id: int, cancelled: set[str], inbox: deque) -> bool:
     """Rank 0, during a batch: take the front end's messages that have come. Cancellations of this batch's
-    requests go into `cancelled`; anything else waits in `inbox`. True when the front end is gone (a
-    stop is then queued)."""
+    requests go into `cancelled`; anything else waits in `inbox`. True when the whole batch is to stop:
+    the front end is gone (a stop is then queued) or has said stop (its drain gave up: nobody will
+    read the answers)."""
     try:
         while conn.poll(0):
             message = conn.recv()
@@ -340,7 +342,7 @@ def _read_cancellations(conn: Connection, batch_id: int, cancelled: set[str], in
         if ("stop",) not in inbox:
             inbox.append(("stop",))
         return True
-    return False
+    return ("stop",) in inbox
 
 
 def _send(conn: Connection, message: tuple) -> bool:
@@ -427,7 +429,7 @@ class WorkerGroup:
 
     def cancel(self, batch_id: int, request_id: str) -> None:
         """Tell rank 0 that `request_id` of the running batch `batch_id` is no longer wanted: it stops
-        decoding that row at its next piece. Nothing when that batch is over."""
+        decoding that row before its next step. Nothing when that batch is over."""
         with self._send_lock:
             if self._conn is None or self._in_flight != batch_id:
                 return
