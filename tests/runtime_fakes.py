@@ -26,10 +26,14 @@ def expected_text(prompt: str, max_new_tokens: int) -> str:
 
 
 class FakeEngine:
-    """Knobs: `step_delay_s` per generated token (slow), `load_delay_s`, `record_dir` (one line per
-    batch: rank, size and each request's sampling parameters; pid files per rank), `load_error` / `load_error_rank` (load raises an
+    """Knobs: `step_delay_s` per generated token (slow), `load_delay_s`, `record_dir` (batches.jsonl, one
+    line per batch: rank, size and each request's sampling parameters; finished.jsonl, one line per
+    request: rank, id, generated_tokens, finish_reason, time; pid files per rank), `load_error` / `load_error_rank` (load raises an
     LmcError), `load_crash_rank` (load raises a plain error). Prompts containing RAISE make generate raise;
-    RAISE@N only when that request's seed is N (one of n choices)."""
+    RAISE@N only when that request's seed is N (one of n choices). Rows the cancel probe names stop
+    before their next step, finish_reason "cancelled"."""
+
+    every_rank_answers = False  # every rank answers alike anyway
 
     def __init__(self, step_delay_s: float = 0.0, load_delay_s: float = 0.0, record_dir: str | None = None,
                  load_error: str | None = None, load_error_rank: int | None = None, load_crash_rank: int | None = None):
@@ -56,7 +60,7 @@ class FakeEngine:
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 
-    def generate(self, batch: list[GenerationRequest], on_token=None, cancelled=None) -> list[GenerationResult]:
+    def generate(self, batch: list[GenerationRequest], on_token=None, cancel_probe=None) -> list[GenerationResult]:
         if self.record_dir is not None:
             with open(self.record_dir / "batches.jsonl", "a") as handle:
                 params = [{key: getattr(r.params, key) for key in ("max_new_tokens", "do_sample", "temperature", "top_p",
@@ -71,8 +75,8 @@ class FakeEngine:
         stopped: set[str] = set()
         steps = max(r.params.max_new_tokens for r in batch)
         for step in range(steps):
-            if cancelled is not None:
-                stopped.update(r.id for r in batch if r.id in cancelled())
+            if cancel_probe is not None:
+                stopped.update(r.id for r in batch if r.id in cancel_probe())
             if len(stopped) == len(batch):
                 break
             time.sleep(self.step_delay_s)

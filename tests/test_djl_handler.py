@@ -36,6 +36,7 @@ class FakeEngine:
     before generating or, with `fail_after_first`, after the first piece."""
 
     max_sequence_length = 64
+    every_rank_answers = False  # the handler sets it
 
     def __init__(self, fail=None, hold=None, fail_after_first=False):
         self.loaded, self.batches, self.fail, self.hold, self.fail_after_first = None, [], fail, hold, fail_after_first
@@ -47,7 +48,7 @@ class FakeEngine:
     def count_tokens(self, text):
         return len(text.split())
 
-    def generate(self, batch, on_token=None):
+    def generate(self, batch, on_token=None, cancel_probe=None):
         self.batches.append(batch)
         if self.fail and not self.fail_after_first:
             raise self.fail

@@ -465,7 +465,7 @@ def test_the_cancel_probe_stops_a_row_that_streams_nothing_and_skips_rows_cancel
 
     loop = _scripted_loop(tokenizer, [bos] * 30)
     results = loop.generate([GenerationRequest(rid, "fox", GenerationParams(max_new_tokens=30, ignore_eos=True))
-                             for rid in ("a", "gone")], on_token=lambda rid, piece: pieces.append(piece), cancelled=probe)
+                             for rid in ("a", "gone")], on_token=lambda rid, piece: pieces.append(piece), cancel_probe=probe)
     assert pieces == [] and [r.text for r in results] == ["", ""]
     assert [(r.finish_reason, r.generated_tokens) for r in results] == [("cancelled", 2), ("cancelled", 0)]
     assert len(calls) == 4  # the row stopped at the third step's probe, before a third token
@@ -486,7 +486,7 @@ def test_rows_cancelled_while_an_earlier_run_decodes_are_never_prefilled():
     loop.prefill = prefill
     results = loop.generate([GenerationRequest(rid, "fox", GenerationParams(max_new_tokens=5)) for rid in ("first", "second")],
                             on_token=lambda rid, piece: piece.last and ended.append(rid),
-                            cancelled=lambda: {"second"} if ended else set(), max_rows=1)
+                            cancel_probe=lambda: {"second"} if ended else set(), max_rows=1)
     assert results[0].finish_reason != "cancelled" and results[0].generated_tokens > 0
     assert (results[1].finish_reason, results[1].generated_tokens) == ("cancelled", 0)
     assert prefilled == [1]

@@ -193,7 +193,7 @@ def _cancelling_rank(rank: int, opened: list[str], artifact: str) -> dict:
 
     batch = [GenerationRequest(rid, PROMPTS[0], GenerationParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
              for rid in ("a", "x", "b")]
-    results = engine.generate(batch, on_token, cancelled=probe if rank == 0 else None)
+    results = engine.generate(batch, on_token, cancel_probe=probe if rank == 0 else None)
     then = engine.generate([GenerationRequest("c", PROMPTS[1], GenerationParams(max_new_tokens=4))])[0].token_ids
     return {"results": [(r.finish_reason, r.generated_tokens, r.token_ids) for r in results], "then": then,
             "pieces": pieces}

@@ -162,7 +162,7 @@ def test_the_generated_model_py_serves_under_djl_mpi_mode_at_tp2_as_hf_generates
     """What a stock LMI container does with the artifact (option.entryPoint=model.py, one process per TP
     rank, torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR): same answers as HF generate, details
     listing the tokens, and a stream of LMI jsonlines, from every rank (DJL returns the last rank's
-    answer, or rank 0's with passive workers)."""
+    answer; passive workers are off)."""
     import os
     import subprocess
     import sys

@@ -117,8 +117,8 @@ class DJLHandler:
         if world > 1:
             _init_distributed(rank, world)
         engine = self._create_engine()
-        # DJL reads one rank's answer: rank 0's with passive workers (serving.properties turns them off:
-        # every rank must get the requests to run its part), the last rank's otherwise. Every rank answers.
+        # DJL reads the last rank's answer (passive workers, which would send requests to rank 0 alone,
+        # are off in serving.properties): every rank answers.
         engine.every_rank_answers = True
         engine.load(model_dir, rank, world)
         if self.max_sequence_length is None:

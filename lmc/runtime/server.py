@@ -3,7 +3,8 @@
 An ASGI app (starlette) under uvicorn. Requests become `Job`s in one bounded queue; a dispatcher
 per worker group pulls batches from it when that group is ready and idle; the group's supervisor
 thread hands tokens and results back to the event loop. Every failure becomes a one-line JSON error:
-400 bad input, 413 body too large, 424 model failure or timeout, 503 queue full / not accepting.
+400 bad input, 413 body too large, 424 model failure or timeout, 503 queue full / not accepting
+(and 499 in the metrics for a client that left before its answer).
 """
 
 from __future__ import annotations
@@ -442,7 +443,8 @@ class Runtime:
         raise RequestFailed(424, "no result")  # events() always ends with done or raises
 
     async def events(self, job: Job) -> AsyncIterator[tuple[str, Any]]:
-        """("token", Piece)* then ("done", result); raises RequestFailed on failure or timeout."""
+        """("token", Piece)* then ("done", result); raises RequestFailed on failure or timeout. Leaving it,
+        by any path, gives the job up (Scheduler.abandon): a row still decoding stops."""
         deadline = job.enqueued_at + self.request_timeout_s
         try:
             while True:

@@ -3,9 +3,11 @@
 Each process imports the artifact's model.py, calls `create_engine()` and `engine.load(model_dir,
 rank, world_size)`. Rank 0 of a group talks to the front end over a Pipe; it broadcasts every batch
 to the other ranks over a gloo control group, all ranks call `engine.generate` in lockstep, and rank
-0 sends tokens and results back. A supervisor thread per group (in the front-end process) watches
-the pipe and every process sentinel: when any rank dies, the group is torn down, the batch it held
-fails with a message, and the group is started again.
+0 sends tokens and results back. During a batch, rank 0 reads the pipe once per step (the engine's
+cancel probe): `("cancel", batch, request id)` stops that row on every rank; any other message waits
+for the batch's end (a `stop` also stops the batch's rows). A supervisor thread per group (in the
+front-end process) watches the pipe and every process sentinel: when any rank dies, the group is torn
+down, the batch it held fails with a message, and the group is started again.
 
 The front end never imports torch: only the worker processes do (inside `worker_main`).
 """
@@ -317,7 +319,7 @@ def _serve_loop(engine, spec: WorkerSpec, conn: Connection | None, control) -> N
                     _cancelled.update(_ids)  # nobody reads any of them
                 return _cancelled
         try:
-            results = engine.generate(list(requests), on_token, cancelled=probe if spec.rank == 0 else None)
+            results = engine.generate(list(requests), on_token, cancel_probe=probe if spec.rank == 0 else None)
         except Exception as exc:  # a model failure: answered 424, the group keeps serving
             if spec.rank == 0 and not _send(conn, ("error", batch_id, f"model failure: {type(exc).__name__}: {exc}")):
                 inbox.append(("stop",))

@@ -90,7 +90,7 @@ class Engine(Protocol):
         """Load rank `rank`'s shard of the artifact in `model_dir` (only that shard file)."""
 
     def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None,
-                 cancelled: CancelProbe | None = None) -> list[GenerationResult]:
+                 cancel_probe: CancelProbe | None = None) -> list[GenerationResult]:
         """Generate for a batch; results in the batch's order. Raises on a model failure."""
 
     def count_tokens(self, text: str) -> int:

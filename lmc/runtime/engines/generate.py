@@ -123,13 +123,13 @@ class DecodeLoop:
     # -- the loop -----------------------------------------------------------------------------------------
 
     def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None,
-                 cancelled: CancelProbe | None = None, max_rows: int | None = None,
+                 cancel_probe: CancelProbe | None = None, max_rows: int | None = None,
                  same_length: bool = False) -> list[GenerationResult]:
         """Decode `batch`, in runs: left padding puts every row's positions at the widest prompt's, so
         a run keeps its widest prompt plus its largest max_new_tokens within max_sequence_length (the
         positions the model has, and the KV cache the plan reserved), and at most `max_rows` rows.
         `same_length` (a model that cannot mask left padding): each run holds prompts of one length.
-        `cancelled` (rank 0's; see CancelProbe) is asked before each run, whose cancelled rows are left
+        `cancel_probe` (rank 0's; see CancelProbe) is asked before each run, whose cancelled rows are left
         out, and before each step."""
         rows = [self._row(request) for request in batch]
         if same_length:
@@ -138,21 +138,21 @@ class DecodeLoop:
         lengths = [len(row.prompt_ids) for row in rows]
         for run in pack_batches(rows, lengths, [row.params.max_new_tokens for row in rows],
                                 max_rows or len(rows) or 1, self.max_sequence_length, same_length):
-            live = self._drop_cancelled(run, cancelled)
+            live = self._drop_cancelled(run, cancel_probe)
             if live:
-                self._decode(live, on_token, cancelled)
+                self._decode(live, on_token, cancel_probe)
             for row in run:
                 results[row.request.id] = self._result(row)
         return [results[request.id] for request in batch]
 
-    def _drop_cancelled(self, run: list[_Row], cancelled: CancelProbe | None) -> list[_Row]:
+    def _drop_cancelled(self, run: list[_Row], cancel_probe: CancelProbe | None) -> list[_Row]:
         """`run` without the rows rank 0's probe names (they finish "cancelled" unprefilled), the same on
         every rank: rank 0 broadcasts which."""
-        if cancelled is None and self.world_size == 1:
+        if cancel_probe is None and self.world_size == 1:
             return run
         gone = torch.zeros(len(run), dtype=torch.long, device=self.device)
-        if self.rank == 0 and cancelled is not None:
-            names = _ask(cancelled)
+        if self.rank == 0 and cancel_probe is not None:
+            names = _ask(cancel_probe)
             gone.copy_(torch.tensor([row.request.id in names for row in run], dtype=torch.long))
         if self.world_size > 1:
             source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
@@ -162,8 +162,9 @@ class DecodeLoop:
                 row.finish = "cancelled"
         return [row for row in run if row.finish is None]
 
-    def _decode(self, rows: list[_Row], on_token: TokenCallback | None, cancelled: CancelProbe | None = None
-                ) -> list[_Row]:
+    def _decode(self, rows: list[_Row], on_token: TokenCallback | None, cancel_probe: CancelProbe | None = None
+                ) -> None:
+        """Prefill `rows` and decode them until each has finished (in place)."""
         stream = on_token if self.rank == 0 or self.every_rank_answers else None
         with torch.inference_mode():
             if self.prefill is not None:
@@ -173,8 +174,8 @@ class DecodeLoop:
             else:
                 logits, advance = self._prefill_causal(rows)
             while True:
-                if self.rank == 0 and cancelled is not None:
-                    names = _ask(cancelled)
+                if self.rank == 0 and cancel_probe is not None:
+                    names = _ask(cancel_probe)
                     for row in rows:
                         row.cancelled = row.cancelled or row.request.id in names
                 tokens = self._next_tokens(logits, rows)
@@ -184,7 +185,6 @@ class DecodeLoop:
                 if all(row.finish is not None for row in rows):
                     break
                 logits = advance(tokens)
-        return rows
 
     def _row(self, request: GenerationRequest) -> _Row:
         ids = self.encode(request.prompt, request.params.add_special_tokens)
@@ -376,10 +376,10 @@ class DecodeLoop:
                                 logprobs=list(row.logprobs) if row.params.logprobs is not None else None)
 
 
-def _ask(cancelled: CancelProbe) -> Collection[str]:
+def _ask(cancel_probe: CancelProbe) -> Collection[str]:
     """The probe's answer; nothing when it fails (the other ranks are waiting in the next broadcast)."""
     try:
-        return cancelled()
+        return cancel_probe()
     except Exception:
         log.exception("the cancel probe failed; no row is cancelled this step")
         return ()

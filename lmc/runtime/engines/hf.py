@@ -203,10 +203,10 @@ class HFEngine:
         return model.to(device)
 
     def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None,
-                 cancelled: CancelProbe | None = None) -> list[GenerationResult]:
+                 cancel_probe: CancelProbe | None = None) -> list[GenerationResult]:
         if self.loop is None:
             raise InternalError("generate called before load")
-        return self.loop.generate(batch, on_token, cancelled=cancelled)
+        return self.loop.generate(batch, on_token, cancel_probe=cancel_probe)
 
     def count_tokens(self, text: str) -> int:
         if self.loop is None:

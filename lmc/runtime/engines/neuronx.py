@@ -64,6 +64,7 @@ class NeuronxEngine:
         self.model = None
         self.vocab_size = 0
         self._loop = None
+        self.every_rank_answers = False  # a group is one process: nothing to do (Engine.every_rank_answers)
 
     def load(self, model_dir: Path, rank: int, world_size: int) -> None:
         if world_size != 1 or rank != 0:
@@ -108,13 +109,13 @@ class NeuronxEngine:
         return self._loop.count_tokens(text)
 
     def generate(self, batch: list[GenerationRequest], on_token: TokenCallback | None = None,
-                 cancelled: CancelProbe | None = None) -> list[GenerationResult]:
+                 cancel_probe: CancelProbe | None = None) -> list[GenerationResult]:
         if self._loop is None:
             raise InternalError("generate called before load")
         # Runs fit the compiled graphs (batch size, positions). GPT-J's graphs ignore start_ids (its
         # attention mask comes from cache positions only), so a left-padded row would attend to its
         # padding: its runs hold prompts of one length.
-        return self._loop.generate(batch, on_token, cancelled=cancelled, max_rows=self.batch_size,
+        return self._loop.generate(batch, on_token, cancel_probe=cancel_probe, max_rows=self.batch_size,
                                    same_length=self.family not in LEFT_PADDING_FAMILIES)
 
     def _prefill(self, prompts: list[list[int]], pad_id: int):
