@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from lmc.runtime.engines.base import Engine, GenerationParams, GenerationRequest, Piece
-from lmc.runtime.requests import lmi_details, lmi_last_line, lmi_token_line, parse_invocation
+from lmc.runtime.requests import LmiLines, check_logit_bias, jsonline, lmi_details, parse_invocation
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +146,11 @@ class DJLHandler:
             output.add_property("content-type", JSONLINES)
             return output.add_stream_content(self._stream(parsed[0].request(0), parsed[0].details), None)
         requests = [item.request(n) for item in parsed for n in range(len(item.prompts))]
-        pieces: dict[str, list[Piece]] = {item.request(0).id: [] for item in parsed if item.stream}
+        pieces: dict[str, list[Piece | str]] = {item.request(0).id: [] for item in parsed if item.stream}
 
         def on_token(request_id: str, piece: Piece | str) -> None:
             if request_id in pieces:
-                pieces[request_id].append(piece if isinstance(piece, Piece) else Piece(piece))
+                pieces[request_id].append(piece)
 
         try:
             results = {r.id: r for r in self.engine.generate(requests, on_token if pieces else None)} if requests else {}
@@ -179,9 +179,7 @@ class DJLHandler:
         prompts, params, stream, details = parse_invocation(body, self.max_sequence_length)
         if stream and len(prompts) != 1:
             raise ValueError("stream = true takes a single string in inputs, not a list")
-        vocab = self.text.vocab_size
-        if params.logit_bias and vocab is not None and params.logit_bias[-1][0] >= vocab:
-            raise ValueError(f"logit_bias names token id {params.logit_bias[-1][0]}; the vocabulary has ids 0-{vocab - 1}")
+        check_logit_bias(params, self.text.vocab_size)
         for prompt in prompts:
             _check_length(self.engine, prompt, params.max_new_tokens, self.max_sequence_length)
         if details and not stream:  # LMI's details.tokens: each generated token's id, text and log-probability
@@ -217,25 +215,18 @@ class DJLHandler:
 
 
 def _jsonlines(prompt: str, events: Iterable[tuple[str, Any]], details: bool) -> Iterator[bytes]:
-    """LMI jsonlines from ("token", Piece | str)* then ("done", GenerationResult) or ("error", exception):
-    a token line per piece, the last piece's line with generated_text (and details when asked), or an
-    error line."""
-    last = None
+    """LMI jsonlines (requests.LmiLines) from ("token", Piece | str)* then ("done", GenerationResult), or
+    an error line for ("error", exception)."""
+    lines = LmiLines(prompt, details)
     for kind, payload in events:
         if kind == "token":
-            piece = payload if isinstance(payload, Piece) else Piece(payload)
-            if piece.last:
-                last = piece  # sent with the result
-            else:
-                yield _line(lmi_token_line(piece))
+            line = lines.piece(payload)
+            if line is not None:
+                yield line
         elif kind == "done":
-            yield _line(lmi_last_line(prompt, last, payload, details))
+            yield lines.result(payload)
         else:
-            yield _line({"error": f"model failure: {type(payload).__name__}: {payload}", "code": 424})
-
-
-def _line(obj: dict) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+            yield jsonline({"error": f"model failure: {type(payload).__name__}: {payload}", "code": 424})
 
 
 def _cuda_device() -> int | None:

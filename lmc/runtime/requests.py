@@ -6,6 +6,7 @@ names the offending key and says what is accepted; the server answers it with 40
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Callable
 
@@ -134,21 +135,45 @@ def lmi_details(prompt: str, result: GenerationResult, token_text: Callable[[int
     return details
 
 
-def lmi_token_line(piece: Piece) -> dict[str, Any]:
-    """One line of an LMI jsonlines stream: the token that completed `piece`'s text."""
+def check_logit_bias(params: GenerationParams, vocab_size: int | None) -> None:
+    """ValueError when logit_bias names a token past the tokenizer's vocabulary (its ids are sorted)."""
+    if params.logit_bias and vocab_size is not None and params.logit_bias[-1][0] >= vocab_size:
+        raise ValueError(f"logit_bias names token id {params.logit_bias[-1][0]}; "
+                         f"the vocabulary has ids 0-{vocab_size - 1}")
+
+
+def jsonline(obj: dict) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
+class LmiLines:
+    """LMI's jsonlines for one streamed answer, fed its pieces then its result: one
+    {"token": {"id", "text", "log_prob"}} line per piece (the token that completed its text). The piece
+    marked last waits for the result: the last line is that finishing token, so a client reading
+    line["token"] meets no line without it, with `generated_text`, and `details` (without tokens: the
+    lines gave them) when the request asked for them, as LMI does."""
+
+    def __init__(self, prompt: str, details: bool):
+        self.prompt, self.details = prompt, details
+        self._last: Piece | None = None
+
+    def piece(self, piece: Piece | str) -> bytes | None:
+        piece = piece if isinstance(piece, Piece) else Piece(piece)
+        if piece.last:
+            self._last = piece
+            return None
+        return jsonline(_token_line(piece))
+
+    def result(self, result: GenerationResult) -> bytes:
+        last = self._last or Piece("", result.token_ids[-1] if result.token_ids else None)  # (an engine marks none)
+        line = {**_token_line(last), "generated_text": result.text}
+        if self.details:
+            line["details"] = lmi_details(self.prompt, result)
+        return jsonline(line)
+
+
+def _token_line(piece: Piece) -> dict[str, Any]:
     return {"token": {"id": piece.token_id, "text": piece.text, "log_prob": piece.log_prob}}
-
-
-def lmi_last_line(prompt: str, last: Piece | None, result: GenerationResult, details: bool) -> dict[str, Any]:
-    """The stream's last line: the finishing token (`last`, the piece marked last; None when the engine
-    marks none), so a client reading line["token"] meets no line without it, with `generated_text`, and
-    `details` (without tokens: the lines gave them) when the request asked for them, as LMI does."""
-    if last is None:
-        last = Piece("", result.token_ids[-1] if result.token_ids else None)
-    line = {**lmi_token_line(last), "generated_text": result.text}
-    if details:
-        line["details"] = lmi_details(prompt, result)
-    return line
 
 
 def _json_type(value: object) -> str:

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from lmc.runtime.batching import AsyncBatcher, BatchQueue, QueueFull
 from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult, Piece
 from lmc.runtime.metrics import Metrics
-from lmc.runtime.requests import lmi_details, lmi_last_line, lmi_token_line, parse_invocation
+from lmc.runtime.requests import LmiLines, check_logit_bias, jsonline, lmi_details, parse_invocation
 from lmc.runtime.startup import TextTools, planned_output_tokens, sampling_defaults as load_sampling_defaults
 from lmc.runtime.workers import WorkerGroup, groups_per_instance
 
@@ -173,20 +173,18 @@ class Scheduler:
                 continue
             batch_id = next(self._batch_ids)
             self._batches[batch_id] = {job.id: job for job in jobs}
-            for job in jobs:
-                job.batch = (index, batch_id)
             done = self._loop.create_future()
             self._batch_done[batch_id] = done
             try:
                 group.submit(batch_id, [job.request for job in jobs], [job.id for job in jobs if job.stream])
             except RuntimeError:  # it went down; its on_down is still on its way to this loop
                 del self._batches[batch_id], self._batch_done[batch_id]
-                for job in jobs:
-                    job.batch = None
                 self.batcher.requeue(jobs)
                 self._set_ready(index, False)  # wait for on_ready instead of spinning on the same batch
                 await asyncio.sleep(0)
                 continue
+            for job in jobs:
+                job.batch = (index, batch_id)
             self.metrics.batch_size.observe(len(jobs))
             try:
                 await asyncio.wait_for(asyncio.shield(done), self.request_timeout_s + _HUNG_GRACE_S)
@@ -380,10 +378,10 @@ class Runtime:
         if len(prompts) > capacity:
             raise RequestFailed(400, f"{label} has {len(prompts)} prompts; the request queue holds {capacity}: "
                                      f"send at most {capacity} per request")
-        vocab = self.text.vocab_size
-        if params.logit_bias and vocab is not None and params.logit_bias[-1][0] >= vocab:
-            raise RequestFailed(400, f"logit_bias names token id {params.logit_bias[-1][0]}; "
-                                     f"the vocabulary has ids 0-{vocab - 1}")
+        try:
+            check_logit_bias(params, self.text.vocab_size)
+        except ValueError as exc:
+            raise RequestFailed(400, str(exc)) from None
         now = time.monotonic()
         jobs = []
         for index, prompt in enumerate(prompts):
@@ -521,21 +519,17 @@ async def invocations(request: Request) -> Response:
 
 
 async def _jsonlines(runtime: Runtime, job: Job, details: bool, started: float) -> AsyncIterator[bytes]:
-    """LMI streaming: one {"token": {"id", "text", "log_prob"}} line per piece; the last line also carries
-    "generated_text", and "details" when asked (requests.lmi_last_line)."""
+    """LMI streaming (requests.LmiLines), or an error line."""
     status = 200
+    lines = LmiLines(job.request.prompt, details)
     try:
-        last = None
         async for kind, payload in runtime.events(job):
-            if kind == "token" and payload.last:
-                last = payload  # sent with the result
-            elif kind == "token":
-                yield _line(lmi_token_line(payload))
-            else:
-                yield _line(lmi_last_line(job.request.prompt, last, payload, details))
+            line = lines.piece(payload) if kind == "token" else lines.result(payload)
+            if line is not None:
+                yield line
     except RequestFailed as exc:
         status = exc.status
-        yield _line({"error": exc.message, "code": exc.status})
+        yield jsonline({"error": exc.message, "code": exc.status})
     except (asyncio.CancelledError, GeneratorExit):
         status = CLIENT_CLOSED
         raise
@@ -549,10 +543,6 @@ async def _client_gone(request: Request) -> None:
     the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _line(obj: dict) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
 
 
 async def _not_found(request: Request, exc: HTTPException) -> Response:
