@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest

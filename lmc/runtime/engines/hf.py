@@ -157,7 +157,6 @@ class HFEngine:
         self.every_rank_answers = False  # see Engine.every_rank_answers
 
     def load(self, model_dir: Path, rank: int, world_size: int) -> None:
-        import torch
         import torch.distributed as dist
         import transformers
 
