@@ -28,7 +28,8 @@ CASES = [
     ("bloom", "bloom", {}, 384),
     ("t5", "t5", {}, 384),
 ]
-NEW_TOKENS = 10
+NEW_TOKENS = (10, 4)  # per prompt: the second row leaves the run early (DecodeLoop.compact)
+SAMPLED_TOKENS = 7
 
 
 def _rank_main(rank: int, opened: list[str], artifacts: dict) -> dict:
@@ -43,15 +44,21 @@ def _rank_main(rank: int, opened: list[str], artifacts: dict) -> dict:
                                max_sequence_length=128, batch_size=4, device="cpu")
         del opened[:]
         engine.load(artifact, rank, 2)
-        pieces = []
+        pieces, rows = [], []
+        hook = engine.model.register_forward_pre_hook(
+            lambda module, args, kwargs: rows.append(len(kwargs.get("input_ids", kwargs.get("decoder_input_ids")))),
+            with_kwargs=True)
         results = engine.generate(
-            [GenerationRequest(str(i), p, GenerationParams(max_new_tokens=NEW_TOKENS)) for i, p in
-             enumerate(PROMPTS)] + [GenerationRequest("s", PROMPTS[0], GenerationParams(
-                max_new_tokens=NEW_TOKENS, do_sample=True, temperature=2.0, seed=7))],
+            [GenerationRequest(str(i), p, GenerationParams(max_new_tokens=n)) for i, (p, n) in
+             enumerate(zip(PROMPTS, NEW_TOKENS))] + [GenerationRequest("s", PROMPTS[0], GenerationParams(
+                max_new_tokens=SAMPLED_TOKENS, do_sample=True, temperature=2.0, seed=7))],
             on_token=lambda rid, piece: pieces.append(piece.text))
+        hook.remove()
         params = sum(p.numel() for p in engine.model.parameters())
         out[name] = {"tokens": [r.token_ids for r in results], "opened": list(opened), "params": params,
-                     "pieces": len(pieces), "logits": _logits(engine.model, engine.tokenizer, family).tolist()}
+                     "pieces": len(pieces), "rows": rows,
+                     "finish": [r.finish_reason for r in results],
+                     "logits": _logits(engine.model, engine.tokenizer, family).tolist()}
     return out
 
 
@@ -82,9 +89,22 @@ def tp2_run(tmp_path_factory):
 @pytest.mark.parametrize("name", [case[0] for case in CASES])
 def test_tp2_greedy_equals_hf_generate_on_the_whole_checkpoint(tp2_run, name):
     checkpoints, _, results = tp2_run
-    reference = [hf_greedy(checkpoints[name], prompt, NEW_TOKENS) for prompt in PROMPTS]
+    reference = [hf_greedy(checkpoints[name], prompt, n) for prompt, n in zip(PROMPTS, NEW_TOKENS)]
     assert results[0][name]["tokens"][:2] == reference
     assert results[1][name]["tokens"] == results[0][name]["tokens"]  # sampling included: rank 0 decides
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES])
+def test_tp2_rows_leave_the_run_as_they_finish_on_both_ranks(tp2_run, name):
+    """The model sees one row fewer from the step after a row finishes, on both ranks alike (the
+    answers above stay HF's): the rows still decoding stop paying for finished ones."""
+    _, _, results = tp2_run
+    tokens, rows = results[0][name]["tokens"], results[0][name]["rows"]
+    assert results[1][name]["rows"] == rows
+    # A row is in the forwards that chose its tokens, and in the one that chose its end of sequence.
+    forwards = [len(ids) + (finish == "eos") for ids, finish in zip(tokens, results[0][name]["finish"])]
+    assert len(set(forwards)) > 1
+    assert rows == [sum(n > step for n in forwards) for step in range(max(forwards))]
 
 
 @pytest.mark.parametrize("name", [case[0] for case in CASES])
@@ -135,8 +155,8 @@ def test_int8_tp2_from_the_build_partitioner_equals_int8_at_tp1(tp2_run, tmp_pat
     engine = create_engine("hf", family="llama", task="text-generation", dtype="int8", tensor_parallel_degree=1,
                            max_sequence_length=128, batch_size=4, device="cpu")
     engine.load(build_artifact(checkpoints["llama"], tmp_path / "int8-tp1", 1, "int8"), 0, 1)
-    whole = engine.generate([GenerationRequest(str(i), p, GenerationParams(max_new_tokens=NEW_TOKENS))
-                             for i, p in enumerate(PROMPTS)])
+    whole = engine.generate([GenerationRequest(str(i), p, GenerationParams(max_new_tokens=n))
+                             for i, (p, n) in enumerate(zip(PROMPTS, NEW_TOKENS))])
     assert results[0]["llama_int8"]["tokens"][:2] == [r.token_ids for r in whole]
 
 
@@ -191,7 +211,7 @@ def _cancelling_rank(rank: int, opened: list[str], artifact: str) -> dict:
     def probe():
         return {"x", "a"} if pieces["a"] >= 2 else {"x"}
 
-    batch = [GenerationRequest(rid, PROMPTS[0], GenerationParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    batch = [GenerationRequest(rid, PROMPTS[0], GenerationParams(max_new_tokens=NEW_TOKENS[0], ignore_eos=True))
              for rid in ("a", "x", "b")]
     results = engine.generate(batch, on_token, cancel_probe=probe if rank == 0 else None)
     then = engine.generate([GenerationRequest("c", PROMPTS[1], GenerationParams(max_new_tokens=4))])[0].token_ids
@@ -203,8 +223,8 @@ def test_a_row_turned_down_on_rank_0_stops_on_every_rank(tp2_run):
     checkpoints, artifacts, _ = tp2_run
     results = run_tp_ranks(_cancelling_rank, artifacts["llama"][1], timeout_s=120)
     (a_reason, a_count, a_ids), x, (b_reason, b_count, b_ids) = results[0]["results"]
-    assert (a_reason, b_reason) == ("cancelled", "length") and b_count == NEW_TOKENS
-    assert 2 <= a_count < NEW_TOKENS and a_ids == b_ids[:a_count]  # the same greedy row, cut short
+    assert (a_reason, b_reason) == ("cancelled", "length") and b_count == NEW_TOKENS[0]
+    assert 2 <= a_count < NEW_TOKENS[0] and a_ids == b_ids[:a_count]  # the same greedy row, cut short
     assert x == ("cancelled", 0, [])  # never decoded
     assert results[1]["results"] == results[0]["results"]  # rank 1 learnt it from the broadcast
     assert results[1]["pieces"] == {"a": 0, "b": 0}  # (rank 1 streams nothing)

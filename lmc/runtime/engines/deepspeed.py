@@ -62,6 +62,7 @@ class DeepSpeedEngine(HFEngine):
         inject = kernel_injection(self.family, self.device_kind, self.tp)
         engine = self._deepspeed.init_inference(model, tensor_parallel={"tp_size": 1}, dtype=compute_dtype,
                                                 replace_with_kernel_inject=inject)
+        self.compact_batches = not inject  # the fused kernels keep the KV cache in DeepSpeed's workspace
         log.info("deepspeed inference engine ready (kernel injection %s)", "on" if inject else "off")
         self.ds_engine = engine
         return engine.module

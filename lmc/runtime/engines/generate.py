@@ -80,11 +80,16 @@ class DecodeLoop:
 
     Rank 0 chooses the tokens (and broadcasts them); only rank 0 streams pieces and computes logprobs,
     unless `every_rank_answers` (DJL's MPI mode answers with the last rank's output): then every rank
-    does, from its own copy of the gathered logits."""
+    does, from its own copy of the gathered logits.
+
+    `compact` (transformers models whose KV cache is a transformers Cache): a row that finishes (end of
+    sequence, stop, length, cancelled) leaves the run at once, its KV cache rows dropped, so the rows
+    still decoding stop paying for it, as in TGI's filtered batches. Off where the model keeps its own
+    cache (DeepSpeed's fused kernels) and with an engine's `prefill` (fixed compiled batch sizes)."""
 
     def __init__(self, model, tokenizer, *, max_sequence_length: int, device: torch.device, eos_token_ids: set[int],
                  rank: int = 0, world_size: int = 1, group=None, prefill: Prefill | None = None,
-                 every_rank_answers: bool = False):
+                 every_rank_answers: bool = False, compact: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.max_sequence_length = max_sequence_length
@@ -95,6 +100,7 @@ class DecodeLoop:
         self.group = group
         self.prefill = prefill
         self.every_rank_answers = every_rank_answers
+        self.compact = compact and prefill is None
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (min(self.eos_token_ids) if self.eos_token_ids else 0)
         self.encoder_decoder = False
@@ -167,12 +173,15 @@ class DecodeLoop:
         """Prefill `rows` and decode them until each has finished (in place)."""
         stream = on_token if self.rank == 0 or self.every_rank_answers else None
         with torch.inference_mode():
+            keep = None  # see `compact`
             if self.prefill is not None:
                 logits, advance = self.prefill([row.prompt_ids for row in rows], self.pad_id)
             elif self.encoder_decoder:
-                logits, advance = self._prefill_seq2seq(rows)
+                logits, advance, keep = self._prefill_seq2seq(rows)
             else:
-                logits, advance = self._prefill_causal(rows)
+                logits, advance, keep = self._prefill_causal(rows)
+            if not self.compact:
+                keep = None
             while True:
                 if self.rank == 0 and cancel_probe is not None:
                     names = _ask(cancel_probe)
@@ -184,6 +193,11 @@ class DecodeLoop:
                         self._append(row, token, stream, logits[i] if stream is not None else None)
                 if all(row.finish is not None for row in rows):
                     break
+                if keep is not None and any(row.finish is not None for row in rows):
+                    # Every rank alike: finishing follows the broadcast tokens and the text every rank decodes.
+                    live = [i for i, row in enumerate(rows) if row.finish is None]
+                    keep(torch.tensor(live, dtype=torch.long, device=self.device))
+                    rows, tokens = [rows[i] for i in live], tokens[live]
                 logits = advance(tokens)
 
     def _row(self, request: GenerationRequest) -> _Row:
@@ -226,12 +240,16 @@ class DecodeLoop:
             return self.model(**kwargs).logits[:, -1, :].float()
 
         def advance(tokens: torch.Tensor) -> torch.Tensor:
-            ones = torch.ones((len(rows), 1), dtype=state["mask"].dtype, device=self.device)
+            ones = torch.ones((len(tokens), 1), dtype=state["mask"].dtype, device=self.device)
             state["mask"] = torch.cat([state["mask"], ones], dim=-1)
             state["positions"] = state["positions"][:, -1:] + 1
             return forward(tokens[:, None])
 
-        return forward(ids), advance
+        def keep(indices: torch.Tensor) -> None:
+            cache.batch_select_indices(indices)
+            state["mask"], state["positions"] = state["mask"][indices], state["positions"][indices]
+
+        return forward(ids), advance, keep
 
     def _prefill_seq2seq(self, rows: list[_Row]):
         from transformers import DynamicCache, EncoderDecoderCache
@@ -243,16 +261,21 @@ class DecodeLoop:
             ids[i, :len(row.prompt_ids)] = torch.tensor(row.prompt_ids)
             mask[i, :len(row.prompt_ids)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        encoder_outputs = self.model.get_encoder()(input_ids=ids, attention_mask=mask)
+        state = {"encoded": self.model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state,
+                 "mask": mask}
         cache = EncoderDecoderCache(DynamicCache(config=self.model.config), DynamicCache(config=self.model.config))
 
         def forward(decoder_ids):
-            out = self.model(encoder_outputs=encoder_outputs, attention_mask=mask, decoder_input_ids=decoder_ids,
-                             past_key_values=cache, use_cache=True)
+            out = self.model(encoder_outputs=(state["encoded"],), attention_mask=state["mask"],
+                             decoder_input_ids=decoder_ids, past_key_values=cache, use_cache=True)
             return out.logits[:, -1, :].float()
 
+        def keep(indices: torch.Tensor) -> None:
+            cache.batch_select_indices(indices)
+            state["encoded"], state["mask"] = state["encoded"][indices], state["mask"][indices]
+
         start = torch.full((len(rows), 1), self.decoder_start, dtype=torch.long, device=self.device)
-        return forward(start), lambda tokens: forward(tokens[:, None])
+        return forward(start), lambda tokens: forward(tokens[:, None]), keep
 
     # -- choosing tokens ----------------------------------------------------------------------------------
 

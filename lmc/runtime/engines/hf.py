@@ -155,6 +155,7 @@ class HFEngine:
         self.loop = None
         self.rank = 0
         self.every_rank_answers = False  # see Engine.every_rank_answers
+        self.compact_batches = True  # see DecodeLoop: off where the model keeps its own KV cache
 
     def load(self, model_dir: Path, rank: int, world_size: int) -> None:
         import torch.distributed as dist
@@ -182,7 +183,8 @@ class HFEngine:
         self.model = model
         self.loop = DecodeLoop(model, self.tokenizer, max_sequence_length=self.max_sequence_length, device=device,
                                eos_token_ids=eos_token_ids(model_dir, config, self.tokenizer), rank=rank,
-                               world_size=world_size, every_rank_answers=self.every_rank_answers)
+                               world_size=world_size, every_rank_answers=self.every_rank_answers,
+                               compact=self.compact_batches)
         log.info("rank %d/%d loaded %s (%s) on %s", rank, world_size, self.family, self.dtype, device)
 
     def _compute_dtype(self, state: dict):
