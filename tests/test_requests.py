@@ -43,6 +43,12 @@ def test_temperature_zero_means_greedy():
     ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
     ({"max_tokens": 5}, "unknown parameter 'max_tokens'; accepted: max_new_tokens"),
     ({"temperature": float("nan")}, "parameters.temperature must be in"),
+    # JSON integers have no bound: past a float's range they are out of range, not an OverflowError (a 500).
+    ({"temperature": 10**400}, "parameters.temperature must be in [0, 100], got an integer of 401 digits"),
+    ({"top_p": -10**400}, "parameters.top_p must be in [0, 1], got an integer of 401 digits"),
+    ({"frequency_penalty": 10**309}, "parameters.frequency_penalty must be in [-2, 2]"),
+    ({"max_new_tokens": 10**30}, "parameters.max_new_tokens = an integer of 31 digits leaves no room"),
+    ({"do_sample": "x" * 100}, "parameters.do_sample must be true or false, got a string ('xxxxxxxxxx"),
 ])
 def test_bad_parameters_are_rejected_with_the_reason(params, message):
     with pytest.raises(ValueError) as excinfo:
@@ -66,6 +72,10 @@ def test_openai_penalties_and_logit_bias_are_parsed_and_bounded():
                          ({"logit_bias": {"1": 101}}, "parameters.logit_bias['1'] must be a number in [-100, 100]"),
                          ({"logit_bias": {"1": True}}, "parameters.logit_bias['1'] must be a number"),
                          ({"logit_bias": [1]}, "parameters.logit_bias must be an object"),
+                         # isdigit() is true for these, int() refuses them: the 400 must still name the field.
+                         ({"logit_bias": {"\u00b2": 1}}, "parameters.logit_bias keys must be token ids, got '\u00b2'"),
+                         ({"logit_bias": {"\u0663": 1}}, "parameters.logit_bias keys must be token ids"),
+                         ({"logit_bias": {"9" * 5000: 1}}, "parameters.logit_bias keys must be token ids, got '999"),
                          ({"logit_bias": {"1": 100, "01": 100}}, "names token id 1 more than once"),
                          ({"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300")]:
         with pytest.raises(ValueError, match=re.escape(message)):

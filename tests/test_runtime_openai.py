@@ -215,9 +215,29 @@ def test_openai_errors_are_400_with_the_reason(client, server):
         body = {"messages": [{"role": "user", "content": "a"}]} if path.startswith("chat") else {"prompt": "a"}
         reply = httpx.post(server.url + f"/v1/{path}", json={**body, **field})
         assert reply.status_code == 400 and reply.json()["error"]["message"] == message, reply.text
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    for path, body, message in [
+            # True == 1 and 0 == False in Python: JSON's types must still be told apart.
+            ("completions", {"prompt": "a", "best_of": True}, "best_of must be 1 (or equal to n)"),
+            ("completions", {"prompt": "a", "echo": 0}, "echo is not supported"),
+            # The other route's input field would be silently ignored: refused like any unknown field.
+            ("completions", {"prompt": "a", **chat}, "unsupported field 'messages'"),
+            ("chat/completions", {**chat, "prompt": "a"}, "unsupported field 'prompt'"),
+            # An integer past a float's range: a 400, not an OverflowError's 500.
+            ("completions", {"prompt": "a", "temperature": 10**400}, "temperature must be in [0, 100], got an integer"),
+            ("chat/completions", {**chat, "presence_penalty": -10**400}, "presence_penalty must be in [-2, 2]"),
+            # Length errors name the OpenAI field.
+            ("completions", {"prompt": "a " * 40, "max_tokens": 40}, "prompt has ")]:
+        reply = httpx.post(server.url + f"/v1/{path}", json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["message"].startswith(message), reply.text
+        if path == "completions" and "max_tokens" in body:
+            assert "with max_tokens = 40" in reply.json()["error"]["message"], reply.text
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1, "response_format": {"type": "text"},
-                                                          "best_of": 1, "presence_penalty": 0.5, "logit_bias": {"3": 1}})
-    assert ok.status_code == 200, ok.text
+                                                          "best_of": 1, "presence_penalty": 0.5, "logit_bias": {"3": 1},
+                                                          "stream": None, "echo": None})
+    assert ok.status_code == 200 and ok.json()["object"] == "text_completion", ok.text
+    ok = httpx.post(server.url + "/v1/chat/completions", json={**chat, "max_tokens": 1, "stream": None})
+    assert ok.status_code == 200 and ok.json()["object"] == "chat.completion", ok.text
 
 
 def test_logit_bias_ids_are_checked_against_the_tokenizer(tmp_path):
@@ -332,4 +352,7 @@ def test_sampling_defaults_skip_values_the_parser_refuses(tmp_path, caplog):
          "max_length": 4096}))
     assert sampling_defaults(tmp_path) == {"temperature": 0.7, "repetition_penalty": 1.1}
     assert "top_p = 1.5" in caplog.text and "top_k = '40'" in caplog.text
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 10**400, "top_p": 0.9}))
+    assert sampling_defaults(tmp_path) == {"top_p": 0.9}  # past a float's range: skipped, not a crash at start
+    assert "temperature must be in [0, 100], got an integer of 401 digits" in caplog.text
     assert sampling_defaults(tmp_path / "absent") == {}

@@ -141,6 +141,20 @@ def test_unknown_route_is_json_404(server):
     assert reply.status_code == 404 and reply.json()["code"] == 404
 
 
+def test_wrong_method_is_json_405_with_allow(server):
+    reply = httpx.get(server.url + "/invocations")
+    assert reply.status_code == 405 and reply.json()["code"] == 405
+    assert reply.headers["allow"] == "POST"  # RFC 9110: a 405 names the methods the route takes
+    reply = httpx.delete(server.url + "/ping")
+    assert reply.status_code == 405 and set(reply.headers["allow"].split(", ")) == {"GET", "HEAD"}
+
+
+def test_a_huge_integer_parameter_is_a_400_not_a_500(server):
+    reply = httpx.post(server.url + "/invocations", content=b'{"inputs": "a", "parameters": {"top_p": 1' + b"0" * 400 + b"}}")
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"] == "parameters.top_p must be in [0, 1], got an integer of 401 digits"
+
+
 def test_64_concurrent_clients_are_all_answered_and_batched(server):
     batches_file = server.record / "batches.jsonl"
     before = len(batches_file.read_text().splitlines()) if batches_file.exists() else 0
@@ -276,6 +290,27 @@ def test_a_stream_the_client_drops_stops_its_row(tmp_path):
         assert row["at"] - start < 60 * 0.1 * 0.5  # not after the 6 s the whole answer takes
         assert post(srv, {"inputs": "next one", "parameters": {"max_new_tokens": 3}}).json() == {
             "generated_text": expected_text("next one", 3)}
+
+
+def test_a_client_that_hangs_up_mid_body_is_recorded_as_499_not_400(server):
+    import socket
+    from urllib.parse import urlsplit
+
+    def count(status):
+        text = httpx.get(server.url + "/metrics").text
+        lines = [l for l in text.splitlines() if l.startswith(f'lmc_requests_total{{endpoint="invocations",status="{status}"}}')]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    before = count(499), count(400)
+    url = urlsplit(server.url)
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"inputs\": ")
+        time.sleep(0.2)  # the handler is reading the body
+    deadline = time.monotonic() + 10
+    while count(499) == before[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (count(499), count(400)) == (before[0] + 1, before[1])
 
 
 def test_a_stream_the_client_drops_is_recorded_as_499_and_releases_its_slot(server):

@@ -57,23 +57,26 @@ def _check_body(body: Any, required: str) -> dict[str, Any]:
         raise ValueError("request body must be a JSON object")
     if required not in body:
         raise ValueError(f"request body has no '{required}'")
-    unknown = sorted(set(body) - _USED - _IGNORED)
+    other = "prompt" if required == "messages" else "messages"  # the other route's input: never silently ignored
+    unknown = sorted(set(body) - _USED - _IGNORED | ({other} & set(body)))
     if unknown:
-        raise ValueError(f"unsupported field {unknown[0]!r}")
+        raise ValueError(f"unsupported field {unknown[0][:40]!r}")
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"n must be a positive integer, got {n!r}")
-    if body.get("echo") not in (None, False):
+    if body.get("echo") is not None and body["echo"] is not False:
         raise ValueError("echo is not supported")
     if body.get("suffix") not in (None, ""):
         raise ValueError("suffix is not supported")
-    if body.get("best_of") not in (None, 1, body.get("n") or 1):
+    best_of = body.get("best_of")
+    if best_of is not None and (isinstance(best_of, bool) or best_of not in (1, n or 1)):
         raise ValueError("best_of must be 1 (or equal to n): lmc returns every sampled answer")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise ValueError("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas)")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    if body.get("stream") is None:  # OpenAI's schema: boolean or null, default false
+        body.pop("stream", None)
+    elif not isinstance(body["stream"], bool):
         raise ValueError("stream must be true or false")
     return body
 
@@ -299,7 +302,7 @@ def _make_jobs(runtime: "Runtime", prompts: list[str], params, n: int, stream: b
         raise RequestFailed(400, f"n = {n} for {len(prompts)} prompt(s) is {n * len(prompts)} answers; the request "
                                  f"queue holds {capacity}")
     copies = [runtime.make_jobs(prompts, params if params.seed is None else replace(params, seed=params.seed + i),
-                                stream, label) for i in range(n)]
+                                stream, label, length_field="max_tokens") for i in range(n)]
     return [copy[k] for k in range(len(prompts)) for copy in copies]
 
 

@@ -352,7 +352,7 @@ class Runtime:
                     raise RequestFailed(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
                 chunks.append(chunk)
         except ClientDisconnect:
-            raise RequestFailed(400, "the client disconnected while sending the body") from None
+            raise RequestFailed(CLIENT_CLOSED, "the client disconnected while sending the body") from None
         try:
             body = json.loads(b"".join(chunks))
             # Lone UTF-16 surrogates ("\ud800") are valid JSON escapes but not text: refuse them here,
@@ -371,7 +371,8 @@ class Runtime:
         if not self.accepting:
             raise RequestFailed(503, "the server is shutting down and accepts no new requests")
 
-    def make_jobs(self, prompts: list[str], params: GenerationParams, stream: bool, label: str = "inputs") -> list[Job]:
+    def make_jobs(self, prompts: list[str], params: GenerationParams, stream: bool, label: str = "inputs",
+                  length_field: str = "max_new_tokens") -> list[Job]:
         """Jobs for `prompts`, after checking prompt tokens + max_new_tokens fit the planned
         sequence length (RequestFailed 400 naming the prompt otherwise)."""
         capacity = self.scheduler.batcher.queue.capacity
@@ -390,7 +391,7 @@ class Runtime:
             if count == 0:
                 raise RequestFailed(400, f"{where} is empty after tokenization; give at least one token of input")
             if count + params.max_new_tokens > self.max_sequence_length:
-                raise RequestFailed(400, f"{where} has {count} prompt tokens; with max_new_tokens = {params.max_new_tokens} "
+                raise RequestFailed(400, f"{where} has {count} prompt tokens; with {length_field} = {params.max_new_tokens} "
                                          f"that is {count + params.max_new_tokens}, beyond the maximum sequence length "
                                          f"{self.max_sequence_length}")
             request = GenerationRequest(id=uuid.uuid4().hex, prompt=prompt, params=params)
@@ -546,7 +547,9 @@ async def _client_gone(request: Request) -> None:
 
 
 async def _not_found(request: Request, exc: HTTPException) -> Response:
-    return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    response = error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    response.headers.update(exc.headers or {})  # a 405's Allow
+    return response
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
