@@ -53,6 +53,124 @@ def test_an_altered_shard_stops_start_up_with_exit_1_naming_it(tmp_path):
     assert list(record.iterdir()) == []  # no worker got as far as loading the engine
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_signal_while_the_hashes_are_checked_leaves_no_worker_behind(tmp_path, sig):
+    """The ranks wait at the gate while the front end checks a 12 GiB (sparse) file. SIGTERM: start-up
+    unwinds, the check stops at its next chunk, the ranks are stopped, exit 0. SIGKILL: the ranks see
+    their lifeline close and exit by themselves. Either way no process of the runtime is left."""
+    import json
+
+    from lmc.manifest import MANIFEST_NAME, build_manifest, manifest_bytes
+
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    big = model / "big.bin"
+    with open(big, "wb") as handle:
+        handle.truncate(12 * 1024**3)
+    if big.stat().st_blocks * 512 > 1024**2:
+        pytest.skip("this filesystem has no sparse files")
+    manifest = json.loads((model / MANIFEST_NAME).read_text())
+    files = {rel: (entry["size"], entry["sha256"]) for rel, entry in manifest["files"].items()}
+    files["big.bin"] = (big.stat().st_size, "0" * 64)  # never reached: the signal comes first
+    (model / MANIFEST_NAME).write_bytes(manifest_bytes(build_manifest("0.1.0", manifest["spec"], manifest["plan"], files)))
+    audit = tmp_path / "audit"
+    proc = _start(["--model-dir", str(model), "--port", str(free_port())], env={"LMC_AUDIT_OPENS": str(audit)},
+                  new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(list(tmp_path.glob("audit.*"))) < 2:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            time.sleep(0.05)
+        ranks = [int(path.name.rsplit(".", 1)[1]) for path in tmp_path.glob("audit.*")]
+        assert len(ranks) == 2 and all(_alive(pid) for pid in ranks)  # both forked, waiting at the gate
+        os.kill(proc.pid, sig)
+        code = proc.wait(30)
+        assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL), proc.stderr.read()[-2000:]
+        if sig == signal.SIGTERM:
+            assert "SIGTERM during start-up: stopped before serving" in proc.stderr.read()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(pid) for pid in ranks):
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in ranks)
+        group = subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        deadline = time.monotonic() + 15  # the fork server and the resource tracker follow
+        while time.monotonic() < deadline and any(_alive(int(pid)) for pid in group):
+            time.sleep(0.1)
+            group = subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert not [pid for pid in group if _alive(int(pid))], subprocess.run(
+            ["ps", "-o", "pid,stat,args", "-g", str(proc.pid)], capture_output=True, text=True).stdout
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    mask = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigIgn:"))
+    return bool(int(mask.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def test_when_the_fork_server_dies_the_old_ranks_go_and_its_successor_ignores_sigterm(tmp_path):
+    """Killing the fork server makes its ranks look dead to the front end while they still run: the
+    group is restarted, and the old ranks, still loading, must not load on beside the new ones (their
+    lifeline closes). The fork server multiprocessing starts again must ignore SIGTERM like the first,
+    so a SIGTERM to the whole process group still drains and exits 0."""
+    record = tmp_path / "record"
+    record.mkdir()
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2),
+                           {"record_dir": str(record), "load_delay_s": 4.0})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    audit = tmp_path / "audit"
+    proc = _start(["--model-dir", str(model), "--port", str(port), "--host", "127.0.0.1"],
+                  env={"LMC_AUDIT_OPENS": str(audit)}, new_session=True)
+
+    def forked() -> list[int]:
+        return sorted(int(path.name.rsplit(".", 1)[1]) for path in tmp_path.glob("audit.*"))
+
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(forked()) < 2:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            time.sleep(0.05)
+        old = forked()
+        server = {_ppid(pid) for pid in old}
+        assert len(old) == 2 and len(server) == 1 and server != {proc.pid}
+        server = server.pop()
+        assert _ignores_sigterm(server)
+        os.kill(server, signal.SIGKILL)  # while the ranks load (4 s)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 2.5 and any(_alive(pid) for pid in old):
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in old)  # gone long before their load would have ended
+        _wait_ping(url, proc)
+        new = [pid for pid in forked() if pid not in old]
+        successor = {_ppid(pid) for pid in new}
+        assert len(new) == 2 and len(successor) == 1 and successor != {server}
+        assert _ignores_sigterm(successor.pop())
+        assert sorted(int(path.read_text()) for path in record.glob("rank*.pid")) == sorted(new)  # only they loaded
+        reply = httpx.post(url + "/invocations", json={"inputs": "after", "parameters": {"max_new_tokens": 3}}, timeout=30)
+        assert reply.json() == {"generated_text": expected_text("after", 3)}
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @pytest.mark.parametrize("whole_group", [False, True], ids=["to-the-front-end", "to-the-process-group"])
 def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path, whole_group):
     model = write_artifact(tmp_path / "m", fake_plan(batch_size=2, max_batch_delay_ms=0), {"step_delay_s": 0.05})

@@ -261,7 +261,9 @@ def test_request_timeout_is_424_and_stops_its_row(tmp_path):
     ("/invocations", {"inputs": "gave up", "parameters": {"max_new_tokens": 60}}),
     ("/v1/completions", {"prompt": "gave up", "max_tokens": 60, "n": 2}),
 ], ids=["invocations", "openai-n2"])
-def test_a_client_that_gives_up_on_a_whole_answer_stops_its_rows(tmp_path, path, body):
+def test_a_client_that_gives_up_on_a_whole_answer_stops_its_rows(tmp_path, path, body, caplog):
+    import gc
+
     record = tmp_path / "record"
     record.mkdir()
     with serve_fake(tmp_path / "m", engine_kwargs={"step_delay_s": 0.1, "record_dir": str(record)}) as srv:
@@ -275,6 +277,8 @@ def test_a_client_that_gives_up_on_a_whole_answer_stops_its_rows(tmp_path, path,
         endpoint = path.strip("/").replace("/", "_").removeprefix("v1_")
         assert f'lmc_requests_total{{endpoint="{endpoint}",status="499"}} 1.0' in metrics, metrics
         assert "lmc_requests_in_flight 0.0" in metrics
+        gc.collect()
+        assert "exception was never retrieved" not in caplog.text  # no traceback in the log per hang-up
 
 
 def test_a_stream_the_client_drops_stops_its_row(tmp_path):
@@ -330,3 +334,77 @@ def test_a_stream_the_client_drops_is_recorded_as_499_and_releases_its_slot(serv
         time.sleep(0.05)
     assert count(text, 499) == before + 1
     assert "lmc_requests_in_flight 0.0" in text
+
+
+def _rank_pids(record, rank: int) -> list[int]:
+    return [int(path.read_text()) for path in record.glob(f"rank{rank}.*.pid")]
+
+
+def test_a_frozen_rank_0_never_blocks_the_server_even_with_a_batch_bigger_than_the_pipe(tmp_path):
+    """A batch is written to rank 0's pipe by a sender thread: with rank 0 stopped (SIGSTOP) and a
+    300 KB prompt (a pipe holds 64 KiB), /ping still answers at once and the request times out as set."""
+    import os
+    import signal
+    import threading
+
+    record = tmp_path / "record"
+    record.mkdir()
+    with serve_fake(tmp_path / "m", engine_kwargs={"record_dir": str(record)}, request_timeout_s=2.0,
+                    max_body_bytes=1 << 20) as srv:
+        [pid] = _rank_pids(record, 0)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            reply = {}
+            thread = threading.Thread(target=lambda: reply.update(r=httpx.post(
+                srv.url + "/invocations", json={"inputs": "x" * 300_000, "parameters": {"max_new_tokens": 2}},
+                timeout=30)))
+            start = time.monotonic()
+            thread.start()
+            time.sleep(0.5)  # the batch is on its way to rank 0
+            for _ in range(5):
+                asked = time.monotonic()
+                assert httpx.get(srv.url + "/ping", timeout=5).status_code == 200
+                assert time.monotonic() - asked < 1.0
+                time.sleep(0.1)
+            thread.join(20)
+            assert reply["r"].status_code == 424 and "timed out after 2s" in reply["r"].json()["error"]
+            assert time.monotonic() - start < 6
+        finally:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_group_that_dies_while_the_server_drains_comes_back_for_the_queued_requests(tmp_path):
+    """Draining does not stop restarts (workers ignore SIGTERM: a death then is a crash like any
+    other): the request the dead group held fails, the queued ones are served by its restart."""
+    import os
+    import signal
+    import threading
+
+    record = tmp_path / "record"
+    record.mkdir()
+    with serve_fake(tmp_path / "m", {"batch_size": 1, "max_batch_delay_ms": 0},
+                    {"step_delay_s": 0.05, "record_dir": str(record)}, request_timeout_s=30.0) as srv:
+        replies = {}
+
+        def ask(i):
+            replies[i] = httpx.post(srv.url + "/invocations", timeout=60,
+                                    json={"inputs": f"queued {i}", "parameters": {"max_new_tokens": 20}})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.1)  # in order: the first one generates, the others wait in the queue
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "lmc_requests_in_flight 3.0" not in httpx.get(srv.url + "/metrics").text:
+            time.sleep(0.02)
+        srv.runtime.begin_drain()
+        [pid] = _rank_pids(record, 0)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        for thread in threads:
+            thread.join(30)
+        assert time.monotonic() - killed < 15  # not the 30 s request timeout
+        assert replies[0].status_code == 424 and "died" in replies[0].json()["error"]
+        assert {i: replies[i].json() for i in (1, 2)} == {
+            i: {"generated_text": expected_text(f"queued {i}", 20)} for i in (1, 2)}
+        assert len(_rank_pids(record, 0)) == 2  # the restart served them

@@ -65,7 +65,31 @@ def _positive(name: str, value: float | None) -> float | None:
     return value
 
 
+class _Terminated(BaseException):
+    """SIGTERM before the server serves (extracting, verifying, starting workers): nothing is in flight,
+    so stop what was started and exit 0, as a drain with nothing to drain would."""
+
+
+def _terminate(signum, frame) -> None:
+    raise _Terminated()
+
+
 def run(args: argparse.Namespace) -> int:
+    import signal
+
+    # Until uvicorn installs its own handler (serve), SIGTERM unwinds start-up through every cleanup
+    # below: the default action would leave workers waiting at the gate and an extracted archive behind.
+    default_sigterm = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _run(args)
+    except _Terminated:
+        logging.getLogger("lmc.runtime").info("SIGTERM during start-up: stopped before serving")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, default_sigterm)
+
+
+def _run(args: argparse.Namespace) -> int:
     from lmc.runtime.startup import open_artifact, resolve_port, verify_hashes
     from lmc.runtime.workers import mp_context, start_process_server
 
@@ -94,20 +118,20 @@ def run(args: argparse.Namespace) -> int:
         runtime.scheduler.start_groups()
         try:
             verify_hashes(artifact.model_dir, artifact.manifest)
-        except BaseException:
+            gate.set()
+            log = logging.getLogger("lmc.runtime")
+            log.info("verified %d files against lmc.json", len(artifact.manifest["files"]))
+            log.info("serving %s on %s:%d: engine %s, %d group(s) x TP %d, batch %d, queue %d, timeout %gs",
+                     artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,
+                     artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"],
+                     artifact.plan["job_queue_size"], timeout)
+            if runtime.sampling_defaults:
+                log.info("OpenAI routes default to the model's generation_config.json: %s",
+                         ", ".join(f"{key} {value}" for key, value in runtime.sampling_defaults.items()))
+            serve(runtime, args.host, port)
+        except BaseException:  # a bad file, Ctrl-C or SIGTERM before uvicorn took the signals over, a bind error
             runtime.scheduler.stop_groups()
             raise
-        gate.set()
-        logging.getLogger("lmc.runtime").info("verified %d files against lmc.json", len(artifact.manifest["files"]))
-        logging.getLogger("lmc.runtime").info(
-            "serving %s on %s:%d: engine %s, %d group(s) x TP %d, batch %d, queue %d, timeout %gs",
-            artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,
-            artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"], artifact.plan["job_queue_size"], timeout)
-        if runtime.sampling_defaults:
-            logging.getLogger("lmc.runtime").info(
-                "OpenAI routes default to the model's generation_config.json: %s",
-                ", ".join(f"{key} {value}" for key, value in runtime.sampling_defaults.items()))
-        serve(runtime, args.host, port)
         if runtime.scheduler.fatal is not None:
             raise runtime.scheduler.fatal  # one line, its exit code (the workers are stopped by now)
     finally:

@@ -323,9 +323,8 @@ class Runtime:
         if self.accepting:
             log.info("draining: %d request(s) in flight", self._in_flight)
         self.accepting = False
-        for group in self.scheduler.groups:
-            # A SIGTERM sent to the whole process group reaches the workers too: do not restart them.
-            group.restart_on_death = False
+        # A group that dies now is restarted as at any other time (workers ignore SIGTERM, so a signal
+        # sent to the whole process group is not why): the requests still queued wait for it.
 
     async def wait_idle(self, timeout_s: float) -> bool:
         try:
@@ -414,6 +413,9 @@ class Runtime:
         its jobs given up, so their rows stop, and RequestFailed 499: nobody reads the answer."""
         waits = [asyncio.ensure_future(self.result(job)) for job in jobs]
         answers = asyncio.gather(*waits)
+        # When the client leaves first, the gather ends with the waits' CancelledError, read by nobody:
+        # read it here, or asyncio logs a traceback for every hang-up.
+        answers.add_done_callback(lambda future: future.cancelled() or future.exception())
         gone = asyncio.ensure_future(_client_gone(request))
         answered = False
         try:

@@ -104,14 +104,23 @@ def verify_hashes(model_dir: Path, manifest: dict[str, Any], threads: int | None
 
     By default one core is left to the fork server, whose imports run at the same time and are
     the longer of the two on small hosts (1 GB hashes in about a second per core)."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     entries = list(manifest["files"].items())
     threads = threads or min(8, max(1, (os.cpu_count() or 1) - 1))
     # Largest first, so one big shard does not start last and finish alone.
     order = sorted(entries, key=lambda item: -int(item[1]["size"]))
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lmc-verify") as pool:
-        digests = dict(zip((rel for rel, _ in order), pool.map(lambda item: sha256_file(model_dir / item[0]), order)))
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lmc-verify")
+    try:
+        futures = [pool.submit(sha256_file, model_dir / rel, stop) for rel, _ in order]
+        digests = {rel: future.result() for (rel, _), future in zip(order, futures)}
+    finally:
+        # Interrupted (SIGTERM during start-up): the hashes still running stop at their next chunk, the
+        # others never start, and the process need not wait for gigabytes it will not use.
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
     for rel, entry in entries:
         if digests[rel] != entry["sha256"]:
             raise ArtifactError(f"{model_dir / rel}: altered: sha256 differs from {MANIFEST_NAME}")

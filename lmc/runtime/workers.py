@@ -7,7 +7,11 @@ to the other ranks over a gloo control group, all ranks call `engine.generate` i
 cancel probe): `("cancel", batch, request id)` stops that row on every rank; any other message waits
 for the batch's end (a `stop` also stops the batch's rows). A supervisor thread per group (in the
 front-end process) watches the pipe and every process sentinel: when any rank dies, the group is torn
-down, the batch it held fails with a message, and the group is started again.
+down, the batch it held fails with a message, and the group is started again. Every rank also holds the
+read end of a lifeline pipe that nothing is written to: when the front end dies or gives the group up,
+the pipe reads end-of-file and the rank exits at once, whatever it was doing (waiting at the gate,
+loading, decoding). The front end's messages to rank 0 go through a sender thread, so a rank that stops
+reading can never block the event loop.
 
 The front end never imports torch: only the worker processes do (inside `worker_main`).
 """
@@ -20,6 +24,7 @@ import logging
 import math
 import multiprocessing
 import os
+import queue
 import re
 import signal
 import socket
@@ -195,11 +200,24 @@ def start_process_server(plan: dict[str, Any]) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None) -> None:
+def _watch_lifeline(lifeline: Connection) -> None:
+    """Exit this rank when the front end closes its end of `lifeline` (nothing is ever sent on it): it
+    died, or it tore this group down and could not kill this process itself (once the fork server is
+    gone, a forked rank looks dead to it while it still runs)."""
+    try:
+        lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os._exit(LIFELINE_EXIT)
+
+
+def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None, lifeline: Connection | None = None) -> None:
     """Entry point of one rank (forked from the fork server, or spawned). Exits when told to stop, when the front end goes away, or
     (non-zero) when a peer dies. With a `gate` (an Event), waits for it before touching the
-    artifact: the front end sets it once every file's sha256 is verified."""
+    artifact: the front end sets it once every file's sha256 is verified. See _watch_lifeline."""
     started = time.monotonic()
+    if lifeline is not None:
+        threading.Thread(target=_watch_lifeline, args=(lifeline,), name="lmc-lifeline", daemon=True).start()
     # The front end decides when workers stop: a Ctrl-C or a SIGTERM sent to the whole process group
     # must not kill them under the requests it is draining. They still exit when the front end goes
     # away (rank 0 reads EOF, the other ranks' collectives fail) and on SIGKILL.
@@ -360,6 +378,7 @@ def _send(conn: Connection, message: tuple) -> bool:
 
 # A rank's exit status when it could not load the model for a reason restarting cannot fix.
 FATAL_LOAD_EXIT = 78  # EX_CONFIG
+LIFELINE_EXIT = 70  # EX_SOFTWARE: the front end is gone or gave this group up
 
 
 class ModelLoadError(LmcError):
@@ -402,9 +421,17 @@ class WorkerGroup:
         self.pids: list[int] = []
         self._procs: list[Any] = []
         self._conn: Connection | None = None
-        self._send_lock = threading.Lock()
+        self._lifeline: Connection | None = None  # see _watch_lifeline
+        # _state_lock guards ready, _conn, _generation and _in_flight; _pipe_lock is held while a message
+        # is written to rank 0's pipe (by the sender thread only) and while that pipe is closed. Order:
+        # _pipe_lock, then _state_lock.
+        self._state_lock = threading.Lock()
+        self._pipe_lock = threading.Lock()
+        # (generation, message) for the sender thread; a message for an earlier incarnation is dropped.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._generation = 0
+        self._sender: threading.Thread | None = None
         self._stopping = threading.Event()
-        self.restart_on_death = True  # False while the server drains: a rank killed then is not replaced
         self._in_flight: int | None = None
         self._thread: threading.Thread | None = None
         self.fatal: ModelLoadError | None = None  # set when a rank cannot load the model for good
@@ -414,31 +441,42 @@ class WorkerGroup:
     def start(self) -> None:
         if self._thread is not None:
             return
+        self._sender = threading.Thread(target=self._send_loop, name=f"lmc-group-{self.group}-send", daemon=True)
+        self._sender.start()
         self._thread = threading.Thread(target=self._supervise, name=f"lmc-group-{self.group}", daemon=True)
         self._thread.start()
 
     def submit(self, batch_id: int, requests: list, stream_ids: list[str]) -> None:
-        """Send a batch to rank 0. Raises RuntimeError if the group is not up."""
-        with self._send_lock:
+        """Queue a batch for rank 0 (never blocks). Raises RuntimeError if the group is not up. A batch
+        that never reaches rank 0 fails when the group goes down (its supervisor sees the death)."""
+        with self._state_lock:
             if not self.ready or self._conn is None:
                 raise RuntimeError(f"worker group {self.group} is not ready")
             self._in_flight = batch_id
-            try:
-                self._conn.send(("batch", batch_id, requests, stream_ids))
-            except (OSError, ValueError) as exc:
-                self._in_flight = None
-                raise RuntimeError(f"worker group {self.group} is gone: {exc}") from None
+            self._outbox.put((self._generation, ("batch", batch_id, requests, stream_ids)))
 
     def cancel(self, batch_id: int, request_id: str) -> None:
         """Tell rank 0 that `request_id` of the running batch `batch_id` is no longer wanted: it stops
-        decoding that row before its next step. Nothing when that batch is over."""
-        with self._send_lock:
-            if self._conn is None or self._in_flight != batch_id:
+        decoding that row before its next step. Nothing when that batch is over. Never blocks."""
+        with self._state_lock:
+            if self._conn is not None and self._in_flight == batch_id:
+                self._outbox.put((self._generation, ("cancel", batch_id, request_id)))
+
+    def _send_loop(self) -> None:
+        """The sender thread: writes queued messages to the current rank 0, in order, until stop()."""
+        while True:
+            generation, message = self._outbox.get()
+            if message is None:
                 return
-            try:
-                self._conn.send(("cancel", batch_id, request_id))
-            except (OSError, ValueError):
-                pass  # the group is going down; its supervisor says so
+            with self._pipe_lock:
+                with self._state_lock:
+                    conn = self._conn if generation == self._generation else None
+                if conn is None:
+                    continue  # for a group that has gone down since
+                try:
+                    conn.send(message)
+                except (OSError, ValueError):
+                    pass  # rank 0 is gone; its supervisor says so and fails what it held
 
     def kill(self, reason: str) -> None:
         """Tear the group down now (a hung batch); the supervisor restarts it."""
@@ -454,15 +492,14 @@ class WorkerGroup:
             for proc in list(self._procs):
                 if proc.is_alive():
                     proc.kill()
-        with self._send_lock:
+        with self._state_lock:
             if self._conn is not None:
-                try:
-                    self._conn.send(("stop",))
-                except (OSError, ValueError):
-                    pass
+                self._outbox.put((self._generation, ("stop",)))
         if self._thread is not None:
             self._thread.join(timeout_s + 5.0)
         self._reap(timeout_s)
+        self._close_lifeline()
+        self._outbox.put((0, None))  # the sender thread ends
 
     # -- the supervisor thread
 
@@ -484,7 +521,7 @@ class WorkerGroup:
                 log.error("worker group %d cannot load the model; not restarting it: %s", self.group, self.fatal)
                 self.events.on_fatal(self.group, self.fatal)
                 return
-            if self._stopping.is_set() or not self.restart_on_death:
+            if self._stopping.is_set():
                 return
             self.restarts += 1
             self.events.on_restart(self.group)
@@ -497,6 +534,7 @@ class WorkerGroup:
         port = free_port()
         context = mp_context(self.plan)
         parent, child = context.Pipe(duplex=True)
+        lifeline, self._lifeline = context.Pipe(duplex=False)  # (read end, write end)
         procs = []
         for rank in range(self.world_size):
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -504,14 +542,16 @@ class WorkerGroup:
             spec = WorkerSpec(str(self.model_dir), self.group, rank, self.world_size, self.backend, env,
                               engine=str(self.plan.get("engine", "")),
                               family=str((self.plan.get("model") or {}).get("family", "")))
-            proc = context.Process(target=worker_main, args=(spec, child if rank == 0 else None, self.gate),
+            proc = context.Process(target=worker_main, args=(spec, child if rank == 0 else None, self.gate, lifeline),
                                name=f"lmc-worker-g{self.group}r{rank}", daemon=True)
             proc.start()
             procs.append(proc)
         child.close()
+        lifeline.close()  # the ranks hold the read ends; the write end stays here, never written
         self._procs = procs
         self.pids = [p.pid for p in procs]
-        with self._send_lock:
+        with self._state_lock:
+            self._generation += 1
             self._conn = parent
 
     def _pump(self) -> str:
@@ -561,16 +601,24 @@ class WorkerGroup:
                 self.fatal = ModelLoadError(f"worker group {self.group} cannot load the model: {message[1]}", message[2])
 
     def _down(self, reason: str) -> None:
-        with self._send_lock:
+        with self._state_lock:
             self.ready = False
             in_flight, self._in_flight = self._in_flight, None
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+            self._generation += 1  # what is still queued for this incarnation is dropped
+            conn, self._conn = self._conn, None
         self._reap(2.0 if self._stopping.is_set() else 0.0)
+        self._close_lifeline()  # a rank still running (it could not be killed: see _watch_lifeline) exits
+        if conn is not None:
+            with self._pipe_lock:  # after a send in progress fails (every rank is gone by now) or ends
+                conn.close()
         if in_flight is not None:
             self.events.on_failure(self.group, in_flight, f"worker group {self.group} failed: {reason}")
         self.events.on_down(self.group, reason)
+
+    def _close_lifeline(self) -> None:
+        lifeline, self._lifeline = self._lifeline, None
+        if lifeline is not None:
+            lifeline.close()
 
     def _reap(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
