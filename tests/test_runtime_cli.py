@@ -53,6 +53,25 @@ def test_an_altered_shard_stops_start_up_with_exit_1_naming_it(tmp_path):
     assert list(record.iterdir()) == []  # no worker got as far as loading the engine
 
 
+def _slow_to_verify(model: Path) -> Path:
+    """`model` with a 12 GiB sparse file in its manifest (a wrong sha256: the tests signal before the
+    check ends): a hash check of seconds to a minute, without the disk space."""
+    import json
+
+    from lmc.manifest import MANIFEST_NAME, build_manifest, manifest_bytes
+
+    big = model / "big.bin"
+    with open(big, "wb") as handle:
+        handle.truncate(12 * 1024**3)
+    if big.stat().st_blocks * 512 > 1024**2:
+        pytest.skip("this filesystem has no sparse files")
+    manifest = json.loads((model / MANIFEST_NAME).read_text())
+    files = {rel: (entry["size"], entry["sha256"]) for rel, entry in manifest["files"].items()}
+    files["big.bin"] = (big.stat().st_size, "0" * 64)
+    (model / MANIFEST_NAME).write_bytes(manifest_bytes(build_manifest("0.1.0", manifest["spec"], manifest["plan"], files)))
+    return model
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -65,20 +84,7 @@ def test_a_signal_while_the_hashes_are_checked_leaves_no_worker_behind(tmp_path,
     """The ranks wait at the gate while the front end checks a 12 GiB (sparse) file. SIGTERM: start-up
     unwinds, the check stops at its next chunk, the ranks are stopped, exit 0. SIGKILL: the ranks see
     their lifeline close and exit by themselves. Either way no process of the runtime is left."""
-    import json
-
-    from lmc.manifest import MANIFEST_NAME, build_manifest, manifest_bytes
-
-    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
-    big = model / "big.bin"
-    with open(big, "wb") as handle:
-        handle.truncate(12 * 1024**3)
-    if big.stat().st_blocks * 512 > 1024**2:
-        pytest.skip("this filesystem has no sparse files")
-    manifest = json.loads((model / MANIFEST_NAME).read_text())
-    files = {rel: (entry["size"], entry["sha256"]) for rel, entry in manifest["files"].items()}
-    files["big.bin"] = (big.stat().st_size, "0" * 64)  # never reached: the signal comes first
-    (model / MANIFEST_NAME).write_bytes(manifest_bytes(build_manifest("0.1.0", manifest["spec"], manifest["plan"], files)))
+    model = _slow_to_verify(write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2)))
     audit = tmp_path / "audit"
     proc = _start(["--model-dir", str(model), "--port", str(free_port())], env={"LMC_AUDIT_OPENS": str(audit)},
                   new_session=True)
@@ -105,6 +111,37 @@ def test_a_signal_while_the_hashes_are_checked_leaves_no_worker_behind(tmp_path,
             group = subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert not [pid for pid in group if _alive(int(pid))], subprocess.run(
             ["ps", "-o", "pid,stat,args", "-g", str(proc.pid)], capture_output=True, text=True).stdout
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def test_sigterm_while_the_fork_server_still_imports_stops_everything(tmp_path):
+    """SIGTERM before any rank exists (the fork server is importing torch, the supervisor waits in the
+    fork): the ranks started after the stop exit at once, none loads the model, nothing is left."""
+    record = tmp_path / "record"
+    record.mkdir()
+    model = _slow_to_verify(write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2), {"record_dir": str(record)}))
+    audit = tmp_path / "audit"
+    proc = _start(["--model-dir", str(model), "--port", str(free_port())], env={"LMC_AUDIT_OPENS": str(audit)},
+                  new_session=True)
+    try:
+        time.sleep(0.5)
+        assert not list(tmp_path.glob("audit.*")), "too late: the ranks are already forked"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()[-2000:]
+        assert "SIGTERM during start-up: stopped before serving" in proc.stderr.read()
+        deadline = time.monotonic() + 15
+        group = ["?"]
+        while time.monotonic() < deadline and group:
+            group = [pid for pid in subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split() if _alive(int(pid))]
+            time.sleep(0.1)
+        assert not group
+        assert not list(record.glob("rank*.pid"))  # no rank loaded the model
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -71,6 +71,9 @@ class _Terminated(BaseException):
 
 
 def _terminate(signum, frame) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
     raise _Terminated()
 
 
@@ -115,8 +118,8 @@ def _run(args: argparse.Namespace) -> int:
         # None: the Runtime reads the model's generation_config.json itself.
         runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body,
                           worker_gate=gate, sampling_defaults=None if generation_config == "auto" else {})
-        runtime.scheduler.start_groups()
         try:
+            runtime.scheduler.start_groups()
             verify_hashes(artifact.model_dir, artifact.manifest)
             gate.set()
             log = logging.getLogger("lmc.runtime")

@@ -487,11 +487,12 @@ class WorkerGroup:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
-        if not self.ready:  # still loading (or waiting at the gate): nothing to finish
+        if not self.ready:  # starting, loading or waiting at the gate: nothing to finish
             timeout_s = 0.0
             for proc in list(self._procs):
                 if proc.is_alive():
                     proc.kill()
+            self._close_lifeline()  # and the ranks _spawn is still starting exit as they start
         with self._state_lock:
             if self._conn is not None:
                 self._outbox.put((self._generation, ("stop",)))
@@ -537,6 +538,8 @@ class WorkerGroup:
         lifeline, self._lifeline = context.Pipe(duplex=False)  # (read end, write end)
         procs = []
         for rank in range(self.world_size):
+            if self._stopping.is_set():
+                break
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(self.world_size), **device_env(self.plan, self.group, rank), **self.extra_env}
             spec = WorkerSpec(str(self.model_dir), self.group, rank, self.world_size, self.backend, env,
@@ -553,6 +556,8 @@ class WorkerGroup:
         with self._state_lock:
             self._generation += 1
             self._conn = parent
+        if self._stopping.is_set():
+            self._close_lifeline()  # stop() came while these started (a fork server start takes seconds)
 
     def _pump(self) -> str:
         """Forward messages until a process exits or the group is stopped; returns why it ended."""
