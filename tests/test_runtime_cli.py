@@ -72,6 +72,18 @@ def _slow_to_verify(model: Path) -> Path:
     return model
 
 
+def _assert_group_ends(pgid: int, timeout_s: float = 15.0) -> None:
+    """Every process of the process group `pgid` exits (zombies count as gone) within `timeout_s`."""
+    def live() -> list[int]:
+        listed = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True, text=True).stdout
+        return [int(pid) for pid in listed.split() if _alive(int(pid))]
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and live():
+        time.sleep(0.1)
+    assert not live(), subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(pgid)], capture_output=True, text=True).stdout
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -104,13 +116,7 @@ def test_a_signal_while_the_hashes_are_checked_leaves_no_worker_behind(tmp_path,
         while time.monotonic() < deadline and any(_alive(pid) for pid in ranks):
             time.sleep(0.05)
         assert not any(_alive(pid) for pid in ranks)
-        group = subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        deadline = time.monotonic() + 15  # the fork server and the resource tracker follow
-        while time.monotonic() < deadline and any(_alive(int(pid)) for pid in group):
-            time.sleep(0.1)
-            group = subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert not [pid for pid in group if _alive(int(pid))], subprocess.run(
-            ["ps", "-o", "pid,stat,args", "-g", str(proc.pid)], capture_output=True, text=True).stdout
+        _assert_group_ends(proc.pid)  # the fork server and the resource tracker follow
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -134,13 +140,7 @@ def test_sigterm_while_the_fork_server_still_imports_stops_everything(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, proc.stderr.read()[-2000:]
         assert "SIGTERM during start-up: stopped before serving" in proc.stderr.read()
-        deadline = time.monotonic() + 15
-        group = ["?"]
-        while time.monotonic() < deadline and group:
-            group = [pid for pid in subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True,
-                                                   text=True).stdout.split() if _alive(int(pid))]
-            time.sleep(0.1)
-        assert not group
+        _assert_group_ends(proc.pid)
         assert not list(record.glob("rank*.pid"))  # no rank loaded the model
     finally:
         try:
