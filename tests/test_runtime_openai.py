@@ -139,6 +139,24 @@ def test_when_one_of_n_streamed_choices_fails_the_others_are_given_up_at_once(tm
         assert runtime._in_flight == 0
 
 
+def test_each_prompt_is_tokenized_once_whatever_n(server, monkeypatch):
+    """Tokenizing holds the event loop: n copies of a prompt, and chat's default answer length, reuse
+    one count per prompt."""
+    text = server.runtime.text
+    counted = []
+    real = text.count_tokens
+    monkeypatch.setattr(text, "count_tokens", lambda prompt, special=True: counted.append(prompt) or real(prompt, special))
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi there"}], "n": 3})
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 3, reply.text
+    assert len(counted) == 1
+    counted.clear()
+    reply = httpx.post(server.url + "/v1/completions", timeout=30, json={"prompt": ["a b", "c"], "n": 2, "max_tokens": 2})
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 4, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == 3
+    assert counted == ["a b", "c"]
+
+
 def test_n_copies_sample_with_distinct_seeds(tmp_path):
     """One seed for n copies would give n identical samples: copy i gets seed + i (reproducible as a whole)."""
     from lmc.runtime.engines.base import GenerationParams

@@ -371,9 +371,10 @@ class Runtime:
             raise RequestFailed(503, "the server is shutting down and accepts no new requests")
 
     def make_jobs(self, prompts: list[str], params: GenerationParams, stream: bool, label: str = "inputs",
-                  length_field: str = "max_new_tokens") -> list[Job]:
+                  length_field: str = "max_new_tokens", counts: list[int] | None = None) -> list[Job]:
         """Jobs for `prompts`, after checking prompt tokens + max_new_tokens fit the planned
-        sequence length (RequestFailed 400 naming the prompt otherwise)."""
+        sequence length (RequestFailed 400 naming the prompt otherwise). `counts`: the prompts' token
+        counts when the caller has them (count_prompts), so a prompt is tokenized once per request."""
         capacity = self.scheduler.batcher.queue.capacity
         if len(prompts) > capacity:
             raise RequestFailed(400, f"{label} has {len(prompts)} prompts; the request queue holds {capacity}: "
@@ -384,8 +385,7 @@ class Runtime:
             raise RequestFailed(400, str(exc)) from None
         now = time.monotonic()
         jobs = []
-        for index, prompt in enumerate(prompts):
-            count = self.text.count_tokens(prompt, params.add_special_tokens)
+        for index, (prompt, count) in enumerate(zip(prompts, counts or self.count_prompts(prompts, params))):
             where = label if len(prompts) == 1 else f"{label}[{index}]"
             if count == 0:
                 raise RequestFailed(400, f"{where} is empty after tokenization; give at least one token of input")
@@ -396,6 +396,10 @@ class Runtime:
             request = GenerationRequest(id=uuid.uuid4().hex, prompt=prompt, params=params)
             jobs.append(Job(request=request, stream=stream, prompt_tokens=count, enqueued_at=now))
         return jobs
+
+    def count_prompts(self, prompts: list[str], params: GenerationParams) -> list[int]:
+        """Each prompt's tokens as its jobs will count them (tokenizing holds the event loop: once each)."""
+        return [self.text.count_tokens(prompt, params.add_special_tokens) for prompt in prompts]
 
     def admit(self, jobs: list[Job]) -> None:
         self.check_accepting()
