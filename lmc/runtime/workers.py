@@ -430,7 +430,6 @@ class WorkerGroup:
         # (generation, message) for the sender thread; a message for an earlier incarnation is dropped.
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._generation = 0
-        self._sender: threading.Thread | None = None
         self._stopping = threading.Event()
         self._in_flight: int | None = None
         self._thread: threading.Thread | None = None
@@ -441,8 +440,7 @@ class WorkerGroup:
     def start(self) -> None:
         if self._thread is not None:
             return
-        self._sender = threading.Thread(target=self._send_loop, name=f"lmc-group-{self.group}-send", daemon=True)
-        self._sender.start()
+        threading.Thread(target=self._send_loop, name=f"lmc-group-{self.group}-send", daemon=True).start()
         self._thread = threading.Thread(target=self._supervise, name=f"lmc-group-{self.group}", daemon=True)
         self._thread.start()
 
@@ -471,12 +469,10 @@ class WorkerGroup:
             with self._pipe_lock:
                 with self._state_lock:
                     conn = self._conn if generation == self._generation else None
-                if conn is None:
-                    continue  # for a group that has gone down since
-                try:
-                    conn.send(message)
-                except (OSError, ValueError):
-                    pass  # rank 0 is gone; its supervisor says so and fails what it held
+                # None: for a group that has gone down since. A failed send: rank 0 is gone; its
+                # supervisor says so and fails what it held.
+                if conn is not None:
+                    _send(conn, message)
 
     def kill(self, reason: str) -> None:
         """Tear the group down now (a hung batch); the supervisor restarts it."""
@@ -554,8 +550,7 @@ class WorkerGroup:
         self._procs = procs
         self.pids = [p.pid for p in procs]
         with self._state_lock:
-            self._generation += 1
-            self._conn = parent
+            self._conn = parent  # (_down moved _generation past every message queued for the last one)
         if self._stopping.is_set():
             self._close_lifeline()  # stop() came while these started (a fork server start takes seconds)
 
