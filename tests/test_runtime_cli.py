@@ -1,5 +1,6 @@
 """`python -m lmc runtime` as a process: refusal of an altered artifact, SIGTERM draining, archives."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,6 +22,34 @@ REPO = Path(__file__).resolve().parent.parent
 def _start(args, env=None, new_session=False):
     return subprocess.Popen([sys.executable, "-m", "lmc", "runtime", *args], cwd=REPO, env={**os.environ, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=new_session)
+
+
+@contextlib.contextmanager
+def _session(args, env=None):
+    """`lmc runtime` in a process group of its own, killed whole on the way out: a test that fails leaves
+    no rank, fork server or resource tracker behind."""
+    proc = _start(args, env, new_session=True)
+    try:
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _forked(root: Path) -> list[int]:
+    """The ranks forked so far: their LMC_AUDIT_OPENS files (`root`/audit.g<group>r<rank>.<pid>)."""
+    return sorted(int(path.name.rsplit(".", 1)[1]) for path in root.glob("audit.*"))
+
+
+def _wait_forked(root: Path, proc, count: int, timeout_s: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and len(_forked(root)) < count:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.05)
+    return _forked(root)
 
 
 def _wait_ping(url, proc, timeout_s=60):
@@ -97,15 +126,9 @@ def test_a_signal_while_the_hashes_are_checked_leaves_no_worker_behind(tmp_path,
     unwinds, the check stops at its next chunk, the ranks are stopped, exit 0. SIGKILL: the ranks see
     their lifeline close and exit by themselves. Either way no process of the runtime is left."""
     model = _slow_to_verify(write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2)))
-    audit = tmp_path / "audit"
-    proc = _start(["--model-dir", str(model), "--port", str(free_port())], env={"LMC_AUDIT_OPENS": str(audit)},
-                  new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(list(tmp_path.glob("audit.*"))) < 2:
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
-            time.sleep(0.05)
-        ranks = [int(path.name.rsplit(".", 1)[1]) for path in tmp_path.glob("audit.*")]
+    with _session(["--model-dir", str(model), "--port", str(free_port())],
+                  env={"LMC_AUDIT_OPENS": str(tmp_path / "audit")}) as proc:
+        ranks = _wait_forked(tmp_path, proc, 2)
         assert len(ranks) == 2 and all(_alive(pid) for pid in ranks)  # both forked, waiting at the gate
         os.kill(proc.pid, sig)
         code = proc.wait(30)
@@ -117,12 +140,6 @@ def test_a_signal_while_the_hashes_are_checked_leaves_no_worker_behind(tmp_path,
             time.sleep(0.05)
         assert not any(_alive(pid) for pid in ranks)
         _assert_group_ends(proc.pid)  # the fork server and the resource tracker follow
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def test_sigterm_while_the_fork_server_still_imports_stops_everything(tmp_path):
@@ -131,23 +148,15 @@ def test_sigterm_while_the_fork_server_still_imports_stops_everything(tmp_path):
     record = tmp_path / "record"
     record.mkdir()
     model = _slow_to_verify(write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2), {"record_dir": str(record)}))
-    audit = tmp_path / "audit"
-    proc = _start(["--model-dir", str(model), "--port", str(free_port())], env={"LMC_AUDIT_OPENS": str(audit)},
-                  new_session=True)
-    try:
+    with _session(["--model-dir", str(model), "--port", str(free_port())],
+                  env={"LMC_AUDIT_OPENS": str(tmp_path / "audit")}) as proc:
         time.sleep(0.5)
-        assert not list(tmp_path.glob("audit.*")), "too late: the ranks are already forked"
+        assert not _forked(tmp_path), "too late: the ranks are already forked"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, proc.stderr.read()[-2000:]
         assert "SIGTERM during start-up: stopped before serving" in proc.stderr.read()
         _assert_group_ends(proc.pid)
         assert not list(record.glob("rank*.pid"))  # no rank loaded the model
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def _ppid(pid: int) -> int:
@@ -170,19 +179,9 @@ def test_when_the_fork_server_dies_the_old_ranks_go_and_its_successor_ignores_si
                            {"record_dir": str(record), "load_delay_s": 4.0})
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    audit = tmp_path / "audit"
-    proc = _start(["--model-dir", str(model), "--port", str(port), "--host", "127.0.0.1"],
-                  env={"LMC_AUDIT_OPENS": str(audit)}, new_session=True)
-
-    def forked() -> list[int]:
-        return sorted(int(path.name.rsplit(".", 1)[1]) for path in tmp_path.glob("audit.*"))
-
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(forked()) < 2:
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
-            time.sleep(0.05)
-        old = forked()
+    with _session(["--model-dir", str(model), "--port", str(port), "--host", "127.0.0.1"],
+                  env={"LMC_AUDIT_OPENS": str(tmp_path / "audit")}) as proc:
+        old = _wait_forked(tmp_path, proc, 2)
         server = {_ppid(pid) for pid in old}
         assert len(old) == 2 and len(server) == 1 and server != {proc.pid}
         server = server.pop()
@@ -193,7 +192,7 @@ def test_when_the_fork_server_dies_the_old_ranks_go_and_its_successor_ignores_si
             time.sleep(0.05)
         assert not any(_alive(pid) for pid in old)  # gone long before their load would have ended
         _wait_ping(url, proc)
-        new = [pid for pid in forked() if pid not in old]
+        new = [pid for pid in _forked(tmp_path) if pid not in old]
         successor = {_ppid(pid) for pid in new}
         assert len(new) == 2 and len(successor) == 1 and successor != {server}
         assert _ignores_sigterm(successor.pop())
@@ -202,10 +201,6 @@ def test_when_the_fork_server_dies_the_old_ranks_go_and_its_successor_ignores_si
         assert reply.json() == {"generated_text": expected_text("after", 3)}
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.mark.parametrize("whole_group", [False, True], ids=["to-the-front-end", "to-the-process-group"])
@@ -213,8 +208,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path, whole_gro
     model = write_artifact(tmp_path / "m", fake_plan(batch_size=2, max_batch_delay_ms=0), {"step_delay_s": 0.05})
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _start(["--model-dir", str(model), "--port", str(port), "--host", "127.0.0.1"], new_session=True)
-    try:
+    with _session(["--model-dir", str(model), "--port", str(port), "--host", "127.0.0.1"]) as proc:
         _wait_ping(url, proc)
         replies = {}
 
@@ -244,10 +238,6 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path, whole_gro
         assert {i: r.status_code for i, r in replies.items()} == {0: 200, 1: 200, 2: 200, 3: 200}
         assert all(r.json() == {"generated_text": expected_text(f"in flight {i}", 20)} for i, r in replies.items())
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serves_an_archive_with_the_sagemaker_serve_word_and_port(tmp_path):
