@@ -145,7 +145,7 @@ def test_each_prompt_is_tokenized_once_whatever_n(server, monkeypatch):
     text = server.runtime.text
     counted = []
     real = text.count_tokens
-    monkeypatch.setattr(text, "count_tokens", lambda prompt, special=True: counted.append(prompt) or real(prompt, special))
+    monkeypatch.setattr(text, "count_tokens", lambda prompts, special=True: counted.extend(prompts) or real(prompts, special))
     reply = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                        json={"messages": [{"role": "user", "content": "hi there"}], "n": 3})
     assert reply.status_code == 200 and len(reply.json()["choices"]) == 3, reply.text
@@ -164,13 +164,13 @@ def test_n_copies_sample_with_distinct_seeds(tmp_path):
 
     plan = fake_plan()
     runtime = Runtime(write_artifact(tmp_path / "m", plan), plan, request_timeout_s=30)
-    jobs = _make_jobs(runtime, ["p q", "r"], GenerationParams(do_sample=True, seed=7), 3, False, "prompt")
+    jobs = _make_jobs(runtime, ["p q", "r"], [2, 1], GenerationParams(do_sample=True, seed=7), 3, False, "prompt")
     assert [(job.request.prompt, job.request.params.seed) for job in jobs] == [
         ("p q", 7), ("p q", 8), ("p q", 9), ("r", 7), ("r", 8), ("r", 9)]
-    unseeded = _make_jobs(runtime, ["p"], GenerationParams(do_sample=True), 2, False, "prompt")
+    unseeded = _make_jobs(runtime, ["p"], [1], GenerationParams(do_sample=True), 2, False, "prompt")
     assert [job.request.params.seed for job in unseeded] == [None, None]  # each row draws its own
     with pytest.raises(Exception, match="n = 9 for 2 prompt\\(s\\) is 18 answers; the request queue holds 16"):
-        _make_jobs(runtime, ["a", "b"], GenerationParams(), 9, False, "prompt")
+        _make_jobs(runtime, ["a", "b"], [1, 1], GenerationParams(), 9, False, "prompt")
 
 
 def test_models_lists_the_served_model_for_clients_that_discover_it(client, server):

@@ -4,6 +4,7 @@ import asyncio
 import re
 import contextlib
 import json
+import threading
 import time
 
 import httpx
@@ -153,6 +154,39 @@ def test_a_huge_integer_parameter_is_a_400_not_a_500(server):
     reply = httpx.post(server.url + "/invocations", content=b'{"inputs": "a", "parameters": {"top_p": 1' + b"0" * 400 + b"}}")
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"] == "parameters.top_p must be in [0, 1], got an integer of 401 digits"
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server, monkeypatch):
+    """Tokenizing takes about a second per megabyte of prompt: long prompts are counted on a thread, so
+    /ping (and every other request) is answered meanwhile. Here the tokenizer holds a long prompt until
+    /ping has been answered: counted on the event loop, /ping would time out instead."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lmc.runtime.server import INLINE_TOKENIZE_CHARS
+
+    text = server.runtime.text
+    real = text.count_tokens
+    counting, pinged = threading.Event(), threading.Event()
+
+    def count(prompts, special=True):
+        if sum(map(len, prompts)) > INLINE_TOKENIZE_CHARS:
+            counting.set()
+            pinged.wait(10)
+        return real(prompts, special)
+
+    monkeypatch.setattr(text, "count_tokens", count)
+    prompt = "lorem " + "x" * INLINE_TOKENIZE_CHARS
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(post, server, {"inputs": prompt, "parameters": {"max_new_tokens": 3}})
+        assert counting.wait(10)
+        try:
+            ping = httpx.get(server.url + "/ping", timeout=3).status_code
+        except httpx.TimeoutException:
+            ping = "timed out"
+        finally:
+            pinged.set()
+        assert ping == 200
+        assert reply.result().json() == {"generated_text": expected_text(prompt, 3)}
 
 
 def test_64_concurrent_clients_are_all_answered_and_batched(server):

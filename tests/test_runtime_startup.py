@@ -104,7 +104,7 @@ def test_chat_template_renders_with_the_generation_prompt(tmp_path):
     tools = TextTools(tmp_path)
     prompt = tools.render_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     assert prompt == "<system> be brief <user> hi <assistant>"
-    assert tools.count_tokens(prompt) == 6  # whitespace words without a tokenizer.json
+    assert tools.count_tokens([prompt, ""]) == [6, 0]  # whitespace words without a tokenizer.json
 
 
 def test_chat_without_a_template_says_what_to_use(tmp_path):

@@ -237,13 +237,12 @@ async def _handle(request: Request, chat: bool) -> Response:
             if not isinstance(special, bool):
                 raise ValueError("add_special_tokens must be true or false")
             defaults = runtime.sampling_defaults
-            counts = None  # the prompts' token counts, once known
+            counts = await runtime.count_prompts(prompts, special)
             if chat:
                 # Chat clients often omit max_tokens: default to the answer length the plan was made for
                 # (generation_config.json's max_new_tokens when it sets one), within what the planned
                 # sequence length leaves. vLLM defaults to all that room, but here a request's
                 # max_new_tokens decides which requests can share a batch.
-                counts = [runtime.text.count_tokens(prompts[0], special)]
                 room = runtime.max_sequence_length - counts[0]
                 default_max = max(1, min(defaults.get("max_new_tokens", runtime.max_output_tokens), room))
                 if isinstance(body.get("min_tokens"), int):  # a client asking for at least n tokens gets room for them
@@ -258,7 +257,7 @@ async def _handle(request: Request, chat: bool) -> Response:
         if stream and len(prompts) != 1:
             raise RequestFailed(400, "stream = true takes a single prompt, not a list")
         n = body.get("n") or 1
-        jobs = _make_jobs(runtime, prompts, params, n, stream, label="messages" if chat else "prompt", counts=counts)
+        jobs = _make_jobs(runtime, prompts, counts, params, n, stream, label="messages" if chat else "prompt")
         runtime.admit(jobs)
     except RequestFailed as exc:
         runtime.record(endpoint, exc.status)
@@ -294,20 +293,19 @@ async def _handle(request: Request, chat: bool) -> Response:
                          "usage": _usage(prompt_tokens, completion_tokens)})
 
 
-def _make_jobs(runtime: "Runtime", prompts: list[str], params, n: int, stream: bool, label: str,
-               counts: list[int] | None = None) -> list["Job"]:
+def _make_jobs(runtime: "Runtime", prompts: list[str], counts: list[int], params, n: int, stream: bool,
+               label: str) -> list["Job"]:
     """`n` jobs per prompt, in OpenAI's choice order (prompt by prompt). With a seed, copy i samples with
-    seed + i: one seed for all would give n identical answers. Each prompt is tokenized once, not per
-    copy (`counts` when the caller has them)."""
+    seed + i: one seed for all would give n identical answers. Each prompt is tokenized once (`counts`),
+    not once per copy."""
     from lmc.runtime.server import RequestFailed
 
     capacity = runtime.scheduler.batcher.queue.capacity
     if n * len(prompts) > capacity:
         raise RequestFailed(400, f"n = {n} for {len(prompts)} prompt(s) is {n * len(prompts)} answers; the request "
                                  f"queue holds {capacity}")
-    counts = counts or runtime.count_prompts(prompts, params)
-    copies = [runtime.make_jobs(prompts, params if params.seed is None else replace(params, seed=params.seed + i),
-                                stream, label, length_field="max_tokens", counts=counts) for i in range(n)]
+    copies = [runtime.make_jobs(prompts, counts, params if params.seed is None else replace(params, seed=params.seed + i),
+                                stream, label, length_field="max_tokens") for i in range(n)]
     return [copy[k] for k in range(len(prompts)) for copy in copies]
 
 

@@ -37,6 +37,8 @@ from lmc.runtime.workers import WorkerGroup, groups_per_instance
 log = logging.getLogger("lmc.runtime")
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+# Prompts longer than this (characters, all of a request's together) are tokenized on a thread.
+INLINE_TOKENIZE_CHARS = 4096
 # A batch running this much longer than the request timeout means a hung group: restart it.
 _HUNG_GRACE_S = 30.0
 
@@ -370,11 +372,10 @@ class Runtime:
         if not self.accepting:
             raise RequestFailed(503, "the server is shutting down and accepts no new requests")
 
-    def make_jobs(self, prompts: list[str], params: GenerationParams, stream: bool, label: str = "inputs",
-                  length_field: str = "max_new_tokens", counts: list[int] | None = None) -> list[Job]:
-        """Jobs for `prompts`, after checking prompt tokens + max_new_tokens fit the planned
-        sequence length (RequestFailed 400 naming the prompt otherwise). `counts`: the prompts' token
-        counts when the caller has them (count_prompts), so a prompt is tokenized once per request."""
+    def make_jobs(self, prompts: list[str], counts: list[int], params: GenerationParams, stream: bool,
+                  label: str = "inputs", length_field: str = "max_new_tokens") -> list[Job]:
+        """Jobs for `prompts`, after checking prompt tokens (`counts`, from count_prompts) +
+        max_new_tokens fit the planned sequence length (RequestFailed 400 naming the prompt otherwise)."""
         capacity = self.scheduler.batcher.queue.capacity
         if len(prompts) > capacity:
             raise RequestFailed(400, f"{label} has {len(prompts)} prompts; the request queue holds {capacity}: "
@@ -385,7 +386,7 @@ class Runtime:
             raise RequestFailed(400, str(exc)) from None
         now = time.monotonic()
         jobs = []
-        for index, (prompt, count) in enumerate(zip(prompts, counts or self.count_prompts(prompts, params))):
+        for index, (prompt, count) in enumerate(zip(prompts, counts, strict=True)):
             where = label if len(prompts) == 1 else f"{label}[{index}]"
             if count == 0:
                 raise RequestFailed(400, f"{where} is empty after tokenization; give at least one token of input")
@@ -397,9 +398,14 @@ class Runtime:
             jobs.append(Job(request=request, stream=stream, prompt_tokens=count, enqueued_at=now))
         return jobs
 
-    def count_prompts(self, prompts: list[str], params: GenerationParams) -> list[int]:
-        """Each prompt's tokens as its jobs will count them (tokenizing holds the event loop: once each)."""
-        return [self.text.count_tokens(prompt, params.add_special_tokens) for prompt in prompts]
+    async def count_prompts(self, prompts: list[str], add_special_tokens: bool = True) -> list[int]:
+        """Each prompt's token count, for make_jobs: count once per request. Long prompts are tokenized
+        on a thread, where the tokenizer lets go of the GIL: a megabyte takes about a second, and /ping,
+        streams and other requests go on meanwhile. Short ones are counted in place (cheaper than the
+        hop to a thread)."""
+        if sum(map(len, prompts)) <= INLINE_TOKENIZE_CHARS:
+            return self.text.count_tokens(prompts, add_special_tokens)
+        return await asyncio.to_thread(self.text.count_tokens, prompts, add_special_tokens)
 
     def admit(self, jobs: list[Job]) -> None:
         self.check_accepting()
@@ -501,7 +507,8 @@ async def invocations(request: Request) -> Response:
             raise RequestFailed(400, "stream = true takes a single string in inputs, not a list")
         if details and not stream:  # LMI's details.tokens: each generated token's id, text and log-probability
             params = replace(params, logprobs=0)
-        jobs = runtime.make_jobs(prompts, params, stream)
+        jobs = runtime.make_jobs(prompts, await runtime.count_prompts(prompts, params.add_special_tokens), params,
+                                 stream)
         runtime.admit(jobs)
     except RequestFailed as exc:
         runtime.record("invocations", exc.status)

@@ -266,10 +266,13 @@ class TextTools:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def count_tokens(self, text: str, add_special_tokens: bool = True) -> int:
+    def count_tokens(self, texts: list[str], add_special_tokens: bool = True) -> list[int]:
+        """Each text's token count. The tokenizer's batch call lets go of the GIL while it works (its
+        single-text call does not): run from a thread, a long prompt leaves the event loop free."""
         if self._tokenizer is None:
-            return len(text.split())
-        return len(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+            return [len(text.split()) for text in texts]
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [len(encoding.ids) for encoding in encodings]
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The prompt for a chat: the model's template with add_generation_prompt. Raises ValueError."""
