@@ -7,6 +7,7 @@ EXIT_INVALID_INPUT = 1  # spec, checkpoint, artifact, request
 EXIT_USAGE = 2
 EXIT_NO_PLAN = 3
 EXIT_INTERNAL = 70
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it: Ctrl-C (twice, for `lmc runtime` draining)
 
 
 class LmcError(Exception):

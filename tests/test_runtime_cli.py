@@ -240,6 +240,42 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path, whole_gro
         assert proc.wait(30) == 0
 
 
+def test_a_second_ctrl_c_cuts_the_drain_short_with_exit_130(tmp_path):
+    """The first SIGINT drains like SIGTERM; a second one stops now, as uvicorn's does: the request still
+    generating (20 s of it) loses its connection, every process goes, and the exit status says so."""
+    model = write_artifact(tmp_path / "m", fake_plan(), {"step_delay_s": 0.5})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with _session(["--model-dir", str(model), "--port", str(port), "--host", "127.0.0.1"]) as proc:
+        _wait_ping(url, proc)
+        replies = []
+
+        def ask():
+            try:
+                replies.append(httpx.post(url + "/invocations", json={"inputs": "slow", "parameters": {"max_new_tokens": 40}},
+                                          timeout=60).status_code)
+            except httpx.TransportError as exc:
+                replies.append(type(exc).__name__)
+
+        thread = threading.Thread(target=ask)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "lmc_requests_in_flight 1.0" not in httpx.get(url + "/metrics").text:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and httpx.get(url + "/ping").status_code != 503:
+            time.sleep(0.02)
+        assert httpx.get(url + "/ping").status_code == 503 and proc.poll() is None  # draining
+        cut = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 130
+        thread.join(15)
+        assert time.monotonic() - cut < 15 and replies and replies[0] != 200, replies  # not after its 20 s
+        assert "second interrupt: stopping now, 1 request(s) still in flight" in proc.stderr.read()
+        _assert_group_ends(proc.pid)
+
+
 def test_serves_an_archive_with_the_sagemaker_serve_word_and_port(tmp_path):
     model = write_artifact(tmp_path / "m", fake_plan())
     archive = tmp_path / "model.tar.gz"

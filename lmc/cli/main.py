@@ -7,7 +7,7 @@ import importlib
 import sys
 
 from lmc import __version__
-from lmc.errors import EXIT_INTERNAL, EXIT_USAGE, LmcError, NoFeasiblePlanError
+from lmc.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, LmcError, NoFeasiblePlanError
 
 # Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS = {
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         print("lmc: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:  # a broken invariant: say so, ask for a report
         print(f"lmc: INTERNAL ERROR: {type(exc).__name__}: {exc} (this is a bug in lmc; please report it)", file=sys.stderr)
         return EXIT_INTERNAL

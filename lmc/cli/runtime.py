@@ -13,7 +13,7 @@ import math
 import os
 from pathlib import Path
 
-from lmc.errors import UsageError
+from lmc.errors import EXIT_INTERRUPTED, UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
             if runtime.sampling_defaults:
                 log.info("OpenAI routes default to the model's generation_config.json: %s",
                          ", ".join(f"{key} {value}" for key, value in runtime.sampling_defaults.items()))
-            serve(runtime, args.host, port)
+            cut_short = serve(runtime, args.host, port)
         except BaseException:  # a bad file, Ctrl-C or SIGTERM before uvicorn took the signals over, a bind error
             runtime.scheduler.stop_groups()
             raise
@@ -139,4 +139,4 @@ def _run(args: argparse.Namespace) -> int:
             raise runtime.scheduler.fatal  # one line, its exit code (the workers are stopped by now)
     finally:
         artifact.cleanup()
-    return 0
+    return EXIT_INTERRUPTED if cut_short else 0

@@ -600,10 +600,13 @@ def create_app(runtime: Runtime) -> Starlette:
 
 # ---------------------------------------------------------------- serving
 
-def serve(runtime: Runtime, host: str, port: int, drain_timeout_s: float | None = None) -> None:
+def serve(runtime: Runtime, host: str, port: int, drain_timeout_s: float | None = None) -> bool:
     """Run the app until SIGTERM/SIGINT: then answer 503 to new work, let in-flight requests finish
-    (up to `drain_timeout_s`), stop the worker groups and return."""
-    make_server(runtime, host, port, drain_timeout_s).run()
+    (up to `drain_timeout_s`), stop the worker groups and return False. A second SIGINT during the drain
+    cuts it short (the requests still in flight lose their connection): then True."""
+    server = make_server(runtime, host, port, drain_timeout_s)
+    server.run()
+    return server.force_exit
 
 
 def make_server(runtime: Runtime, host: str, port: int, drain_timeout_s: float | None = None):
@@ -620,8 +623,12 @@ def make_server(runtime: Runtime, host: str, port: int, drain_timeout_s: float |
             # Not uvicorn's: it closes the socket at once and re-raises the signal at exit (so the
             # process would not exit 0). We keep answering 503 while in-flight requests finish.
             if self.draining:
-                if sig == signal.SIGINT:
-                    self.force_exit = True
+                # A second Ctrl-C stops now, as uvicorn's does. A repeated SIGTERM does not: container
+                # runtimes resend it, and their SIGKILL ends a drain that takes too long.
+                if sig == signal.SIGINT and not self.force_exit:
+                    log.warning("second interrupt: stopping now, %d request(s) still in flight get no answer",
+                                runtime._in_flight)
+                    self.force_exit = self.should_exit = True
                 return
             self.draining = True
             loop = runtime.scheduler._loop
