@@ -139,13 +139,13 @@ def free_port() -> int:
 class ServerThread:
     """`lmc runtime`'s server for a Runtime, in a thread of the test process."""
 
-    def __init__(self, runtime):
+    def __init__(self, runtime, drain_timeout_s: float | None = None):
         from lmc.runtime.server import make_server
 
         self.runtime = runtime
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = make_server(runtime, "127.0.0.1", self.port)
+        self.server = make_server(runtime, "127.0.0.1", self.port, drain_timeout_s)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "ServerThread":

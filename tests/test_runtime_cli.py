@@ -1,6 +1,7 @@
 """`python -m lmc runtime` as a process: refusal of an altered artifact, SIGTERM draining, archives."""
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -241,26 +242,29 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path, whole_gro
 
 
 def test_a_second_ctrl_c_cuts_the_drain_short_with_exit_130(tmp_path):
-    """The first SIGINT drains like SIGTERM; a second one stops now, as uvicorn's does: the request still
-    generating (20 s of it) loses its connection, every process goes, and the exit status says so."""
+    """The first SIGINT drains like SIGTERM; a second one stops now, as uvicorn's does: the requests still
+    generating (20 s of it) are answered 503 at once (a stream: its error line), every process goes, the
+    log has no traceback, and the exit status says so."""
     model = write_artifact(tmp_path / "m", fake_plan(), {"step_delay_s": 0.5})
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with _session(["--model-dir", str(model), "--port", str(port), "--host", "127.0.0.1"]) as proc:
         _wait_ping(url, proc)
-        replies = []
+        replies = {}
 
-        def ask():
+        def ask(stream):
+            body = {"inputs": "slow", "parameters": {"max_new_tokens": 40}, "stream": stream}
             try:
-                replies.append(httpx.post(url + "/invocations", json={"inputs": "slow", "parameters": {"max_new_tokens": 40}},
-                                          timeout=60).status_code)
+                reply = httpx.post(url + "/invocations", json=body, timeout=60)
+                replies[stream] = (reply.status_code, reply.text.splitlines()[-1])
             except httpx.TransportError as exc:
-                replies.append(type(exc).__name__)
+                replies[stream] = type(exc).__name__
 
-        thread = threading.Thread(target=ask)
-        thread.start()
+        threads = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+        for thread in threads:
+            thread.start()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and "lmc_requests_in_flight 1.0" not in httpx.get(url + "/metrics").text:
+        while time.monotonic() < deadline and "lmc_requests_in_flight 2.0" not in httpx.get(url + "/metrics").text:
             time.sleep(0.02)
         proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + 10
@@ -270,9 +274,15 @@ def test_a_second_ctrl_c_cuts_the_drain_short_with_exit_130(tmp_path):
         cut = time.monotonic()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(15) == 130
-        thread.join(15)
-        assert time.monotonic() - cut < 15 and replies and replies[0] != 200, replies  # not after its 20 s
-        assert "second interrupt: stopping now, 1 request(s) still in flight" in proc.stderr.read()
+        for thread in threads:
+            thread.join(15)
+        assert time.monotonic() - cut < 15  # not after their 20 s
+        message = "the server stopped (second interrupt) before this request finished"
+        assert replies[False] == (503, json.dumps({"error": message, "code": 503}, separators=(",", ":"))), replies
+        assert replies[True][0] == 200 and json.loads(replies[True][1]) == {"error": message, "code": 503}, replies
+        log = proc.stderr.read()
+        assert "second interrupt: stopping now; 2 request(s) in flight are answered 503" in log
+        assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
         _assert_group_ends(proc.pid)
 
 

@@ -407,6 +407,37 @@ def test_a_frozen_rank_0_never_blocks_the_server_even_with_a_batch_bigger_than_t
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_drain_that_times_out_answers_503_to_what_is_left(tmp_path, caplog):
+    """SIGTERM drains for at most the drain timeout; then the requests still generating or queued are
+    answered 503 (a stream: its error line) before the server stops, and no handler dies cancelled."""
+    import signal
+
+    plan = fake_plan(batch_size=1, max_batch_delay_ms=0)
+    runtime = Runtime(write_artifact(tmp_path / "m", plan, {"step_delay_s": 0.5}), plan, request_timeout_s=60)
+    replies = {}
+    with ServerThread(runtime, drain_timeout_s=1.0) as server:
+        server.wait_ready()
+
+        def ask(name, stream):
+            reply = post(server, {"inputs": name, "parameters": {"max_new_tokens": 40}, "stream": stream})
+            replies[name] = (reply.status_code, json.loads(reply.text.splitlines()[-1]))
+
+        threads = [threading.Thread(target=ask, args=(name, name == "streamed")) for name in ("generating", "streamed")]
+        for thread in threads:  # batch size 1: one generates, the other waits in the queue
+            thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and runtime._in_flight < 2:
+            time.sleep(0.02)
+        server.server.handle_exit(signal.SIGTERM, None)
+        for thread in threads:
+            thread.join(20)
+        server.thread.join(20)
+        assert not server.thread.is_alive()
+    error = {"error": "the server stopped (drain timed out after 1s) before this request finished", "code": 503}
+    assert replies == {"generating": (503, error), "streamed": (200, error)}
+    assert "Exception in ASGI application" not in caplog.text and "CancelledError" not in caplog.text
+
+
 def test_a_group_that_dies_while_the_server_drains_comes_back_for_the_queued_requests(tmp_path):
     """Draining does not stop restarts (workers ignore SIGTERM: a death then is a crash like any
     other): the request the dead group held fails, the queued ones are served by its restart."""

@@ -41,6 +41,7 @@ DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 INLINE_TOKENIZE_CHARS = 4096
 # A batch running this much longer than the request timeout means a hung group: restart it.
 _HUNG_GRACE_S = 30.0
+_STOP_NOW_GRACE_S = 2.0  # for handlers to send their 503 when the server stops now (see make_server)
 
 
 # The status recorded in the metrics for a stream whose client went away (nginx's convention).
@@ -274,6 +275,14 @@ class Scheduler:
         done = self._batch_done.pop(batch_id, None)
         if done is not None and not done.done():
             done.set_result(None)
+
+    def fail_all(self, status: int, message: str) -> None:
+        """Fail every job queued or being generated (the server stops now)."""
+        for job in self.batcher.queue.drain():
+            self._fail(job, status, message)
+        for jobs in self._batches.values():
+            for job in jobs.values():
+                self._fail(job, status, message)
 
     def _fail(self, job: Job, status: int, message: str) -> None:
         if not job.finished:
@@ -606,7 +615,7 @@ def serve(runtime: Runtime, host: str, port: int, drain_timeout_s: float | None 
     cuts it short (the requests still in flight lose their connection): then True."""
     server = make_server(runtime, host, port, drain_timeout_s)
     server.run()
-    return server.force_exit
+    return server.cut_short
 
 
 def make_server(runtime: Runtime, host: str, port: int, drain_timeout_s: float | None = None):
@@ -618,20 +627,24 @@ def make_server(runtime: Runtime, host: str, port: int, drain_timeout_s: float |
 
     class DrainingServer(uvicorn.Server):
         draining = False
+        cut_short = False  # by a second Ctrl-C: serve() says so
+        stopping_now = False
 
         def handle_exit(self, sig: int, frame) -> None:
             # Not uvicorn's: it closes the socket at once and re-raises the signal at exit (so the
             # process would not exit 0). We keep answering 503 while in-flight requests finish.
+            loop = runtime.scheduler._loop
             if self.draining:
                 # A second Ctrl-C stops now, as uvicorn's does. A repeated SIGTERM does not: container
                 # runtimes resend it, and their SIGKILL ends a drain that takes too long.
-                if sig == signal.SIGINT and not self.force_exit:
-                    log.warning("second interrupt: stopping now, %d request(s) still in flight get no answer",
-                                runtime._in_flight)
-                    self.force_exit = self.should_exit = True
+                if sig == signal.SIGINT and not self.cut_short:
+                    self.cut_short = True
+                    if loop is None:
+                        self.should_exit = True
+                    else:
+                        loop.call_soon_threadsafe(lambda: loop.create_task(self._stop_now("second interrupt")))
                 return
             self.draining = True
-            loop = runtime.scheduler._loop
             if loop is None:
                 self.should_exit = True
                 return
@@ -640,7 +653,20 @@ def make_server(runtime: Runtime, host: str, port: int, drain_timeout_s: float |
         async def _drain(self) -> None:
             runtime.begin_drain()
             if not await runtime.wait_idle(drain_timeout_s):
-                log.warning("drain timed out after %gs; stopping anyway", drain_timeout_s)
+                await self._stop_now(f"drain timed out after {drain_timeout_s:g}s")
+            self.should_exit = True
+
+        async def _stop_now(self, why: str) -> None:
+            """Answer every request still queued or generating 503 (a stream: its error event), let the
+            handlers send that, then stop: no request is cut off without a word, and no handler dies
+            cancelled, with a traceback in the log. (uvicorn's force_exit would also skip the lifespan
+            shutdown that stops the worker groups.)"""
+            if self.stopping_now:
+                return
+            self.stopping_now = True
+            log.warning("%s: stopping now; %d request(s) in flight are answered 503", why, runtime._in_flight)
+            runtime.scheduler.fail_all(503, f"the server stopped ({why}) before this request finished")
+            await runtime.wait_idle(_STOP_NOW_GRACE_S)
             self.should_exit = True
 
     config = uvicorn.Config(create_app(runtime), host=host, port=port, lifespan="on", access_log=False,
