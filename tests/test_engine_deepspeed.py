@@ -82,3 +82,7 @@ def test_kernel_injection_on_cuda_tracks_hf(tmp_path):
     reference = [hf_greedy(checkpoint, prompt, 4) for prompt in PROMPTS]
     # fused fp16 kernels are not bit-identical to eager fp32: the first token must agree
     assert [r.token_ids[:1] for r in results] == [ref[:1] for ref in reference]
+    # The fused kernels keep the KV cache in DeepSpeed's workspace: finished rows must stay in the batch.
+    assert engine.compact_batches is False
+    mixed = engine.generate(_requests(4)[:1] + _requests(2)[1:])
+    assert [len(r.token_ids) for r in mixed] == [len(reference[0]), len(hf_greedy(checkpoint, PROMPTS[1], 2))]

@@ -140,3 +140,24 @@ def test_openai_legal_values_are_accepted_and_top_p_zero_keeps_the_top_token():
     logits = torch.tensor([0.1, 2.0, 1.9, -3.0])
     picks = {choose_token(logits, params, [], torch.Generator().manual_seed(s)) for s in range(50)}
     assert picks == {1}
+
+
+def test_log_probabilities_that_are_not_finite_are_reported_as_vllm_does():
+    """JSON has no infinity: a masked (-inf) or NaN logit's log-probability is -9999.0 in the logprobs
+    entries (vLLM's stand-in); a streamed piece's log_prob is null instead. Finite ones are exact."""
+    import math
+
+    import torch
+
+    from lmc.runtime.engines.generate import _log_prob, _logprob_entry
+
+    logits = torch.tensor([0.0, math.log(3.0), -math.inf, math.nan])
+    chosen, top = _logprob_entry(logits, 2, 4)
+    assert chosen == -9999.0
+    # NaN poisons logsumexp, so every entry is NaN → -9999.0: nothing non-finite reaches the JSON.
+    assert all(value == -9999.0 for _, value in top) and len(top) == 4
+    finite = torch.tensor([0.0, math.log(3.0), -math.inf])
+    chosen, top = _logprob_entry(finite, 1, 2)
+    assert chosen == pytest.approx(math.log(0.75)) and [index for index, _ in top] == [1, 0]
+    assert _logprob_entry(finite, 2, 0) == (-9999.0, ())
+    assert _log_prob(finite, 2) is None and _log_prob(finite, 0) == pytest.approx(math.log(0.25))
