@@ -22,7 +22,12 @@ def spec_json_schema() -> str:
 
 
 def main(argv: list[str]) -> int:
-    target = Path(argv[0]) if argv else SCHEMA_PATH
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lmc.schema.export", description=__doc__.splitlines()[0])
+    parser.add_argument("path", nargs="?", type=Path, default=SCHEMA_PATH,
+                        help="where to write it (default: the committed lmc/schema/spec.schema.json)")
+    target = parser.parse_args(argv).path
     target.write_text(spec_json_schema(), encoding="utf-8")
     print(f"wrote {target}")
     return 0
