@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import tarfile
 import types
@@ -204,6 +205,27 @@ def test_unwritable_output_path(tmp_path, llama_checkpoint, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     expect_failure(capsys, spec, blocker / "model.tar.gz", "is not a directory")
+
+
+def test_an_output_path_that_would_replace_an_input_or_a_device_is_refused(tmp_path, llama_checkpoint, capsys):
+    """-o naming the spec, its profile, a file in the checkpoint or a fifo: exit 1, one line, before any
+    work, and every input byte for byte as it was (the rename at the end would have replaced it)."""
+    ckpt = copy_checkpoint(llama_checkpoint, tmp_path / "ckpt")
+    spec = write_spec(tmp_path, ckpt)
+    fifo = tmp_path / "a-fifo"
+    os.mkfifo(fifo)
+    inputs = [spec, tmp_path / "cpu2.toml", *sorted(p for p in ckpt.iterdir() if p.is_file())]
+    before = {path: path.read_bytes() for path in inputs}
+    cases = [(spec, "is an input of this build"), (tmp_path / "cpu2.toml", "is an input of this build"),
+             (ckpt / "model.safetensors", "is inside the checkpoint"), (ckpt / "new.tar.gz", "is inside the checkpoint"),
+             (fifo, "exists and is not a regular file")]
+    for out, needle in cases:
+        code, _, err = run_cli(capsys, "build", str(spec), "-o", str(out))
+        lines = err.strip().splitlines()
+        assert code == 1 and len(lines) == 1 and lines[0].startswith("lmc: error: ") and needle in lines[0], (out, err)
+    assert {path: path.read_bytes() for path in inputs} == before
+    assert not (ckpt / "new.tar.gz").exists() and fifo.is_fifo()
+    assert [p.name for p in tmp_path.rglob("*") if ".staging-" in p.name] == []
 
 
 def test_neuronx_without_the_sdk_stops_before_any_work(tmp_path, llama_checkpoint, capsys, monkeypatch):

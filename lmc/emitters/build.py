@@ -61,7 +61,8 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
     out = Path(out)
     result = plan_from_spec(loaded)
     plan, spec = result.plan, loaded.spec
-    _check_output(out, fmt)
+    profile = loaded.source.base_dir / spec.target.profile if spec.target.profile else None
+    _check_output(out, fmt, inputs=[loaded.source.path, profile], checkpoint=result.checkpoint)
 
     weights_remote = spec.model.uri is not None
     precompile = neuron.graphs_precompiled(plan, weights_remote)
@@ -121,9 +122,18 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
                        archive_bytes=sum(files.values()))
 
 
-def _check_output(out: Path, fmt: str) -> None:
-    """Fail before any work when `out` cannot be written."""
+def _check_output(out: Path, fmt: str, inputs: list[Path | None] = (), checkpoint: Path | None = None) -> None:
+    """Fail before any work when `out` cannot be written, or would replace an input (the spec, its
+    profile, anything in the checkpoint) or something that is not a regular file (a device, a fifo)."""
     parent = out.parent if str(out.parent) else Path(".")
+    where = out.resolve()
+    for path in filter(None, inputs):
+        if path.resolve() == where:
+            raise ArtifactError(f"{out}: is an input of this build ({path}); give another output path")
+    if checkpoint is not None and where.is_relative_to(checkpoint.resolve()):
+        raise ArtifactError(f"{out}: is inside the checkpoint {checkpoint}; give an output path outside it")
+    if out.exists() and not (out.is_file() or out.is_dir()):
+        raise ArtifactError(f"{out}: exists and is not a regular file; refusing to replace it")
     if not parent.is_dir():
         raise ArtifactError(f"{out}: cannot write the artifact: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
