@@ -57,3 +57,30 @@ def test_usage_error_exits_2(capsys):
         main(["plan"])
     assert exc.value.code == 2
     assert "usage error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["spec", "profile"])
+def test_toml_nested_too_deeply_is_one_line_not_an_internal_error(where, tmp_path, capsys):
+    """tomllib recurses per nesting level: thousands of `[` overflowed Python's stack (exit 70 before)."""
+    deep = "x = " + "[" * 5000 + "]" * 5000 + "\n"
+    spec = tmp_path / "spec.toml"
+    body = '[model]\nid = "gpt-j-6b"\n[target]\ninstance = "ml.g5.12xlarge"\n'
+    if where == "spec":
+        spec.write_text(body + "[extra]\n" + deep)
+        expected = f"lmc: error: {spec}: malformed TOML: arrays or tables nested too deeply"
+    else:
+        (tmp_path / "p.toml").write_text('base = "ml.g5.12xlarge"\n' + deep)
+        spec.write_text(body + 'profile = "p.toml"\n')
+        expected = f"lmc: error: {spec}:5: target.profile = "
+    code = main(["plan", str(spec)])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.splitlines()) == 1 and err.startswith(expected), err
+    assert "nested too deeply" in err
+
+
+def test_a_nul_in_the_profile_path_is_one_line(tmp_path, capsys):
+    spec = tmp_path / "spec.toml"
+    spec.write_text('[model]\nid = "gpt-j-6b"\n[target]\ninstance = "ml.g5.12xlarge"\nprofile = "x\\u0000y.toml"\n')
+    code = main(["plan", str(spec)])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.splitlines()) == 1 and "target.profile" in err and "INTERNAL" not in err, err

@@ -192,6 +192,27 @@ def test_missing_tokenizer(ckpt):
     assert message.startswith(f"{ckpt}: no tokenizer files (expected tokenizer.json, tokenizer.model")
 
 
+@pytest.mark.parametrize("name, text, expected", [
+    ("tokenizer_config.json", "{bad", "tokenizer_config.json: not valid JSON (Expecting property name"),
+    ("generation_config.json", "[1, 2]", "generation_config.json: expected a JSON object, got list"),
+    ("special_tokens_map.json", "[" * 100_000 + "]" * 100_000, "special_tokens_map.json: not valid JSON (nested too deeply)"),
+    ("tokenizer.json", "{bad", "tokenizer.json: not valid JSON"),
+    ("tokenizer.json", '{"model": 5}', "tokenizer.json: the tokenizers library cannot load it ("),
+], ids=["tokenizer_config", "generation_config", "deep", "tokenizer_not_json", "tokenizer_bad_model"])
+def test_a_file_the_runtime_reads_that_it_could_not_is_refused_at_build(ckpt, name, text, expected):
+    """The artifact carries these files for the runtime (its text tools, sampling defaults, the workers'
+    tokenizer): broken, it would restart its workers forever. The build names the file instead."""
+    facts = _facts(ckpt)
+    (ckpt / name).write_text(text)
+    assert expected in _error(ckpt, facts)
+
+
+def test_a_config_json_nested_too_deeply_is_one_line(ckpt):
+    (ckpt / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="config.json: not valid JSON \\(nested too deeply\\)$"):
+        _facts(ckpt)
+
+
 def test_sentencepiece_tokenizer_is_enough(ckpt):
     facts = _facts(ckpt)
     (ckpt / "tokenizer.json").unlink()

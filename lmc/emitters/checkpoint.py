@@ -95,6 +95,7 @@ def validate_checkpoint(path: Path, facts: ModelFacts, *, allow_pickle: bool = F
     check_complete(path, facts, tensors)
     tokenizer_files = _tokenizer_files(path)
     extras = sorted(set(tokenizer_files) | {name for name in _OTHER_EXTRAS if (path / name).is_file()})
+    _check_json_files(path, extras)
     return CheckpointInfo(path=path, family=facts.family, files=tuple(files), tensors=tensors,
                           tokenizer_files=tuple(tokenizer_files), extra_files=tuple(extras), from_pickle=from_pickle)
 
@@ -104,6 +105,30 @@ def _read_json(file: Path) -> object:
         return json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{file}: not valid JSON ({' '.join(str(exc).split())})") from None
+    except RecursionError:
+        raise CheckpointError(f"{file}: not valid JSON (nested too deeply)") from None
+
+
+def _check_json_files(path: Path, names: list[str]) -> None:
+    """The JSON files the artifact will carry (tokenizer, generation config) as the runtime reads them:
+    each a JSON object, tokenizer.json one the `tokenizers` library loads. A broken one found here is a
+    one-line build error, not a serving container that restarts its workers forever."""
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        data = _read_json(path / name)
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path / name}: expected a JSON object, got {type(data).__name__}")
+    if "tokenizer.json" in names:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:  # the engines extra brings it; without it the JSON check above is all
+            return
+        try:
+            Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # the library's own message: a bad model section, an unknown type
+            raise CheckpointError(f"{path / 'tokenizer.json'}: the tokenizers library cannot load it "
+                                  f"({' '.join(str(exc).split())[:200]})") from None
 
 
 def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], bool]:

@@ -162,10 +162,12 @@ def profile_facts(path: Path) -> HardwareFacts:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SpecValueError("target.profile", str(path), "no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecValueError("target.profile", str(path), f"cannot be read: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise SpecValueError("target.profile", str(path), f"not valid TOML: {exc}") from None
+    except RecursionError:
+        raise SpecValueError("target.profile", str(path), "not valid TOML: arrays or tables nested too deeply") from None
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, a NUL in the path
+        raise SpecValueError("target.profile", str(path), f"cannot be read: {exc}") from None
     base_name = data.pop("base", None)
     merged: dict[str, Any] = {}
     if base_name is not None:

@@ -89,6 +89,8 @@ def read_config(config_file: Path) -> dict[str, Any]:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_file}: not valid JSON ({_one_line(exc)})") from None
+    except RecursionError:
+        raise CheckpointError(f"{config_file}: not valid JSON (nested too deeply)") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
     return config
@@ -288,7 +290,7 @@ def safetensors_files(path: Path) -> list[Path]:
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError("weight_map must map tensor names to file names")
             names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CheckpointError(f"{index_file}: not a safetensors index (needs a `weight_map` object): "
                                   f"{_one_line(exc)}") from None
         files = [path / name for name in names]

@@ -97,6 +97,8 @@ def parse_spec(text: str, path: Path) -> LoadedSpec:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{path}:{_toml_error_line(exc)}: malformed TOML: {_toml_error_text(exc)}") from None
+    except RecursionError:
+        raise SpecError(f"{path}: malformed TOML: arrays or tables nested too deeply") from None
     try:
         spec = Spec.model_validate(raw)
     except ValidationError as exc:
