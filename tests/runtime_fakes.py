@@ -29,20 +29,22 @@ class FakeEngine:
     """Knobs: `step_delay_s` per generated token (slow), `load_delay_s`, `record_dir` (batches.jsonl, one
     line per batch: rank, size and each request's sampling parameters; finished.jsonl, one line per
     request: rank, id, generated_tokens, finish_reason, time; pid files per rank), `load_error` / `load_error_rank` (load raises an
-    LmcError), `load_crash_rank` (load raises a plain error). Prompts containing RAISE make generate raise;
+    LmcError), `load_crash_rank` (load raises a plain error; with `load_crashes`, its first n loads only). Prompts containing RAISE make generate raise;
     RAISE@N only when that request's seed is N (one of n choices). Rows the cancel probe names stop
     before their next step, finish_reason "cancelled"."""
 
     every_rank_answers = False  # every rank answers alike anyway
 
     def __init__(self, step_delay_s: float = 0.0, load_delay_s: float = 0.0, record_dir: str | None = None,
-                 load_error: str | None = None, load_error_rank: int | None = None, load_crash_rank: int | None = None):
+                 load_error: str | None = None, load_error_rank: int | None = None, load_crash_rank: int | None = None,
+                 load_crashes: int | None = None):
         self.step_delay_s = step_delay_s
         self.load_delay_s = load_delay_s
         self.record_dir = Path(record_dir) if record_dir else None
         self.load_error = load_error  # raise MissingDependencyError(load_error) in load (on load_error_rank, or all)
         self.load_error_rank = load_error_rank
         self.load_crash_rank = load_crash_rank  # raise a plain RuntimeError in load on this rank
+        self.load_crashes = load_crashes  # ... only its first n loads (counted in record_dir), else every one
         self.rank = -1
 
     def load(self, model_dir: Path, rank: int, world_size: int) -> None:
@@ -53,7 +55,13 @@ class FakeEngine:
 
             raise MissingDependencyError(self.load_error)
         if self.load_crash_rank == rank:
-            raise RuntimeError("a transient load failure")
+            if self.load_crashes is None:
+                raise RuntimeError("a load failure")
+            counter = self.record_dir / f"load_crashes.rank{rank}"
+            crashed = int(counter.read_text()) if counter.exists() else 0
+            if crashed < self.load_crashes:
+                counter.write_text(str(crashed + 1))
+                raise RuntimeError("a transient load failure")
         if self.record_dir is not None:
             (self.record_dir / f"rank{rank}.{os.getpid()}.pid").write_text(str(os.getpid()))
 

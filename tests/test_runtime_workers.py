@@ -89,16 +89,35 @@ def test_requests_spread_over_replicas(tmp_path):
 
 def test_a_transient_load_failure_is_retried_not_fatal(tmp_path):
     """A plain exception while loading (not an LmcError) may pass: the group is restarted, and the
-    scheduler is not told to give up."""
+    scheduler is not told to give up. Here rank 1's first two loads fail; the third serves."""
+    record = tmp_path / "record"
+    record.mkdir()
     plan = fake_plan(tensor_parallel_degree=2)
-    with _serve(tmp_path, plan, {"load_crash_rank": 1}) as srv:
+    with _serve(tmp_path, plan, {"load_crash_rank": 1, "load_crashes": 2, "record_dir": str(record)}) as srv:
+        srv.wait_ready(60)
         group = srv.runtime.scheduler.groups[0]
-        deadline = time.monotonic() + 30
-        while group.restarts < 2 and time.monotonic() < deadline:
+        assert group.restarts == 2 and group.fatal is None and srv.runtime.scheduler.fatal is None
+        reply = httpx.post(srv.url + "/invocations", json={"inputs": "at last", "parameters": {"max_new_tokens": 3}})
+        assert reply.json() == {"generated_text": expected_text("at last", 3)}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_load_that_fails_every_time_gives_up_after_three_attempts(tmp_path, rank):
+    """A load that raises on every attempt (a file the manifest vouches for but the model cannot use) is
+    not restarted forever while /ping answers 503: after LOAD_ATTEMPTS in a row the group gives up, and
+    the server stops with one line (rank 0 says why; another rank's reason is in its log)."""
+    from lmc.runtime.workers import LOAD_ATTEMPTS
+
+    plan = fake_plan(tensor_parallel_degree=2)
+    with _serve(tmp_path, plan, {"load_crash_rank": rank}) as srv:
+        deadline = time.monotonic() + 60
+        while srv.runtime.scheduler.fatal is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert group.restarts >= 2
-        assert group.fatal is None and srv.runtime.scheduler.fatal is None
-        assert httpx.get(srv.url + "/ping").status_code == 503
+        fatal = srv.runtime.scheduler.fatal
+        assert fatal is not None and fatal.exit_code == 1
+        reason = "RuntimeError: a load failure" if rank == 0 else "rank 1 failed to load it (its log says why)"
+        assert str(fatal) == f"worker group 0 cannot load the model: {reason} ({LOAD_ATTEMPTS} attempts in a row failed)"
+        assert srv.runtime.scheduler.groups[0].restarts == LOAD_ATTEMPTS - 1
 
 
 def test_a_fatal_load_failure_stops_the_group_and_tells_the_scheduler(tmp_path):

@@ -272,7 +272,8 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None, lifeline: 
         if fatal:
             log.error("rank %d cannot load the model: %s", spec.rank, message)
             sys.exit(FATAL_LOAD_EXIT)
-        raise
+        log.exception("rank %d failed to load the model", spec.rank)
+        sys.exit(LOAD_RAISED_EXIT)
     log.info("loaded rank %d/%d in %.1fs since the process started", spec.rank, spec.world_size, time.monotonic() - started)
     if spec.world_size > 1:
         import torch.distributed as dist
@@ -378,6 +379,11 @@ def _send(conn: Connection, message: tuple) -> bool:
 
 # A rank's exit status when it could not load the model for a reason restarting cannot fix.
 FATAL_LOAD_EXIT = 78  # EX_CONFIG
+# A rank's exit status when loading raised something else: maybe passing (restarted), unless every
+# load fails so LOAD_ATTEMPTS times in a row (a broken file the manifest vouches for, say): then the
+# group gives up as for FATAL_LOAD_EXIT, rather than restart forever while /ping answers 503.
+LOAD_RAISED_EXIT = 75  # EX_TEMPFAIL
+LOAD_ATTEMPTS = 3
 LIFELINE_EXIT = 70  # EX_SOFTWARE: the front end is gone or gave this group up
 
 
@@ -434,6 +440,8 @@ class WorkerGroup:
         self._in_flight: int | None = None
         self._thread: threading.Thread | None = None
         self.fatal: ModelLoadError | None = None  # set when a rank cannot load the model for good
+        self._load_failures = 0  # attempts in a row whose load raised (see LOAD_RAISED_EXIT)
+        self._load_failure = ""  # the last one's message
 
     # -- public, called from the event loop
 
@@ -514,6 +522,9 @@ class WorkerGroup:
                     log.exception("worker group %d: supervisor error", self.group)
                     reason = f"supervisor error: {type(exc).__name__}: {exc}"
             self._down(reason)
+            if self._load_failures >= LOAD_ATTEMPTS and self.fatal is None:
+                self.fatal = ModelLoadError(f"worker group {self.group} cannot load the model: {self._load_failure} "
+                                            f"({LOAD_ATTEMPTS} attempts in a row failed)", 1)
             if self.fatal is not None and not self._stopping.is_set():
                 log.error("worker group %d cannot load the model; not restarting it: %s", self.group, self.fatal)
                 self.events.on_fatal(self.group, self.fatal)
@@ -577,6 +588,9 @@ class WorkerGroup:
                 if code == FATAL_LOAD_EXIT and self.fatal is None:
                     self.fatal = ModelLoadError(f"worker group {self.group}: rank {rank} cannot load the model "
                                                 "(its log line above says why)", 1)
+                if code == LOAD_RAISED_EXIT and not self.ready:
+                    self._load_failures += 1
+                    self._load_failure = self._load_failure or f"rank {rank} failed to load it (its log says why)"
                 how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                 return f"worker process rank {rank} (pid {self._procs[rank].pid}) died: {how}"
             if self._stopping.is_set() and not any(p.is_alive() for p in self._procs):
@@ -586,6 +600,7 @@ class WorkerGroup:
         kind = message[0]
         if kind == "ready":
             self.ready = True
+            self._load_failures, self._load_failure = 0, ""
             self.events.on_ready(self.group)
         elif kind == "token":
             self.events.on_token(self.group, message[1], message[2], message[3])
@@ -597,6 +612,7 @@ class WorkerGroup:
             self.events.on_failure(self.group, message[1], message[2])
         elif kind == "load_failed":
             log.error("worker group %d failed to load the model: %s", self.group, message[1])
+            self._load_failure = message[1]  # rank 0's reason, for the line that gives up
             if message[2] is not None:
                 self.fatal = ModelLoadError(f"worker group {self.group} cannot load the model: {message[1]}", message[2])
 
