@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ from lmc.errors import ArtifactError
 MANIFEST_NAME = "lmc.json"
 FORMAT_VERSION = 1
 _CHUNK = 1024 * 1024
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# The hashed file whose header carries the spec's and the plan's digests (see check_binding).
+BINDING_FILE = "serving.properties"
 
 
 def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
@@ -58,12 +62,44 @@ def read_manifest(model_dir: Path) -> dict[str, Any]:
         raise ArtifactError(f"{path}: no manifest; is this an artifact built by `lmc build`?") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ArtifactError(f"{path}: unreadable manifest: {exc}") from None
+    except RecursionError:
+        raise ArtifactError(f"{path}: unreadable manifest: nested too deeply") from None
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(f"{path}: unsupported manifest format {manifest.get('format_version') if isinstance(manifest, dict) else '?'}; expected {FORMAT_VERSION}")
+        found = json.dumps(manifest.get("format_version")) if isinstance(manifest, dict) else "?"
+        raise ArtifactError(f"{path}: unsupported manifest format {found}; expected {FORMAT_VERSION}")
     for key in ("plan", "spec", "files"):
         if not isinstance(manifest.get(key), dict):
             raise ArtifactError(f"{path}: manifest has no `{key}` object")
+    for rel, entry in manifest["files"].items():
+        parts = rel.split("/")
+        if rel.startswith("/") or "\\" in rel or any(part in ("", ".", "..") for part in parts) or rel == MANIFEST_NAME:
+            raise ArtifactError(f"{path}: files lists {rel!r}, not a path inside the artifact")
+        size = entry.get("size") if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str) \
+                or not _SHA256.fullmatch(digest):
+            raise ArtifactError(f"{path}: files[{rel!r}] must be {{\"size\": bytes, \"sha256\": 64 hex digits}}")
     return manifest
+
+
+def digest_json(value: Any) -> str:
+    """The sha256 of `value` as canonical JSON: how the spec's and the plan's digests are taken."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_binding(model_dir: Path, manifest: dict[str, Any]) -> None:
+    """lmc.json cannot list its own hash, so its spec and plan are bound to a file it does hash:
+    serving.properties carries their digests in its header. Call after that file's hash is checked.
+    Raises ArtifactError when the two disagree (lmc.json's plan or spec was altered) or when the
+    binding file is not listed."""
+    path = model_dir / MANIFEST_NAME
+    if BINDING_FILE not in manifest["files"]:
+        raise ArtifactError(f"{path}: lists no {BINDING_FILE}; not an artifact `lmc build` made, or altered")
+    header = (model_dir / BINDING_FILE).read_text(encoding="utf-8", errors="replace").splitlines()[:8]
+    plan = dict(manifest["plan"], plan_sha256="")
+    for name, digest in (("spec", digest_json(manifest["spec"])), ("plan", digest_json(plan))):
+        if f"# {name} sha256 {digest}" not in header:
+            raise ArtifactError(f"{path}: altered: its {name} does not match the {name} sha256 in {BINDING_FILE}")
 
 
 def verify_artifact(model_dir: Path, check_hashes: bool = True) -> dict[str, Any]:
@@ -82,4 +118,6 @@ def verify_artifact(model_dir: Path, check_hashes: bool = True) -> dict[str, Any
             raise ArtifactError(f"{path}: altered: size {size} bytes, manifest says {entry['size']}")
         if check_hashes and sha256_file(path) != entry["sha256"]:
             raise ArtifactError(f"{path}: altered: sha256 differs from {MANIFEST_NAME}")
+    if check_hashes:
+        check_binding(model_dir, manifest)
     return manifest

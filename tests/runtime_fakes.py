@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmc.manifest import MANIFEST_NAME, build_manifest, manifest_bytes, sha256_file
+from lmc.manifest import BINDING_FILE, MANIFEST_NAME, build_manifest, digest_json, manifest_bytes, sha256_file
 from lmc.runtime.engines.base import GenerationRequest, GenerationResult
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -130,6 +130,9 @@ def write_artifact(root: Path, plan: dict[str, Any], engine_kwargs: dict[str, An
         (shards / f"rank{rank}.safetensors").write_bytes(bytes(range(256)) * 4)
     if chat_template:
         (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "</s>"}))
+    # The header lines that bind lmc.json's spec and plan to a hashed file (manifest.check_binding).
+    (root / BINDING_FILE).write_text(f"# spec sha256 {digest_json(spec or {})}\n"
+                                     f"# plan sha256 {digest_json(dict(plan, plan_sha256=''))}\nengine=Python\n")
     files = {}
     for path in sorted(root.rglob("*")):
         if path.is_file() and path.name != MANIFEST_NAME and "__pycache__" not in path.parts:

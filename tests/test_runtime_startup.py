@@ -85,6 +85,56 @@ def test_missing_dir_and_missing_plan_keys_are_clear(tmp_path):
         open_artifact(write_artifact(tmp_path / "m", plan))
 
 
+def _edit_manifest(model: Path, edit) -> Path:
+    manifest = json.loads((model / "lmc.json").read_text())
+    edit(manifest)
+    (model / "lmc.json").write_text(json.dumps(manifest))
+    return model
+
+
+def _set_plan(key, value):
+    return lambda manifest: manifest["plan"].__setitem__(key, value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_set_plan("replicas", 16), "lmc.json: altered: its plan does not match the plan sha256 in serving.properties"),
+    (_set_plan("batch_size", 0), "lmc.json: altered: its plan does not match"),
+    (_set_plan("engine", "neuronx"), "lmc.json: altered: its plan does not match"),
+    (lambda m: m["spec"].__setitem__("workload", "x"), "lmc.json: altered: its spec does not match the spec sha256"),
+    (lambda m: m["files"].pop("serving.properties"), "lmc.json: lists no serving.properties"),
+    (lambda m: m["files"]["config.json"].pop("size"), "files['config.json'] must be {\"size\": bytes, \"sha256\": 64 hex"),
+    (lambda m: m["files"]["config.json"].pop("sha256"), "files['config.json'] must be"),
+    (lambda m: m["files"].__setitem__("config.json", "x"), "files['config.json'] must be"),
+    (lambda m: m["files"]["config.json"].__setitem__("size", "12"), "files['config.json'] must be"),
+    (lambda m: m["files"].__setitem__("../outside", {"size": 1, "sha256": "0" * 64}), "files lists '../outside', not a path inside"),
+    (lambda m: m.__setitem__("format_version", "1"), 'unsupported manifest format "1"; expected 1'),
+], ids=["replicas", "batch_size", "engine", "spec", "no_binding_file", "no_size", "no_sha256", "entry_not_object",
+        "size_a_string", "traversal", "version_a_string"])
+def test_an_altered_manifest_is_one_line_before_anything_starts(tmp_path, edit, message):
+    """lmc.json is the one file the manifest cannot hash: its plan and spec are bound to the digests in
+    the hashed serving.properties, and its file entries are checked for shape. Each alteration is an
+    ArtifactError from open_artifact, which runs before the first process starts (lmc runtime)."""
+    model = _edit_manifest(write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2)), edit)
+    with pytest.raises(ArtifactError) as info:
+        open_artifact(model, check_hashes=False)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_rewritten_serving_properties_is_caught_before_the_plan_is_trusted(tmp_path):
+    """Rewriting serving.properties to carry a tampered plan's digest changes that file's hash."""
+    from lmc.manifest import digest_json
+
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    manifest = json.loads((model / "lmc.json").read_text())
+    manifest["plan"]["replicas"] = 16
+    (model / "lmc.json").write_text(json.dumps(manifest))
+    text = (model / "serving.properties").read_text().splitlines()
+    text[1] = f"# plan sha256 {digest_json(dict(manifest['plan'], plan_sha256=''))}"
+    (model / "serving.properties").write_text("\n".join(text) + "\n")
+    with pytest.raises(ArtifactError, match=r"serving\.properties: altered"):
+        open_artifact(model, check_hashes=False)
+
+
 def test_port_precedence():
     assert resolve_port(None, {}) == 8080
     assert resolve_port(None, {"SAGEMAKER_BIND_TO_PORT": "9001"}) == 9001
