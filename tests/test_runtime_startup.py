@@ -66,6 +66,31 @@ def test_archive_is_extracted_verified_and_cleaned_up(tmp_path):
     assert not artifact.model_dir.exists()
 
 
+@pytest.mark.parametrize("damage", ["crc", "truncated_trailer", "middle"])
+def test_a_corrupt_gzip_is_refused_as_such(tmp_path, damage, monkeypatch):
+    """gzip checks its CRC and length at the end of the stream, past the tar's end marker; a flipped
+    byte in the middle ends tarfile's member list early, as if the archive ended there. Each is one
+    line saying the archive cannot be read, and no extracted file is left."""
+    monkeypatch.setenv("LMC_EXTRACT_DIR", str(tmp_path / "extract"))
+    (tmp_path / "extract").mkdir()
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    archive = tmp_path / "model.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(model.rglob("*")):
+            tar.add(path, arcname=path.relative_to(model).as_posix(), recursive=False)
+    data = bytearray(archive.read_bytes())
+    if damage == "crc":
+        data[-6] ^= 0xFF
+    elif damage == "truncated_trailer":
+        del data[-8:]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    archive.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"model\.tar\.gz: not a readable tar archive"):
+        open_artifact(archive)
+    assert list((tmp_path / "extract").iterdir()) == []
+
+
 def test_one_changed_byte_stops_start_up_naming_the_file(tmp_path):
     model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
     shard = model / "shards/tp2/rank1.safetensors"

@@ -12,6 +12,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -78,7 +79,12 @@ def extract_archive(archive: Path, dest: Path) -> Path:
                 assert source is not None
                 with source, open(target, "wb") as out:
                     shutil.copyfileobj(source, out, _COPY_CHUNK)
-    except (tarfile.TarError, EOFError, OSError) as exc:
+            # Read the stream to its end: gzip checks its CRC and length only there, and tarfile stops at
+            # the first header it cannot read as if the archive ended (a corrupt middle would otherwise
+            # show up later as files "missing").
+            while tar.fileobj.read(_COPY_CHUNK):
+                pass
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
         raise ArtifactError(f"{archive}: not a readable tar archive: {' '.join(str(exc).split())}") from None
     return dest
 
