@@ -299,3 +299,17 @@ def test_a_pickle_index_that_is_not_a_weight_map_is_one_line(ckpt):
     _pickle_only(ckpt)
     (ckpt / "pytorch_model.bin.index.json").write_text("[1]")
     assert "not a weights index: needs a `weight_map` object" in _error(ckpt, facts, allow_pickle=True)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda t: t["model.norm.weight"].bool(), "tensor 'model.norm.weight' is BOOL, not a float type"),
+    (lambda t: t["model.norm.weight"][0].clone(), "tensor 'model.norm.weight' is a F32 scalar"),
+], ids=["bool_norm", "scalar_norm"])
+def test_a_weight_that_is_not_a_float_vector_is_refused(ckpt, change, expected):
+    """Found by fuzzing: these built, and the serving container failed (or served a BOOL norm)."""
+    facts = _facts(ckpt)
+
+    def edit(tensors):
+        tensors["model.norm.weight"] = change(tensors)
+    _rewrite(ckpt, edit)
+    assert expected in _error(ckpt, facts)

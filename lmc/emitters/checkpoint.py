@@ -365,6 +365,12 @@ def _check_not_quantized(tensors: dict[str, TensorInfo]) -> None:
                                              and tensor.dtype not in _FLOAT_DTYPES):
             raise CheckpointError(f"{tensor.file}: tensor {name!r} ({tensor.dtype}) looks pre-quantized; lmc builds "
                                   "from 16- or 32-bit float weights and quantizes them itself")
+        # Any other weight (norms, 1-D) must be a float vector or more: a BOOL norm, or a scalar where a
+        # vector belongs, would build and only fail in the serving container. (Buffers such as GPT-J's
+        # boolean attn.bias mask are not weights.)
+        if name.endswith(".weight") and (tensor.dtype not in _FLOAT_DTYPES or not tensor.shape):
+            what = f"a {tensor.dtype} scalar" if not tensor.shape else f"{tensor.dtype}, not a float type"
+            raise CheckpointError(f"{tensor.file}: tensor {name!r} is {what}; weights are float tensors")
 
 
 def _tokenizer_files(path: Path) -> list[str]:
