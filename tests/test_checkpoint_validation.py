@@ -313,3 +313,12 @@ def test_a_weight_that_is_not_a_float_vector_is_refused(ckpt, change, expected):
         tensors["model.norm.weight"] = change(tensors)
     _rewrite(ckpt, edit)
     assert expected in _error(ckpt, facts)
+
+
+def test_a_fifo_named_like_a_shard_is_refused_not_waited_on(ckpt):
+    """Opening a fifo blocks until a writer comes: `lmc plan` and `lmc build` hung on one."""
+    import os
+
+    os.mkfifo(ckpt / "extra.safetensors")
+    with pytest.raises(CheckpointError, match=r"extra\.safetensors: not a regular file$"):
+        _facts(ckpt)

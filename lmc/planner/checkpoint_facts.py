@@ -299,6 +299,9 @@ def safetensors_files(path: Path) -> list[Path]:
                 raise CheckpointError(f"{file}: missing (listed in {index_file.name})")
         return files
     files = sorted(path.glob("*.safetensors"))
+    for file in files:  # a fifo or a device would block the header read forever
+        if not file.is_file():
+            raise CheckpointError(f"{file}: not a regular file")
     # Without an index, shard names say how many there are: a partial download must not plan as a
     # smaller model (its headers hold only part of the parameters).
     for file in files:
