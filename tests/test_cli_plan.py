@@ -85,3 +85,13 @@ def test_quantization_reason_names_the_concurrency_it_buys(capsys):
     reason = next(d["reason"] for d in plan["decisions"] if d["key"] == "dtype")
     assert "16-bit weights leave room for at most 2 concurrent sequences" in reason
     assert "of the 4 the workload asks for" in reason
+
+
+def test_a_path_the_system_refuses_is_one_line_not_an_internal_error(tmp_path, capsys):
+    """A model path longer than a file name may be (ENAMETOOLONG from the first stat) was exit 70."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(f'[model]\nid = "gpt-j-6b"\npath = "{"a" * 300}"\n[target]\ninstance = "ml.g5.12xlarge"\n')
+    code = main(["plan", str(spec)])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith("lmc: error: ") and err.rstrip().endswith("File name too long") and "INTERNAL" not in err

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 from lmc import __version__
-from lmc.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, LmcError, NoFeasiblePlanError
+from lmc.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_INVALID_INPUT, EXIT_USAGE, LmcError, NoFeasiblePlanError
 
 # Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS = {
@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lmc: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except OSError as exc:  # the system refused a path lmc was given (a name too long, a loop): bad input
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        print(f"lmc: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_INVALID_INPUT
     except Exception as exc:  # a broken invariant: say so, ask for a report
         print(f"lmc: INTERNAL ERROR: {type(exc).__name__}: {exc} (this is a bug in lmc; please report it)", file=sys.stderr)
         return EXIT_INTERNAL
