@@ -38,6 +38,7 @@ def _info(name: str, kind=tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInf
     ("hard", tarfile.LNKTYPE, "links are not allowed"),
     ("dev", tarfile.CHRTYPE, "only regular files and directories"),
     ("fifo", tarfile.FIFOTYPE, "only regular files and directories"),
+    ("d/" * 2000 + "f", tarfile.REGTYPE, "path more than 32 directories deep"),  # was a RecursionError (exit 70)
 ])
 def test_unsafe_members_are_refused_before_anything_is_written(tmp_path, name, kind, reason):
     data = b"x" if kind == tarfile.REGTYPE else None

@@ -42,6 +42,9 @@ def resolve_port(flag: int | None, environ: dict[str, str] | None = None) -> int
     return DEFAULT_PORT
 
 
+_MAX_MEMBER_DEPTH = 32
+
+
 def _unsafe_reason(member: tarfile.TarInfo) -> str | None:
     name = PurePosixPath(member.name)
     if not member.name or "\\" in member.name:
@@ -50,6 +53,8 @@ def _unsafe_reason(member: tarfile.TarInfo) -> str | None:
         return "absolute path"
     if ".." in name.parts:
         return "path escapes the archive ('..')"
+    if len(name.parts) > _MAX_MEMBER_DEPTH:  # lmc's artifacts go 3 deep (shards/tpN/rankR.safetensors)
+        return f"path more than {_MAX_MEMBER_DEPTH} directories deep"
     if member.issym() or member.islnk():
         return "links are not allowed"
     if not (member.isfile() or member.isdir()):
