@@ -89,12 +89,15 @@ def digest_json(value: Any) -> str:
 
 def check_binding(model_dir: Path, manifest: dict[str, Any]) -> None:
     """lmc.json cannot list its own hash, so its spec and plan are bound to a file it does hash:
-    serving.properties carries their digests in its header. Call after that file's hash is checked.
-    Raises ArtifactError when the two disagree (lmc.json's plan or spec was altered) or when the
-    binding file is not listed."""
+    serving.properties carries their digests in its header. Checks that small file's hash, then the
+    digests. Raises ArtifactError when the file is altered or not listed, or when the digests disagree
+    (lmc.json's plan or spec was altered)."""
     path = model_dir / MANIFEST_NAME
-    if BINDING_FILE not in manifest["files"]:
+    entry = manifest["files"].get(BINDING_FILE)
+    if entry is None:
         raise ArtifactError(f"{path}: lists no {BINDING_FILE}; not an artifact `lmc build` made, or altered")
+    if sha256_file(model_dir / BINDING_FILE) != entry["sha256"]:
+        raise ArtifactError(f"{model_dir / BINDING_FILE}: altered: sha256 differs from {MANIFEST_NAME}")
     header = (model_dir / BINDING_FILE).read_text(encoding="utf-8", errors="replace").splitlines()[:8]
     plan = dict(manifest["plan"], plan_sha256="")
     for name, digest in (("spec", digest_json(manifest["spec"])), ("plan", digest_json(plan))):
@@ -103,9 +106,9 @@ def check_binding(model_dir: Path, manifest: dict[str, Any]) -> None:
 
 
 def verify_artifact(model_dir: Path, check_hashes: bool = True) -> dict[str, Any]:
-    """Check every file the manifest lists (size, then sha256). Returns the manifest.
-
-    Raises ArtifactError naming the first missing or altered file.
+    """Check every file the manifest lists (size, then, with `check_hashes`, sha256) and lmc.json's
+    spec and plan against serving.properties (check_binding: before anything trusts the plan).
+    Returns the manifest. Raises ArtifactError naming the first missing or altered file.
     """
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
@@ -118,6 +121,5 @@ def verify_artifact(model_dir: Path, check_hashes: bool = True) -> dict[str, Any
             raise ArtifactError(f"{path}: altered: size {size} bytes, manifest says {entry['size']}")
         if check_hashes and sha256_file(path) != entry["sha256"]:
             raise ArtifactError(f"{path}: altered: sha256 differs from {MANIFEST_NAME}")
-    if check_hashes:
-        check_binding(model_dir, manifest)
+    check_binding(model_dir, manifest)
     return manifest

@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from lmc.errors import ArtifactError
-from lmc.manifest import BINDING_FILE, MANIFEST_NAME, check_binding, sha256_file, verify_artifact
+from lmc.manifest import MANIFEST_NAME, sha256_file, verify_artifact
 
 log = logging.getLogger("lmc.runtime")
 
@@ -135,7 +135,6 @@ def verify_hashes(model_dir: Path, manifest: dict[str, Any], threads: int | None
     for rel, entry in entries:
         if digests[rel] != entry["sha256"]:
             raise ArtifactError(f"{model_dir / rel}: altered: sha256 differs from {MANIFEST_NAME}")
-    check_binding(model_dir, manifest)
 
 
 def open_artifact(path: Path | None, check_hashes: bool = True) -> Artifact:
@@ -158,13 +157,8 @@ def open_artifact(path: Path | None, check_hashes: bool = True) -> Artifact:
     else:
         raise ArtifactError(f"{path}: no such model directory or archive")
     try:
-        manifest = verify_artifact(model_dir, check_hashes=False)  # presence and sizes: cheap
-        # The plan decides what starts (how many processes, which engine): bind it to its hashed
-        # serving.properties now, before anything starts, not after the (long) hash check of the rest.
-        binding = manifest["files"].get(BINDING_FILE)
-        if binding is not None and sha256_file(model_dir / BINDING_FILE) != binding["sha256"]:
-            raise ArtifactError(f"{model_dir / BINDING_FILE}: altered: sha256 differs from {MANIFEST_NAME}")
-        check_binding(model_dir, manifest)
+        # Presence, sizes and the plan's binding (it decides what starts): cheap, before anything starts.
+        manifest = verify_artifact(model_dir, check_hashes=False)
         if check_hashes:
             verify_hashes(model_dir, manifest)
         plan = manifest["plan"]
