@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -139,6 +140,25 @@ def write_artifact(root: Path, plan: dict[str, Any], engine_kwargs: dict[str, An
             files[path.relative_to(root).as_posix()] = (path.stat().st_size, sha256_file(path))
     (root / MANIFEST_NAME).write_bytes(manifest_bytes(build_manifest("0.1.0", spec or {}, plan, files)))
     return root
+
+
+def write_archive(model: Path, archive: Path) -> Path:
+    """`model` (a write_artifact dir) as a model.tar.gz, members in sorted order."""
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(model.rglob("*")):
+            tar.add(path, arcname=path.relative_to(model).as_posix(), recursive=False)
+    return archive
+
+
+def wait_in_flight(url: str, count: int, timeout_s: float = 30.0) -> None:
+    """Until the server at `url` counts `count` requests in flight in /metrics (each one admitted)."""
+    import httpx
+
+    line = f"lmc_requests_in_flight {count}.0"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and line not in httpx.get(url + "/metrics").text:
+        time.sleep(0.02)
+    assert line in httpx.get(url + "/metrics").text
 
 
 def free_port() -> int:

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from runtime_fakes import expected_text, fake_plan, free_port, write_artifact
+from runtime_fakes import expected_text, fake_plan, free_port, wait_in_flight, write_archive, write_artifact
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -204,6 +203,14 @@ def test_when_the_fork_server_dies_the_old_ranks_go_and_its_successor_ignores_si
         assert proc.wait(30) == 0
 
 
+def _wait_draining(url: str, timeout_s: float = 10.0) -> None:
+    """Until /ping answers 503: the front end has taken the signal and drains."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and httpx.get(url + "/ping").status_code != 503:
+        time.sleep(0.02)
+    assert httpx.get(url + "/ping").status_code == 503
+
+
 @pytest.mark.parametrize("whole_group", [False, True], ids=["to-the-front-end", "to-the-process-group"])
 def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path, whole_group):
     model = write_artifact(tmp_path / "m", fake_plan(batch_size=2, max_batch_delay_ms=0), {"step_delay_s": 0.05})
@@ -220,18 +227,12 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(tmp_path, whole_gro
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 30  # all 4 admitted (the first batch generating, the second waiting)
-        while time.monotonic() < deadline and "lmc_requests_in_flight 4.0" not in httpx.get(url + "/metrics").text:
-            time.sleep(0.02)
-        assert "lmc_requests_in_flight 4.0" in httpx.get(url + "/metrics").text
+        wait_in_flight(url, 4)  # all 4 admitted (the first batch generating, the second waiting)
         if whole_group:  # as systemd or a shell would: the workers get it too
             os.killpg(proc.pid, signal.SIGTERM)
         else:  # as docker stop does: PID 1 only
             proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10  # the front end has taken the signal when /ping says so
-        while time.monotonic() < deadline and httpx.get(url + "/ping").status_code != 503:
-            time.sleep(0.02)
-        assert httpx.get(url + "/ping").status_code == 503
+        _wait_draining(url)
         late = httpx.post(url + "/invocations", json={"inputs": "too late"})
         assert late.status_code == 503 and "shutting down" in late.json()["error"]
         for thread in threads:
@@ -263,14 +264,10 @@ def test_a_second_ctrl_c_cuts_the_drain_short_with_exit_130(tmp_path):
         threads = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and "lmc_requests_in_flight 2.0" not in httpx.get(url + "/metrics").text:
-            time.sleep(0.02)
+        wait_in_flight(url, 2)
         proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and httpx.get(url + "/ping").status_code != 503:
-            time.sleep(0.02)
-        assert httpx.get(url + "/ping").status_code == 503 and proc.poll() is None  # draining
+        _wait_draining(url)
+        assert proc.poll() is None
         cut = time.monotonic()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(15) == 130
@@ -288,10 +285,7 @@ def test_a_second_ctrl_c_cuts_the_drain_short_with_exit_130(tmp_path):
 
 def test_serves_an_archive_with_the_sagemaker_serve_word_and_port(tmp_path):
     model = write_artifact(tmp_path / "m", fake_plan())
-    archive = tmp_path / "model.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        for path in sorted(model.rglob("*")):
-            tar.add(path, arcname=path.relative_to(model).as_posix(), recursive=False)
+    archive = write_archive(model, tmp_path / "model.tar.gz")
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     port = free_port()

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from lmc.runtime.server import Runtime
-from runtime_fakes import ServerThread, expected_text, fake_plan, write_artifact
+from runtime_fakes import ServerThread, expected_text, fake_plan, wait_in_flight, write_artifact
 
 pytestmark = pytest.mark.slow
 
@@ -459,9 +459,7 @@ def test_a_group_that_dies_while_the_server_drains_comes_back_for_the_queued_req
         for thread in threads:
             thread.start()
             time.sleep(0.1)  # in order: the first one generates, the others wait in the queue
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and "lmc_requests_in_flight 3.0" not in httpx.get(srv.url + "/metrics").text:
-            time.sleep(0.02)
+        wait_in_flight(srv.url, 3, timeout_s=10)
         srv.runtime.begin_drain()
         [pid] = _rank_pids(record, 0)
         killed = time.monotonic()

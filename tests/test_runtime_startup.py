@@ -11,7 +11,7 @@ from lmc.errors import ArtifactError
 from lmc.runtime.startup import (TextTools, default_request_timeout_s, extract_archive, open_artifact,
                                  resolve_port)
 from lmc.runtime.workers import device_env, device_kind, groups_per_instance, processes_per_group
-from runtime_fakes import CHAT_TEMPLATE, fake_plan, write_artifact
+from runtime_fakes import CHAT_TEMPLATE, fake_plan, write_archive, write_artifact
 
 
 def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
@@ -54,10 +54,7 @@ def test_unsafe_members_are_refused_before_anything_is_written(tmp_path, name, k
 
 def test_archive_is_extracted_verified_and_cleaned_up(tmp_path):
     model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
-    archive = tmp_path / "model.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        for path in sorted(model.rglob("*")):
-            tar.add(path, arcname=path.relative_to(model).as_posix(), recursive=False)
+    archive = write_archive(model, tmp_path / "model.tar.gz")
     artifact = open_artifact(archive)
     try:
         assert artifact.plan["tensor_parallel_degree"] == 2
@@ -75,10 +72,7 @@ def test_a_corrupt_gzip_is_refused_as_such(tmp_path, damage, monkeypatch):
     monkeypatch.setenv("LMC_EXTRACT_DIR", str(tmp_path / "extract"))
     (tmp_path / "extract").mkdir()
     model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
-    archive = tmp_path / "model.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        for path in sorted(model.rglob("*")):
-            tar.add(path, arcname=path.relative_to(model).as_posix(), recursive=False)
+    archive = write_archive(model, tmp_path / "model.tar.gz")
     data = bytearray(archive.read_bytes())
     if damage == "crc":
         data[-6] ^= 0xFF
