@@ -612,7 +612,7 @@ def create_app(runtime: Runtime) -> Starlette:
 def serve(runtime: Runtime, host: str, port: int, drain_timeout_s: float | None = None) -> bool:
     """Run the app until SIGTERM/SIGINT: then answer 503 to new work, let in-flight requests finish
     (up to `drain_timeout_s`), stop the worker groups and return False. A second SIGINT during the drain
-    cuts it short (the requests still in flight lose their connection): then True."""
+    cuts it short (the requests still in flight are answered 503): then True."""
     server = make_server(runtime, host, port, drain_timeout_s)
     server.run()
     return server.cut_short

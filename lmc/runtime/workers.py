@@ -441,7 +441,7 @@ class WorkerGroup:
         self._thread: threading.Thread | None = None
         self.fatal: ModelLoadError | None = None  # set when a rank cannot load the model for good
         self._load_failures = 0  # attempts in a row whose load raised (see LOAD_RAISED_EXIT)
-        self._load_failure = ""  # the last one's message
+        self._load_failure = ""  # why: rank 0's message, else which rank died (for the line that gives up)
 
     # -- public, called from the event loop
 
