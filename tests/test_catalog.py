@@ -299,6 +299,15 @@ def test_profile_over_a_base_instance(tmp_path):
     (PROFILE.replace('"22GiB"', '"22 gigs"'), "device_memory_bytes: '22 gigs' is not a size"),
     (PROFILE + "colour = 1\n", "colour: Extra inputs are not permitted"),
     ('base = "ml.g5.13xlarge"\n', "base: unknown instance; did you mean ml.g5.12xlarge?"),
+    # Profiles that used to plan silently wrong (int8 on a CPU with no dtypes, 1e8 worker groups, a
+    # made-up 1 TFLOPS, a CPU planned as a GPU): each is refused, naming the key.
+    ('base = "local"\ndtypes = []\n', "dtypes: List should have at least 1 item"),
+    ('base = "local"\ndevices = 1e8\n', "devices: Input should be less than or equal to 1024"),
+    ('base = "local"\ntflops = {}\n', "tflops: no figure for fp32, bf16 (one for each of dtypes ['fp32', 'bf16'])"),
+    ('base = "local"\ntflops = { fp32 = 1.0, bf16 = 1.0, fp9 = 2.0 }\n', "tflops.fp9.[key]: Input should be 'fp32'"),
+    ('base = "local"\ndtypes = ["fp32", "fp32"]\n', "dtypes: ['fp32', 'fp32'] names a dtype twice"),
+    ('base = "local"\nkind = "gpu"\n', "kind = 'gpu' does not fit accelerator = 'cpu'"),
+    (PROFILE.replace('accelerator = "a10g"', 'accelerator = "cpu"'), "kind = 'gpu' does not fit accelerator = 'cpu'"),
 ])
 def test_profile_errors_are_one_line(tmp_path, text, expected):
     path = tmp_path / "bad.toml"
@@ -309,6 +318,10 @@ def test_profile_errors_are_one_line(tmp_path, text, expected):
     assert message.startswith(f"target.profile = {str(path)!r}: ")
     assert expected in message
     assert "\n" not in message
+
+
+def test_accelerator_target_takes_as_many_devices_as_the_spec_allows():
+    assert catalog.accelerator_facts("a10g", 1024).devices == 1024
 
 
 def test_profile_missing_file(tmp_path):

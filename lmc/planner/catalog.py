@@ -306,4 +306,6 @@ def _first_error(exc: ValidationError | ValueError) -> str:
     error = exc.errors()[0]
     where = ".".join(str(part) for part in error["loc"])
     extra = f" ({len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    if error["type"] == "value_error":  # a validator's own message, which names its keys
+        return f"{error['ctx']['error']}{extra}" if not where else f"{where}: {error['ctx']['error']}{extra}"
     return f"{where}: {error['msg']}{extra}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Family = Literal["llama", "mistral", "mixtral", "qwen2", "gptj", "gpt_neox", "opt", "bloom", "t5"]
 DeviceKind = Literal["gpu", "neuron", "cpu"]
@@ -15,6 +15,9 @@ DtypeName = Literal["fp32", "fp16", "bf16", "int8", "fp8"]
 
 # One table of dtype sizes, in bytes per element.
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
+# Devices in one target, as the spec's `target.devices` allows: the largest catalog host has 32
+# (trn1.32xlarge NeuronCores); far more is a typo, and a plan would start a worker process for each.
+MAX_DEVICES = 1024
 
 
 class _Facts(BaseModel):
@@ -59,16 +62,30 @@ class HardwareFacts(_Facts):
     name: str = Field(description="Instance name (ml.g5.12xlarge) or 'local'.")
     accelerator: str = Field(description="Accelerator name (a10g, a100-40gb, inferentia2, cpu).")
     kind: DeviceKind = Field(description="gpu, neuron or cpu.")
-    devices: int = Field(gt=0, description="Devices per instance (NeuronCores for Neuron; 1 for CPU).")
+    devices: int = Field(gt=0, le=MAX_DEVICES, description="Devices per instance (NeuronCores for Neuron; 1 for CPU).")
     device_memory_bytes: int = Field(gt=0, description="Memory per device, bytes.")
     memory_bandwidth_bytes_per_s: float = Field(gt=0, description="Peak memory bandwidth per device.")
-    tflops: dict[str, Annotated[float, Field(gt=0)]] = Field(description="Dense peak TFLOPS per device, per dtype.")
-    dtypes: list[DtypeName] = Field(description="Dtypes the hardware computes in natively (no bf16 on T4/V100; fp8 on H100+).")
+    tflops: dict[DtypeName, Annotated[float, Field(gt=0)]] = Field(description="Dense peak TFLOPS per device, per dtype: one for each of `dtypes`.")
+    dtypes: list[DtypeName] = Field(min_length=1, description="Dtypes the hardware computes in natively (no bf16 on T4/V100; fp8 on H100+).")
     interconnect: InterconnectFacts
     price_per_hour: float | None = Field(default=None, ge=0, description="On-demand USD/hour (us-east-1), None for local.")
     host_memory_bytes: int | None = Field(default=None, gt=0, description="Instance RAM.")
     load_bandwidth_bytes_per_s: float = Field(default=1.0e9, gt=0, description="Storage-to-device read rate assumed for load time.")
     source: str = Field(description="Datasheets and pages the figures come from.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "HardwareFacts":
+        # Each is a profile that plans silently wrong: no native dtype, a dtype priced at a made-up
+        # 1 TFLOPS, a CPU planned as a GPU (NCCL, CUDA images) or a GPU planned as a CPU.
+        if len(set(self.dtypes)) != len(self.dtypes):
+            raise ValueError(f"dtypes: {self.dtypes} names a dtype twice")
+        missing = [dtype for dtype in self.dtypes if dtype not in self.tflops]
+        if missing:
+            raise ValueError(f"tflops: no figure for {', '.join(missing)} (one for each of dtypes {self.dtypes})")
+        if (self.accelerator == "cpu") != (self.kind == "cpu"):
+            raise ValueError(f"kind = {self.kind!r} does not fit accelerator = {self.accelerator!r}: "
+                             "the accelerator cpu is kind cpu, and only it")
+        return self
 
 
 class EngineEfficiency(_Facts):
