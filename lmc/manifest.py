@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import threading
 from pathlib import Path
 from typing import Any
 
 from lmc.errors import ArtifactError
+from lmc.layouts import shard_path
 
 MANIFEST_NAME = "lmc.json"
 FORMAT_VERSION = 1
@@ -20,6 +22,8 @@ _CHUNK = 1024 * 1024
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # The hashed file whose header carries the spec's and the plan's digests (see check_binding).
 BINDING_FILE = "serving.properties"
+# What importing the artifact's model.py may add to a writable model dir; never read as data.
+_BYTECODE_DIR = "__pycache__"
 
 
 def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
@@ -112,6 +116,7 @@ def verify_artifact(model_dir: Path, check_hashes: bool = True) -> dict[str, Any
     """
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
+    _check_listing(model_dir, manifest)
     for rel, entry in manifest["files"].items():
         path = model_dir / rel
         if not path.is_file():
@@ -122,4 +127,40 @@ def verify_artifact(model_dir: Path, check_hashes: bool = True) -> dict[str, Any
         if check_hashes and sha256_file(path) != entry["sha256"]:
             raise ArtifactError(f"{path}: altered: sha256 differs from {MANIFEST_NAME}")
     check_binding(model_dir, manifest)
+    missing = [rel for rel in expected_files(manifest) if rel not in manifest["files"]]
+    if missing:
+        raise ArtifactError(f"{model_dir / MANIFEST_NAME}: lists no {', '.join(missing)}, which its plan needs; "
+                            "not an artifact `lmc build` made, or altered")
     return manifest
+
+
+def expected_files(manifest: dict[str, Any]) -> list[str]:
+    """The files every artifact built for `manifest`'s plan has (more may be listed: tokenizer files,
+    generation_config.json, Neuron graphs). A file removed together with its entry is caught here,
+    before any process starts, instead of by a load that fails."""
+    plan, spec = manifest["plan"], manifest["spec"]
+    names = [BINDING_FILE, "model.py", "requirements.txt"]
+    model = spec.get("model")
+    if isinstance(model, dict) and model.get("uri"):  # the container loads the weights itself
+        return names
+    names.append("config.json")
+    tp = plan.get("tensor_parallel_degree")
+    if plan.get("engine") == "neuronx":
+        names.append("model.safetensors")
+    elif isinstance(tp, int) and not isinstance(tp, bool) and 0 < tp <= 1024:
+        names += [shard_path(tp, rank) for rank in range(tp)]
+    return names
+
+
+def _check_listing(model_dir: Path, manifest: dict[str, Any]) -> None:
+    """Refuse a file the manifest does not list (only the runtime's own bytecode is allowed): it was
+    added after the build, or its entry was removed, and nothing unverified may be loaded."""
+    listed = manifest["files"]
+    for root, dirs, names in os.walk(model_dir):
+        dirs[:] = sorted(d for d in dirs if d != _BYTECODE_DIR or os.path.islink(os.path.join(root, d)))
+        for name in sorted(names) + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            path = Path(root, name)
+            rel = path.relative_to(model_dir).as_posix()
+            if rel != MANIFEST_NAME and rel not in listed:
+                raise ArtifactError(f"{path}: not listed in {MANIFEST_NAME}: added after the build, or its entry "
+                                    "was removed; refusing to serve an unverified file")

@@ -125,6 +125,7 @@ def write_artifact(root: Path, plan: dict[str, Any], engine_kwargs: dict[str, An
         "def create_engine():\n"
         f"    return FakeEngine(**{dict(engine_kwargs or {})!r})\n")
     (root / "config.json").write_text(json.dumps({"model_type": "fake"}))
+    (root / "requirements.txt").write_text("lmc\n")
     shards = root / "shards" / f"tp{plan['tensor_parallel_degree']}"
     shards.mkdir(parents=True, exist_ok=True)
     for rank in range(plan["tensor_parallel_degree"]):

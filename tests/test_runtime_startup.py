@@ -121,7 +121,7 @@ def _set_plan(key, value):
     (_set_plan("batch_size", 0), "lmc.json: altered: its plan does not match"),
     (_set_plan("engine", "neuronx"), "lmc.json: altered: its plan does not match"),
     (lambda m: m["spec"].__setitem__("workload", "x"), "lmc.json: altered: its spec does not match the spec sha256"),
-    (lambda m: m["files"].pop("serving.properties"), "lmc.json: lists no serving.properties"),
+    (lambda m: m["files"].pop("serving.properties"), "serving.properties: not listed in lmc.json"),
     (lambda m: m["files"]["config.json"].pop("size"), "files['config.json'] must be {\"size\": bytes, \"sha256\": 64 hex"),
     (lambda m: m["files"]["config.json"].pop("sha256"), "files['config.json'] must be"),
     (lambda m: m["files"].__setitem__("config.json", "x"), "files['config.json'] must be"),
@@ -138,6 +138,40 @@ def test_an_altered_manifest_is_one_line_before_anything_starts(tmp_path, edit, 
     with pytest.raises(ArtifactError) as info:
         open_artifact(model, check_hashes=False)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    # A shard's entry removed, the shard kept (and free to be altered): it would be loaded unverified.
+    (lambda m: _drop_entry(m, "shards/tp2/rank1.safetensors"), "shards/tp2/rank1.safetensors: not listed in lmc.json"),
+    # The shard removed with its entry: caught here, not by a load that fails three times.
+    (lambda m: (_drop_entry(m, "shards/tp2/rank1.safetensors"), (m / "shards/tp2/rank1.safetensors").unlink()),
+     "lmc.json: lists no shards/tp2/rank1.safetensors, which its plan needs"),
+    (lambda m: (_drop_entry(m, "model.py"), (m / "model.py").unlink()), "lmc.json: lists no model.py, which its plan needs"),
+    (lambda m: (m / "extra.safetensors").write_bytes(b"x"), "extra.safetensors: not listed in lmc.json"),
+    (lambda m: (m / "shards/tp2/notes").mkdir() or (m / "shards/tp2/notes/a.txt").write_text("x"),
+     "shards/tp2/notes/a.txt: not listed in lmc.json"),
+    (lambda m: (m / "shards/tp4").symlink_to(m / "shards/tp2"), "shards/tp4: not listed in lmc.json"),
+], ids=["entry_removed", "file_and_entry_removed", "model_py_removed", "file_added", "nested_file_added", "dir_link_added"])
+def test_files_the_manifest_does_not_vouch_for_are_refused(tmp_path, change, message):
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    change(model)
+    with pytest.raises(ArtifactError) as info:
+        open_artifact(model, check_hashes=False)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bytecode_the_runtime_writes_into_the_model_dir_is_allowed(tmp_path):
+    """Importing model.py from a writable model dir leaves __pycache__ behind: a restart must not refuse it."""
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    (model / "__pycache__").mkdir()
+    (model / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"\0" * 16)
+    assert open_artifact(model, check_hashes=False).model_dir == model
+
+
+def _drop_entry(model, rel):
+    manifest = json.loads((model / "lmc.json").read_text())
+    manifest["files"].pop(rel)
+    (model / "lmc.json").write_text(json.dumps(manifest))
 
 
 def test_a_rewritten_serving_properties_is_caught_before_the_plan_is_trusted(tmp_path):

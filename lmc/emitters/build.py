@@ -25,7 +25,7 @@ from lmc import __version__
 from lmc.emitters import neuron
 from lmc.emitters.render import render_neuron_readme, render_text_files
 from lmc.errors import ArtifactError, InternalError
-from lmc.manifest import MANIFEST_NAME, build_manifest, manifest_bytes, sha256_file
+from lmc.manifest import MANIFEST_NAME, build_manifest, manifest_bytes, sha256_file, verify_artifact
 from lmc.planner.plan import Plan
 from lmc.schema import LoadedSpec
 
@@ -104,6 +104,10 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
             for name, data in render_text_files(plan, spec).items():
                 _write(staging / name, data)
             files = _write_manifest(staging, loaded, plan)
+            try:  # the runtime's own check, sizes only: what it would refuse is lmc's bug, not the user's
+                verify_artifact(staging, check_hashes=False)
+            except ArtifactError as exc:
+                raise InternalError(f"the build staged an artifact that `lmc runtime` would refuse: {exc}") from None
 
             from lmc.emitters.archive import write_artifact
 
