@@ -7,8 +7,13 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
+
+from lmc.errors import ArtifactError
 from lmc.runtime.djl import JSONLINES, DJLHandler
 from lmc.runtime.engines.base import GenerationResult, Piece
+from lmc.runtime.startup import verify_for_rank
+from runtime_fakes import fake_plan, write_artifact
 
 
 class FakeInput:
@@ -204,3 +209,36 @@ def test_streaming_a_list_of_inputs_is_a_400():
     output = handler.handle(FakeInput(batches=[FakeInput({"inputs": ["a", "b"], "stream": True})]))
     assert output.stream_content is None
     assert _json(output, 0) == {"error": "stream = true takes a single string in inputs, not a list", "code": 400}
+
+
+def test_with_verify_each_rank_checks_the_files_it_reads_before_loading(tmp_path, monkeypatch):
+    """In DJL's MPI mode no lmc front end checked the artifact: the generated model.py asks each rank to.
+    Rank 1's altered shard stops rank 1 before it loads (or joins torch.distributed), naming the file;
+    rank 0 never opens that shard, so it does not hash it."""
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    shard = model / "shards/tp2/rank1.safetensors"
+    shard.write_bytes(b"\xff" + shard.read_bytes()[1:])
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    engine = FakeEngine()
+    handler = DJLHandler(lambda: engine, verify=True)
+    with pytest.raises(ArtifactError, match=r"shards/tp2/rank1\.safetensors: altered: sha256 differs"):
+        handler.handle(FakeInput(properties={"model_dir": str(model)}))
+    assert engine.loaded is None and handler.engine is None
+    assert verify_for_rank(model, 0, 2)["plan"]["tensor_parallel_degree"] == 2
+    with pytest.raises(ArtifactError, match=r"rank1\.safetensors: altered"):
+        verify_for_rank(model, 0, 1)  # one process loads every shard: it checks them all
+
+
+def test_with_verify_a_file_added_to_the_model_dir_stops_the_load(tmp_path, monkeypatch):
+    model = write_artifact(tmp_path / "m", fake_plan())
+    (model / "config.json.orig").write_text("{}")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    engine = FakeEngine()
+    with pytest.raises(ArtifactError, match=r"config\.json\.orig: not listed in lmc\.json"):
+        DJLHandler(lambda: engine, verify=True).handle(FakeInput(properties={"model_dir": str(model)}))
+    assert engine.loaded is None
+    (model / "config.json.orig").unlink()
+    DJLHandler(lambda: engine, verify=True).handle(FakeInput(properties={"model_dir": str(model)}))
+    assert engine.loaded == (str(model), 0, 1)

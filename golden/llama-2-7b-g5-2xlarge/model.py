@@ -48,5 +48,5 @@ def handle(inputs):
     if _handler is None:
         from lmc.runtime.djl import DJLHandler
 
-        _handler = DJLHandler(create_engine)
+        _handler = DJLHandler(create_engine, verify=True)
     return _handler(inputs)

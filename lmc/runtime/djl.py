@@ -99,8 +99,10 @@ class _Item:
 class DJLHandler:
     """`handle(inputs)` for djl_python; `create_engine_fn()` returns the (unloaded) engine the plan chose."""
 
-    def __init__(self, create_engine_fn: Callable[[], Engine], *, max_sequence_length: int | None = None):
+    def __init__(self, create_engine_fn: Callable[[], Engine], *, max_sequence_length: int | None = None,
+                 verify: bool = False):
         self._create_engine = create_engine_fn
+        self.verify = verify  # check the artifact against its lmc.json first (the generated model.py asks)
         self.engine: Engine | None = None
         self.text = None  # startup.TextTools: token texts for details.tokens, the vocabulary size
         self.max_sequence_length = max_sequence_length
@@ -114,6 +116,12 @@ class DJLHandler:
 
         model_dir = Path(properties.get("model_dir") or os.environ.get("MODEL_DIR") or "/opt/ml/model")
         rank, world = env_rank()
+        if self.verify:
+            # No `lmc runtime` checked the files before this process started: each rank checks what it
+            # will read, so a tampered artifact fails to load with the file named, as it does there.
+            from lmc.runtime.startup import verify_for_rank
+
+            verify_for_rank(model_dir, rank, world)
         if world > 1:
             _init_distributed(rank, world)
         engine = self._create_engine()

@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from lmc.errors import ArtifactError
+from lmc.layouts import shard_path
 from lmc.manifest import MANIFEST_NAME, sha256_file, verify_artifact
 
 log = logging.getLogger("lmc.runtime")
@@ -135,6 +136,19 @@ def verify_hashes(model_dir: Path, manifest: dict[str, Any], threads: int | None
     for rel, entry in entries:
         if digests[rel] != entry["sha256"]:
             raise ArtifactError(f"{model_dir / rel}: altered: sha256 differs from {MANIFEST_NAME}")
+
+
+def verify_for_rank(model_dir: Path, rank: int, world_size: int) -> dict[str, Any]:
+    """What a rank that loads the artifact with no lmc front end before it (DJL Serving's MPI mode)
+    checks first: every file listed and no other (verify_artifact), then the sha256 of every file but
+    the other ranks' shards, which it never opens. Returns the manifest; raises ArtifactError naming
+    the first bad file."""
+    manifest = verify_artifact(model_dir, check_hashes=False)
+    tp = manifest["plan"].get("tensor_parallel_degree")
+    others = {shard_path(tp, other) for other in range(tp) if other != rank} if world_size > 1 and isinstance(tp, int) else set()
+    verify_hashes(model_dir, dict(manifest, files={rel: entry for rel, entry in manifest["files"].items() if rel not in others}),
+                  threads=min(8, os.cpu_count() or 1))
+    return manifest
 
 
 def open_artifact(path: Path | None, check_hashes: bool = True) -> Artifact:
