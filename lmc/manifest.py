@@ -22,7 +22,8 @@ _CHUNK = 1024 * 1024
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # The hashed file whose header carries the spec's and the plan's digests (see check_binding).
 BINDING_FILE = "serving.properties"
-# What importing the artifact's model.py may add to a writable model dir; never read as data.
+# What importing model.py (DJL Serving does; lmc runs it from source) may add to a writable model dir.
+# lmc never reads it: model.py is the one Python file in an artifact, and it sits at the top.
 _BYTECODE_DIR = "__pycache__"
 
 
@@ -153,13 +154,20 @@ def expected_files(manifest: dict[str, Any]) -> list[str]:
 
 
 def _check_listing(model_dir: Path, manifest: dict[str, Any]) -> None:
-    """Refuse a file the manifest does not list (only the runtime's own bytecode is allowed): it was
-    added after the build, or its entry was removed, and nothing unverified may be loaded."""
+    """Refuse a path the manifest does not list (the top-level __pycache__/ aside): a file added after
+    the build, or one whose entry was removed, would be served unverified. Links to directories are
+    followed (a shards/ moved to another volume and linked back is still checked file by file); a
+    second name for a directory (a loop, an alias) is refused."""
     listed = manifest["files"]
-    for root, dirs, names in os.walk(model_dir):
-        dirs[:] = sorted(d for d in dirs if d != _BYTECODE_DIR or os.path.islink(os.path.join(root, d)))
-        for name in sorted(names) + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
-            path = Path(root, name)
+    seen: set[Path] = set()
+    for root, dirs, names in os.walk(model_dir, followlinks=True):
+        here = Path(root)
+        if here.resolve() in seen:  # a loop, or a second name for a directory: never a build's output
+            raise ArtifactError(f"{here}: links to a directory the artifact already has")
+        seen.add(here.resolve())
+        dirs[:] = sorted(d for d in dirs if not (here == model_dir and d == _BYTECODE_DIR))
+        for name in sorted(names):
+            path = here / name
             rel = path.relative_to(model_dir).as_posix()
             if rel != MANIFEST_NAME and rel not in listed:
                 raise ArtifactError(f"{path}: not listed in {MANIFEST_NAME}: added after the build, or its entry "

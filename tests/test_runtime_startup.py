@@ -150,8 +150,12 @@ def test_an_altered_manifest_is_one_line_before_anything_starts(tmp_path, edit, 
     (lambda m: (m / "extra.safetensors").write_bytes(b"x"), "extra.safetensors: not listed in lmc.json"),
     (lambda m: (m / "shards/tp2/notes").mkdir() or (m / "shards/tp2/notes/a.txt").write_text("x"),
      "shards/tp2/notes/a.txt: not listed in lmc.json"),
-    (lambda m: (m / "shards/tp4").symlink_to(m / "shards/tp2"), "shards/tp4: not listed in lmc.json"),
-], ids=["entry_removed", "file_and_entry_removed", "model_py_removed", "file_added", "nested_file_added", "dir_link_added"])
+    (lambda m: (m / "shards/tp4").symlink_to(m / "shards/tp2"), "shards/tp4: links to a directory the artifact already has"),
+    (lambda m: (m / "shards/tp2/up").symlink_to(m), "shards/tp2/up: links to a directory the artifact already has"),
+    (lambda m: (m / "shards/__pycache__").mkdir() or (m / "shards/__pycache__/x.pyc").write_bytes(b"x"),
+     "shards/__pycache__/x.pyc: not listed in lmc.json"),
+], ids=["entry_removed", "file_and_entry_removed", "model_py_removed", "file_added", "nested_file_added", "dir_alias_added",
+        "dir_loop_added", "nested_pycache"])
 def test_files_the_manifest_does_not_vouch_for_are_refused(tmp_path, change, message):
     model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
     change(model)
@@ -166,6 +170,41 @@ def test_bytecode_the_runtime_writes_into_the_model_dir_is_allowed(tmp_path):
     (model / "__pycache__").mkdir()
     (model / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"\0" * 16)
     assert open_artifact(model, check_hashes=False).model_dir == model
+
+
+def test_a_directory_moved_elsewhere_and_linked_back_is_checked_through_the_link(tmp_path):
+    """A shards/ put on another volume and linked back is still an artifact: every file is reached
+    through the link and checked; a file added there is refused by its path inside the artifact."""
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    (model / "shards").rename(tmp_path / "volume")
+    (model / "shards").symlink_to(tmp_path / "volume")
+    assert open_artifact(model).model_dir == model
+    (tmp_path / "volume" / "tp2" / "rank2.safetensors").write_bytes(b"x")
+    with pytest.raises(ArtifactError, match=r"m/shards/tp2/rank2\.safetensors: not listed in lmc\.json"):
+        open_artifact(model, check_hashes=False)
+
+
+def test_model_py_runs_from_its_source_not_from_a_pyc_beside_it(tmp_path):
+    """__pycache__/ is let through the listing check, so a .pyc there must never be what runs: one
+    whose recorded mtime and size match model.py's would be preferred by an import."""
+    import importlib.util
+    import marshal
+    import struct
+
+    from lmc.runtime.workers import load_model_module
+
+    model = write_artifact(tmp_path / "m", fake_plan())
+    source = model / "model.py"
+    stat = source.stat()
+    cache = Path(importlib.util.cache_from_source(str(source)))
+    cache.parent.mkdir(exist_ok=True)
+    code = compile("MARK = 'from the pyc'\ndef create_engine():\n    return None\n", str(source), "exec")
+    cache.write_bytes(importlib.util.MAGIC_NUMBER + struct.pack("<III", 0, int(stat.st_mtime), stat.st_size & 0xFFFFFFFF)
+                      + marshal.dumps(code))
+    assert open_artifact(model, check_hashes=True).model_dir == model
+    module = load_model_module(model)
+    assert not hasattr(module, "MARK") and "FakeEngine" in vars(module)
+    assert sorted(p.name for p in cache.parent.iterdir()) == [cache.name]  # and nothing more was written
 
 
 def _drop_entry(model, rel):

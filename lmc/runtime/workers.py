@@ -19,7 +19,7 @@ The front end never imports torch: only the worker processes do (inside `worker_
 from __future__ import annotations
 
 import gc
-import importlib.util
+import importlib
 import logging
 import math
 import multiprocessing
@@ -31,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+import types
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -119,13 +120,14 @@ class WorkerSpec:
 
 
 def load_model_module(model_dir: Path):
+    """The artifact's model.py, run from its source (the file lmc.json vouches for): never from a
+    __pycache__ .pyc, which the manifest check lets through and an import would prefer to the
+    source whenever its recorded mtime and size match. Nothing is written into the model dir."""
     path = Path(model_dir) / "model.py"
-    spec = importlib.util.spec_from_file_location("lmc_artifact_model", path)
-    if spec is None or spec.loader is None:
-        raise RuntimeError(f"{path}: cannot be imported")
-    module = importlib.util.module_from_spec(spec)
+    module = types.ModuleType("lmc_artifact_model")
+    module.__file__ = str(path)
     sys.modules["lmc_artifact_model"] = module
-    spec.loader.exec_module(module)
+    exec(compile(path.read_bytes(), str(path), "exec"), module.__dict__)
     if not callable(getattr(module, "create_engine", None)):
         raise RuntimeError(f"{path}: defines no create_engine()")
     return module
