@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from lmc.layouts import shard_path
 MANIFEST_NAME = "lmc.json"
 FORMAT_VERSION = 1
 _CHUNK = 1024 * 1024
+_MAX_MANIFEST_BYTES = 64 << 20  # a spec, a plan and ~120 bytes per file: lmc's are a few KiB
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # The hashed file whose header carries the spec's and the plan's digests (see check_binding).
 BINDING_FILE = "serving.properties"
@@ -62,10 +64,16 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
 def read_manifest(model_dir: Path) -> dict[str, Any]:
     path = model_dir / MANIFEST_NAME
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if not stat.S_ISREG(path.stat().st_mode):  # a fifo would hang start-up, /dev/zero fill the memory
+            raise ArtifactError(f"{path}: not a regular file")
+        with open(path, "rb") as handle:
+            data = handle.read(_MAX_MANIFEST_BYTES + 1)
+        if len(data) > _MAX_MANIFEST_BYTES:
+            raise ArtifactError(f"{path}: larger than {_MAX_MANIFEST_BYTES >> 20} MiB; not a manifest lmc wrote")
+        manifest = json.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise ArtifactError(f"{path}: no manifest; is this an artifact built by `lmc build`?") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: bad UTF-8, bad JSON, an integer of 5000 digits
         raise ArtifactError(f"{path}: unreadable manifest: {exc}") from None
     except RecursionError:
         raise ArtifactError(f"{path}: unreadable manifest: nested too deeply") from None
@@ -160,7 +168,10 @@ def _check_listing(model_dir: Path, manifest: dict[str, Any]) -> None:
     second name for a directory (a loop, an alias) is refused."""
     listed = manifest["files"]
     seen: set[Path] = set()
-    for root, dirs, names in os.walk(model_dir, followlinks=True):
+    def unlistable(error: OSError) -> None:  # os.walk would skip the directory, and whatever it holds
+        raise ArtifactError(f"{error.filename}: cannot be listed: {error.strerror or error}")
+
+    for root, dirs, names in os.walk(model_dir, onerror=unlistable, followlinks=True):
         here = Path(root)
         if here.resolve() in seen:  # a loop, or a second name for a directory: never a build's output
             raise ArtifactError(f"{here}: links to a directory the artifact already has")

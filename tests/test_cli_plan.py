@@ -95,3 +95,14 @@ def test_a_path_the_system_refuses_is_one_line_not_an_internal_error(tmp_path, c
     err = capsys.readouterr().err
     assert code == 1 and len(err.splitlines()) == 1, err
     assert err.startswith("lmc: error: ") and err.rstrip().endswith("File name too long") and "INTERNAL" not in err
+
+
+@pytest.mark.parametrize("name", ["two\nlines.toml", "esc\x1b[2Jape.toml", "bell\x07.toml"])
+def test_an_error_naming_a_file_with_control_characters_stays_one_line(tmp_path, capsys, name):
+    """A file name (or an archive member, a manifest key) may hold a newline or a terminal escape: the
+    error line escapes them as Python writes them, so it stays one line and prints them harmlessly."""
+    code = main(["plan", str(tmp_path / name)])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith("lmc: error: ") and repr(name)[1:-1] in err
+    assert not any(ord(char) < 32 for char in err.rstrip("\n"))

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import tarfile
 from pathlib import Path
 
@@ -293,6 +294,79 @@ def test_a_windows_style_member_path_is_refused(tmp_path):
     archive = _tar(tmp_path / "model.tar.gz", [(_info("shards\\..\\evil"), b"x")])
     with pytest.raises(ArtifactError, match="empty or non-POSIX path; refusing to extract"):
         extract_archive(archive, tmp_path / "dest")
+
+
+def test_a_member_path_with_a_nul_byte_is_refused(tmp_path):
+    """A PAX header can carry any bytes in a path: a NUL was a ValueError from open() (exit 70)."""
+    with tarfile.open(tmp_path / "model.tar.gz", "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("placeholder")
+        info.pax_headers = {"path": "a\0b"}
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(ArtifactError, match=r"member 'a\\x00b': empty or non-POSIX path"):
+        extract_archive(tmp_path / "model.tar.gz", tmp_path / "dest")
+
+
+def test_a_corrupt_xz_archive_is_one_line(tmp_path):
+    """tarfile opens .tar.xz too; lzma's own error was not caught (exit 70)."""
+    model = write_artifact(tmp_path / "m", fake_plan())
+    archive = tmp_path / "model.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        tar.add(model, arcname=".")
+    data = bytearray(archive.read_bytes())
+    data[-20] ^= 0xFF  # in the stream's index, read after the members (a byte in the middle fails at open)
+    archive.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"model\.tar\.xz: not a readable tar archive"):
+        open_artifact(archive)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda path: os.mkfifo(path), "lmc.json: not a regular file"),  # read, it hung start-up for good
+    (lambda path: path.write_text('{"format_version": 1, "files": {"a": {"size": ' + "9" * 5000 + "}}}"),
+     "lmc.json: unreadable manifest: Exceeds the limit"),  # Python refuses a 5000-digit int: was exit 70
+])
+def test_a_manifest_that_cannot_be_read_is_one_line_at_once(tmp_path, make, message):
+    model = write_artifact(tmp_path / "m", fake_plan())
+    (model / "lmc.json").unlink()
+    make(model / "lmc.json")
+    with pytest.raises(ArtifactError, match=message) as err:
+        open_artifact(model, check_hashes=False)
+    assert "\n" not in str(err.value)
+
+
+def test_a_manifest_larger_than_any_lmc_writes_is_refused_unread(tmp_path, monkeypatch):
+    import lmc.manifest
+
+    model = write_artifact(tmp_path / "m", fake_plan())
+    monkeypatch.setattr(lmc.manifest, "_MAX_MANIFEST_BYTES", (model / "lmc.json").stat().st_size - 1)
+    with pytest.raises(ArtifactError, match=r"lmc\.json: larger than"):
+        open_artifact(model, check_hashes=False)
+
+
+def test_a_directory_that_cannot_be_listed_stops_start_up(tmp_path, monkeypatch):
+    """os.walk skips a directory it cannot read, and every file in it, unless told otherwise (as root
+    with the permission-bypass capabilities dropped, a mode-311 shards/tp2 hid an unlisted file)."""
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    real_scandir = os.scandir
+    hidden = str(model / "shards" / "tp2")
+
+    def scandir(path="."):
+        if os.fspath(path) == hidden:
+            raise PermissionError(13, "Permission denied", hidden)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(ArtifactError, match=r"shards/tp2: cannot be listed: Permission denied"):
+        open_artifact(model, check_hashes=False)
+
+
+@pytest.mark.parametrize("rank, world", [(2, 2), (-1, 2), ("1", 2), (0, None), (True, 2)])
+def test_verify_for_rank_refuses_a_rank_outside_its_world(tmp_path, rank, world):
+    from lmc.runtime.startup import verify_for_rank
+
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    with pytest.raises(ArtifactError, match="not a rank of that world"):
+        verify_for_rank(model, rank, world)
 
 
 @pytest.mark.parametrize("size", [0, 1, 1024 * 1024, 3 * 1024 * 1024 + 7])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from lmc import __version__
@@ -17,9 +18,18 @@ SUBCOMMANDS = {
 }
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _one_line(text: object) -> str:
+    """`text` with control characters escaped as Python writes them ("\\n", "\\x00"): an error is one
+    line even when it quotes a file name or an archive member that holds a newline or a terminal escape."""
+    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], str(text))
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2
-        self.exit(EXIT_USAGE, f"lmc: usage error: {message} (see `lmc --help`)\n")
+        self.exit(EXIT_USAGE, f"lmc: usage error: {_one_line(message)} (see `lmc --help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,22 +54,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._module.run(args) or 0)
     except NoFeasiblePlanError as exc:
-        print(f"lmc: no feasible plan: {exc}", file=sys.stderr)
+        print(f"lmc: no feasible plan: {_one_line(exc)}", file=sys.stderr)
         for line in exc.details:
             print(f"  {line}", file=sys.stderr)
         return exc.exit_code
     except LmcError as exc:
-        print(f"lmc: error: {exc}", file=sys.stderr)
+        print(f"lmc: error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("lmc: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as exc:  # the system refused a path lmc was given (a name too long, a loop): bad input
         where = f"{exc.filename}: " if exc.filename is not None else ""
-        print(f"lmc: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        print(f"lmc: error: {_one_line(where)}{_one_line(exc.strerror or exc)}", file=sys.stderr)
         return EXIT_INVALID_INPUT
     except Exception as exc:  # a broken invariant: say so, ask for a report
-        print(f"lmc: INTERNAL ERROR: {type(exc).__name__}: {exc} (this is a bug in lmc; please report it)", file=sys.stderr)
+        print(f"lmc: INTERNAL ERROR: {type(exc).__name__}: {_one_line(exc)} (this is a bug in lmc; please report it)",
+              file=sys.stderr)
         return EXIT_INTERNAL
 
 

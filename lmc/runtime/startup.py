@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import lzma
 import os
 import shutil
 import tarfile
@@ -48,7 +49,7 @@ _MAX_MEMBER_DEPTH = 32
 
 def _unsafe_reason(member: tarfile.TarInfo) -> str | None:
     name = PurePosixPath(member.name)
-    if not member.name or "\\" in member.name:
+    if not member.name or "\\" in member.name or "\0" in member.name:
         return "empty or non-POSIX path"
     if name.is_absolute() or member.name.startswith("/"):
         return "absolute path"
@@ -90,7 +91,7 @@ def extract_archive(archive: Path, dest: Path) -> Path:
             # show up later as files "missing").
             while tar.fileobj.read(_COPY_CHUNK):
                 pass
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+    except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as exc:
         raise ArtifactError(f"{archive}: not a readable tar archive: {' '.join(str(exc).split())}") from None
     return dest
 
@@ -143,6 +144,8 @@ def verify_for_rank(model_dir: Path, rank: int, world_size: int) -> dict[str, An
     checks first: every file listed and no other (verify_artifact), then the sha256 of every file but
     the other ranks' shards, which it never opens. Returns the manifest; raises ArtifactError naming
     the first bad file."""
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (rank, world_size)) or not 0 <= rank < world_size:
+        raise ArtifactError(f"rank {rank!r} of world size {world_size!r}: not a rank of that world")
     manifest = verify_artifact(model_dir, check_hashes=False)
     tp = manifest["plan"].get("tensor_parallel_degree")
     others = {shard_path(tp, other) for other in range(tp) if other != rank} if world_size > 1 and isinstance(tp, int) else set()
