@@ -87,6 +87,43 @@ def test_a_corrupt_gzip_is_refused_as_such(tmp_path, damage, monkeypatch):
     assert list((tmp_path / "extract").iterdir()) == []
 
 
+@pytest.mark.parametrize("damage", ["second_header", "trailing_data"])
+def test_a_tar_that_ends_early_or_carries_more_is_refused_as_corrupt(tmp_path, damage):
+    """A valid gzip around a bad tar: tarfile stops at a header it cannot read as if the archive ended,
+    so the members after it vanished and start-up said "no manifest". Now only zero blocks may follow
+    the last member tarfile read."""
+    import gzip
+
+    model = write_artifact(tmp_path / "m", fake_plan())
+    tar_bytes = bytearray(gzip.decompress(write_archive(model, tmp_path / "model.tar.gz").read_bytes()))
+    with tarfile.open(fileobj=io.BytesIO(bytes(tar_bytes))) as tar:
+        members = tar.getmembers()
+    if damage == "second_header":
+        tar_bytes[members[1].offset + 148] ^= 0x05  # its checksum field
+        last = members[0].name
+    else:
+        tar_bytes += b"\0" * 512 + b"more"
+        last = members[-1].name
+    (tmp_path / "model.tar.gz").write_bytes(gzip.compress(bytes(tar_bytes)))
+    with pytest.raises(ArtifactError, match=f"corrupt tar archive: unreadable data after member '{last}'"):
+        open_artifact(tmp_path / "model.tar.gz")
+
+
+def test_an_archive_made_with_gnu_tar_is_accepted(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("tar") is None:
+        pytest.skip("no tar here")
+    model = write_artifact(tmp_path / "m", fake_plan())
+    subprocess.run(["tar", "czf", str(tmp_path / "model.tar.gz"), "-C", str(model), "."], check=True)
+    artifact = open_artifact(tmp_path / "model.tar.gz")
+    try:
+        assert (artifact.model_dir / "lmc.json").read_bytes() == (model / "lmc.json").read_bytes()
+    finally:
+        artifact.cleanup()
+
+
 def test_one_changed_byte_stops_start_up_naming_the_file(tmp_path):
     model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
     shard = model / "shards/tp2/rank1.safetensors"

@@ -86,11 +86,15 @@ def extract_archive(archive: Path, dest: Path) -> Path:
                 assert source is not None
                 with source, open(target, "wb") as out:
                     shutil.copyfileobj(source, out, _COPY_CHUNK)
-            # Read the stream to its end: gzip checks its CRC and length only there, and tarfile stops at
-            # the first header it cannot read as if the archive ended (a corrupt middle would otherwise
-            # show up later as files "missing").
-            while tar.fileobj.read(_COPY_CHUNK):
-                pass
+            # Read the stream to its end: gzip checks its CRC and length only there. And tarfile stops at
+            # the first header it cannot read as if the archive ended there: past that point (tar.offset)
+            # only the end-of-archive zero blocks may follow, or the archive lost members (lmc.json
+            # would be reported "missing" instead) or carries data nothing extracts.
+            tar.fileobj.seek(tar.offset)  # forward: extraction stopped at or before it
+            while chunk := tar.fileobj.read(_COPY_CHUNK):
+                if chunk.count(0) != len(chunk):
+                    raise ArtifactError(f"{archive}: corrupt tar archive: unreadable data after member "
+                                        f"{members[-1].name if members else '(none)'!r}; refusing it")
     except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as exc:
         raise ArtifactError(f"{archive}: not a readable tar archive: {' '.join(str(exc).split())}") from None
     return dest
