@@ -168,6 +168,7 @@ def _check_listing(model_dir: Path, manifest: dict[str, Any]) -> None:
     second name for a directory (a loop, an alias) is refused."""
     listed = manifest["files"]
     seen: set[Path] = set()
+
     def unlistable(error: OSError) -> None:  # os.walk would skip the directory, and whatever it holds
         raise ArtifactError(f"{error.filename}: cannot be listed: {error.strerror or error}")
 

@@ -186,8 +186,6 @@ def open_artifact(path: Path | None, check_hashes: bool = True) -> Artifact:
         missing = [key for key in _PLAN_KEYS if key not in plan]
         if missing:
             raise ArtifactError(f"{model_dir / 'lmc.json'}: plan lacks {', '.join(missing)}")
-        if not (model_dir / "model.py").is_file():
-            raise ArtifactError(f"{model_dir / 'model.py'}: missing; the artifact has no handler")
     except BaseException:
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
