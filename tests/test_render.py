@@ -13,7 +13,7 @@ from lmc import __version__
 from lmc.emitters import render
 from lmc.emitters.render import loading_timeout_seconds, render_text_files
 from lmc.errors import InternalError
-from lmc.planner.plan import MemoryPerDevice, Plan, PlanModel, PlanTarget, Predicted
+from lmc.planner.plan import Deployment, MemoryPerDevice, Plan, PlanModel, PlanTarget, Predicted
 from lmc.schema import Spec
 
 
@@ -28,6 +28,7 @@ def make_plan(**overrides) -> Plan:
         engine="deepspeed", dtype="fp16", quantization=None,
         tensor_parallel_degree=2, replicas=2, batch_size=4, max_batch_delay_ms=50, job_queue_size=100,
         max_sequence_length=1280,
+        deployment=Deployment(instances=1, pipeline_parallel_degree=1, min_instances=1, max_instances=1),
         memory_per_device=MemoryPerDevice(weights=1, kv_cache=1, activations=1, runtime_overhead=1,
                                           total=4, capacity=10, headroom=6),
         predicted=Predicted(ttft_ms=100.0, tpot_ms=20.0, throughput_tokens_per_s=200.0, load_seconds=30.0,

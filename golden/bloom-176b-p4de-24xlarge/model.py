@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 510437c282571ac9367d4975024a165534257bb45fa31dc25ca1da83b87fdb7c
-plan sha256 f5f44635e7bd49799ed176171f4be952041776aa32353b1fbab42f5089fb02a9
+plan sha256 8b4418cd2e7aef16fce88733564c890492d7423f1b1e257ca7f1d465076b9c9c
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

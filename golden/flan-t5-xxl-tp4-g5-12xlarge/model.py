@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
 spec sha256 66b9b5ea89e56791b1e75019e5b80363209f496d75385d5bbbf361d08a2ed400
-plan sha256 2011b4a88362ba8fea53d5287171a48705724c9ee9a0edeeac2b4d563f7c2fd4
+plan sha256 112596c71f33dc3b17a63842b6da90305ac7ea14c9bdce84a990fec0f7e71fc4
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 16 requests
 (waiting at most 10 ms), sequences of up to 2560 tokens, on cuda.
 
 spec sha256 11de0035d0970a58fb89e0a11736553b818ef993d0eadfce9daae34153de4564
-plan sha256 62838beaa2d23a8835e96e9a723e972c6cc5e02333b73db5c906e9bfe36da092
+plan sha256 8e673bf2567848bd0447c6ac2e7f0414eb8e906ceeb1f8330215c814046eb264
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

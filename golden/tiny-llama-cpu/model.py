@@ -5,7 +5,7 @@ tensor parallel degree 2, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 96 tokens, on cpu.
 
 spec sha256 1236aa751aa1c59eb6912ec2bfe577cfe28bc93f61316e82d65b3defa8e68fec
-plan sha256 c7ebe8951ef89777d1621ed6e96300220b240cf83736be284f9364e5e2929a3d
+plan sha256 7334a6a2f649b2542e77426b060ead364e84cca97a412cdc4f6d16e320a8f325
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

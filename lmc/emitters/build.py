@@ -192,7 +192,7 @@ def _write_manifest(staging: Path, loaded: LoadedSpec, plan: Plan) -> dict[str, 
         if rel == MANIFEST_NAME:
             continue
         entries[rel] = (path.stat().st_size, sha256_file(path))
-    manifest = build_manifest(__version__, loaded.spec.model_dump(mode="json"), plan.model_dump(mode="json"), entries)
+    manifest = build_manifest(__version__, loaded.spec.model_dump(mode="json"), plan.to_dict(), entries)
     data = manifest_bytes(manifest)
     _write(staging / MANIFEST_NAME, data)
     sizes = {rel: size for rel, (size, _) in entries.items()}

@@ -45,7 +45,7 @@ LMI_DTYPES: dict[str, str] = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "i
 # Pinned runtime dependencies per engine (what this lmc was tested with).
 COMMON_PINS: dict[str, str] = {
     "torch": "2.13.0",
-    "transformers": "5.23.0",
+    "transformers": "5.19.0",
     "safetensors": "0.8.0",
     "tokenizers": "0.23.3",
 }

@@ -9,6 +9,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+# Plan sections present only where they apply: kv_cache for continuous plans, vllm for vLLM plans.
+OPTIONAL_SECTIONS = ("kv_cache", "vllm")
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -52,6 +56,32 @@ class Predicted(_Frozen):
     cost_per_million_tokens: float | None
 
 
+class KvCache(_Frozen):
+    """The paged KV cache of a continuous-batching plan (per replica)."""
+
+    block_size: int = Field(ge=1, description="Tokens per KV block.")
+    blocks: int = Field(ge=0, description="KV blocks in the pool of one replica.")
+    max_concurrent_sequences: int = Field(ge=0, description="Sequences of the workload's full length the pool holds at once.")
+
+
+class VllmConfig(_Frozen):
+    """vLLM engine arguments the plan sets (vLLM plans only)."""
+
+    max_num_seqs: int = Field(ge=0, description="Sequences scheduled at once (vLLM --max-num-seqs).")
+    max_model_len: int = Field(ge=0, description="Longest sequence, prompt + output (vLLM --max-model-len).")
+    max_num_batched_tokens: int = Field(ge=0, description="Tokens per scheduler step; longer prefills are chunked.")
+    gpu_memory_utilization: float = Field(ge=0, le=1, description="Share of device memory vLLM may use.")
+
+
+class Deployment(_Frozen):
+    """How the plan spreads over instances."""
+
+    instances: int = Field(ge=1, description="Instances the plan runs on.")
+    pipeline_parallel_degree: int = Field(default=1, ge=1, description="Pipeline stages (instances per model copy).")
+    min_instances: int = Field(ge=1, description="Autoscaling lower bound.")
+    max_instances: int = Field(ge=1, description="Autoscaling upper bound.")
+
+
 class Decision(_Frozen):
     key: str
     value: str | int | float | bool | None
@@ -73,7 +103,7 @@ class Plan(_Frozen):
     plan_sha256: str = ""
     model: PlanModel
     target: PlanTarget
-    engine: Literal["deepspeed", "hf", "neuronx"]
+    engine: Literal["deepspeed", "hf", "neuronx", "vllm"]
     dtype: Literal["fp32", "fp16", "bf16", "int8", "fp8"]
     quantization: str | None
     tensor_parallel_degree: int = Field(ge=1)
@@ -82,22 +112,34 @@ class Plan(_Frozen):
     max_batch_delay_ms: int = Field(ge=0)
     job_queue_size: int = Field(ge=1)
     max_sequence_length: int = Field(ge=1)
+    scheduling: Literal["dynamic", "continuous"] = "dynamic"
+    kv_cache: KvCache | None = None
+    vllm: VllmConfig | None = None
+    deployment: Deployment
     memory_per_device: MemoryPerDevice
     predicted: Predicted
     goal_met: bool
     decisions: list[Decision]
     alternatives: list[Alternative]
 
+    def to_dict(self) -> dict:
+        """The plan as JSON data; `kv_cache` and `vllm` only where they apply (DESIGN.md)."""
+        body = self.model_dump(mode="json")
+        for key in OPTIONAL_SECTIONS:
+            if body.get(key) is None:
+                body.pop(key, None)
+        return body
+
     def with_digest(self) -> "Plan":
         """The same plan with plan_sha256 set: the digest of its JSON without that field."""
-        body = self.model_dump(mode="json")
+        body = self.to_dict()
         body["plan_sha256"] = ""
         digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
         return self.model_copy(update={"plan_sha256": digest})
 
     def to_json(self) -> str:
         """Stable, readable JSON (key order as in DESIGN.md, 2-space indent, trailing newline)."""
-        return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+        return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def decision(self, key: str) -> Decision | None:
         return next((d for d in self.decisions if d.key == key), None)

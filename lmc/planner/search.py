@@ -28,7 +28,7 @@ from lmc.planner.memory import (
     kv_bytes_per_token,
     memory_per_device,
 )
-from lmc.planner.plan import Alternative, Decision, MemoryPerDevice, Plan, PlanModel, PlanTarget, Predicted
+from lmc.planner.plan import Alternative, Decision, Deployment, MemoryPerDevice, Plan, PlanModel, PlanTarget, Predicted
 
 ENGINE_ORDER = ("neuronx", "deepspeed", "hf")  # ties go to the engine built for the hardware
 MAX_BATCH = 256
@@ -101,6 +101,9 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         max_batch_delay_ms=batch_delay_ms(spec, chosen.batch),
         job_queue_size=job_queue_size(spec, chosen),
         max_sequence_length=spec.workload.max_input_tokens + spec.workload.max_output_tokens,
+        scheduling="dynamic",
+        deployment=Deployment(instances=chosen.timing.instances_used, pipeline_parallel_degree=1,
+                              min_instances=chosen.timing.instances_used, max_instances=chosen.timing.instances_used),
         memory_per_device=chosen.memory,
         predicted=predicted(chosen.timing),
         goal_met=goal_met,

@@ -8,7 +8,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 
 from lmc.schema.units import parse_size
 
-Engine = Literal["deepspeed", "hf", "neuronx"]
+Engine = Literal["deepspeed", "hf", "neuronx", "vllm"]
 Dtype = Literal["fp32", "fp16", "bf16", "int8", "fp8"]
 Task = Literal["text-generation", "text2text-generation"]
 Optimize = Literal["latency", "throughput", "cost"]
