@@ -71,6 +71,7 @@ class HardwareFacts(_Facts):
     network: InterconnectFacts | None = Field(default=None, description="The link between instances (EFA, Ethernet) a pipeline stage hands activations over; None where the plan may not span instances.")
     price_per_hour: float | None = Field(default=None, ge=0, description="On-demand USD/hour (us-east-1), None for local.")
     host_memory_bytes: int | None = Field(default=None, gt=0, description="Instance RAM.")
+    instance_storage_bytes: int | None = Field(default=None, gt=0, description="Local NVMe instance storage (where SageMaker puts the model; such instances take no EBS volume); None: EBS only.")
     load_bandwidth_bytes_per_s: float = Field(default=1.0e9, gt=0, description="Storage-to-device read rate assumed for load time.")
     source: str = Field(description="Datasheets and pages the figures come from.")
 
