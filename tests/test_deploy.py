@@ -218,7 +218,7 @@ def test_only_the_documented_refusals():
     assert set(refused) == {("llama-3-1-405b-p4d-24xlarge", "sagemaker"), ("llama-3-1-405b-p4d-24xlarge", "kserve"),
                             ("tiny-llama-cpu", "sagemaker")}
     assert "4 pipeline stages on 4 instances" in refused[("llama-3-1-405b-p4d-24xlarge", "sagemaker")]
-    assert "needs an ml.* instance type" in refused[("tiny-llama-cpu", "sagemaker")]
+    assert "an endpoint needs an ml.* instance type" in refused[("tiny-llama-cpu", "sagemaker")]
 
 
 def test_no_unused_deploy_goldens():

@@ -58,9 +58,14 @@ def test_405b_bf16_spans_instances_with_a_stated_pipeline_degree():
     assert p.predicted.cost_per_hour == pytest.approx(P4D.price_per_hour * p.deployment.instances)
 
 
-def test_without_room_for_stages_the_405b_has_no_plan():
-    with pytest.raises(NoFeasiblePlanError):
+def test_without_room_for_stages_the_405b_has_no_plan_and_is_told_how_many_instances_would_do():
+    with pytest.raises(NoFeasiblePlanError) as err:
         plan(spec(), LLAMA_405B, P4D)
+    across = [line for line in err.value.details if line.startswith("target.instances = ")]
+    assert len(across) == 1 and across[0].startswith("target.instances = 2: hf int8 in 2 pipeline stages × TP 8 fits")
+    # and that option is what planning with two instances gives
+    two = plan(spec(target={"instance": "ml.p4d.24xlarge", "instances": 2}), LLAMA_405B, P4D)
+    assert (two.deployment.pipeline_parallel_degree, two.dtype) == (2, "int8")
 
 
 def test_a_model_that_fits_one_instance_stays_on_one_unless_pinned():

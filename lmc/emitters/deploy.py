@@ -108,10 +108,10 @@ def check_single_node(plan: Plan, platform: str, why: str) -> None:
 
 
 def check_sagemaker(plan: Plan, hardware: HardwareFacts) -> None:
-    check_single_node(plan, "A SageMaker endpoint", "each endpoint instance serves a whole model copy on its own")
+    check_single_node(plan, "SageMaker", "each endpoint instance serves a whole model copy on its own")
     if not hardware.name.startswith("ml."):
         raise NoFeasiblePlanError(
-            f"a SageMaker endpoint needs an ml.* instance type; this plan targets {hardware.name}",
+            f"SageMaker cannot run this plan: an endpoint needs an ml.* instance type; this plan targets {hardware.name}",
             ["name a catalog instance in target.instance (ml.g5.12xlarge, ...), or use --target kubernetes"])
 
 

@@ -766,6 +766,9 @@ def nearest_options(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         c = _fits_somewhere(roomy, model, hardware, engines)
         if c is not None:
             options.append(f"budget.memory_fraction = 0.95: {c.engine} {c.dtype} TP {c.tp} fits")
+    across = _pipeline_option(spec, model, hardware, engines)
+    if across is not None:
+        options.append(across)
     if candidates is None:
         candidates = _catalog_candidates(hardware)
     found = 0
@@ -784,6 +787,23 @@ def nearest_options(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         if found == 3:
             break
     return options
+
+
+def _pipeline_option(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[str, EngineFacts]) -> str | None:
+    """The fewest instances beyond target.instances that pipeline stages would fit across."""
+    if spec.pin.pipeline_parallel_degree is not None or hardware.network is None:
+        return None
+    if not any(model.family in e.pipeline_families for e in engines.values()):
+        return None
+    for pp in range(spec.target.instances + 1, MAX_PIPELINE_DEGREE + 1):
+        wider = spec.model_copy(update={"target": spec.target.model_copy(update={"instances": pp})})
+        configs, _ = enumerate_configs(wider, model, hardware, engines, (pp,))
+        feasible = [c for c in configs if c.feasible]
+        if feasible:
+            c = choose(wider, model, hardware, feasible)[0]
+            return (f"target.instances = {pp}: {c.engine} {c.dtype} in {pp} pipeline stages × TP {c.tp} fits "
+                    f"({_gib(c.memory.total)} of {_gib(c.memory.capacity)} per device), TPOT {c.timing.tpot_ms:.1f} ms")
+    return None
 
 
 def _catalog_candidates(hardware: HardwareFacts) -> list[HardwareFacts]:
