@@ -315,9 +315,9 @@ def kserve_files(plan: Plan, hardware: HardwareFacts, account: Account, sizing: 
     container = pod["containers"][0]
     container["name"] = "kserve-container"  # the name KServe's storage initializer mounts /mnt/models into
     container["env"].append({"name": "STORAGE_URI", "value": account.model_data_or_placeholder})
-    per_instance = max(plan.batch_size * math.ceil(plan.replicas / max(d.instances, 1)), 1)
-    predictor = {"minReplicas": d.min_instances, "maxReplicas": d.max_instances,
-                 "scaleMetric": "concurrency", "scaleTarget": per_instance, **pod}
+    # Raw deployment mode scales with an HPA on CPU or memory, which do not follow accelerator load:
+    # the replicas are fixed at the plan's instances (the README gives the peak bound for KEDA).
+    predictor = {"minReplicas": d.instances, "maxReplicas": d.instances, **pod}
     isvc = {
         "apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
         "metadata": {"name": account.name, "labels": _labels(account),
@@ -357,6 +357,10 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
               f"{download}",
               f"- load {sizing.load_seconds.value:g} s predicted: {sizing.load_seconds.reason}; start-up timeout "
               f"{sizing.startup_timeout_s.value} s: {sizing.startup_timeout_s.reason}"]
+    if target == "kserve" and d.max_instances > d.instances:
+        lines.append(f"- replicas fixed at {d.instances}: KServe's raw-deployment autoscaler (an HPA) scales on CPU or "
+                     f"memory, which do not follow accelerator load; the peak needs {d.max_instances} (scale on "
+                     "request rate with KEDA, or use --target sagemaker)")
     if target != "sagemaker":
         lines += [f"- startup probe: every {PROBE_PERIOD_S} s, {math.ceil(sizing.startup_timeout_s.value / PROBE_PERIOD_S)} "
                   "failures allowed = the start-up timeout; readiness and liveness on `/ping`",
