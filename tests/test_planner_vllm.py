@@ -136,3 +136,12 @@ def test_max_num_seqs_is_what_the_pool_holds_when_that_is_short_of_the_concurren
                   workload={"max_input_tokens": 2048, "max_output_tokens": 512, "concurrency": 16}), hardware=g5)
     assert p.kv_cache.max_concurrent_sequences < 16  # an 8B leaves room for fewer on 24 GiB
     assert p.vllm.max_num_seqs == p.batch_size == p.kv_cache.max_concurrent_sequences
+
+
+def test_the_schema_accepts_vllm_and_a_remote_checkpoint_is_not_sharded():
+    from lmc.schema import load_spec
+
+    loaded = load_spec(__import__("pathlib").Path(__file__).parents[1] / "specs" / "tiny-llama-cpu-vllm.toml")
+    assert loaded.spec.pin.engine == "vllm"
+    p = plan(spec(model={"id": "x", "uri": "s3://bucket/llama/"}, pin={"engine": "vllm"}))
+    assert p.decision("weights").value == "remote"
