@@ -57,7 +57,7 @@ def test_engine_pin_on_wrong_hardware_and_family():
     with pytest.raises(SpecValueError) as err:
         plan(spec(pin={"engine": "neuronx"}))
     assert str(err.value) == ("pin.engine = 'neuronx': runs only on neuron hardware, not a10g; "
-                              "engines that can: deepspeed, hf")
+                              "engines that can: deepspeed, hf, vllm")
     t5 = catalog.model_facts("google/flan-t5-xxl")
     with pytest.raises(SpecValueError, match="does not support family t5"):
         plan(spec(model={"id": "x", "task": "text2text-generation"}, pin={"engine": "neuronx"}), model=t5,

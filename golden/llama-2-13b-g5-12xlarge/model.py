@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 16 requests
 (waiting at most 50 ms), sequences of up to 2560 tokens, on cuda.
 
 spec sha256 b41931c592b7782253d96dcf282f42b9c763e26e53f63f5ba77ad946831ff07e
-plan sha256 5c78da2119f7c8a44576d72fb84263af3b72c86fbc5e703f8bb1fe6f1b0e8253
+plan sha256 c0e275b2a27072d8d39aba0400404668e9ead0e9b4ee4ace816fc48ebf96bd71
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -111,15 +111,18 @@ class EngineEfficiency(_Facts):
     runtime_overhead_bytes: int = Field(ge=0, description="Per device: CUDA context / Neuron runtime, allocator slack.")
     comm_buffer_bytes: int = Field(default=0, ge=0, description="Per device when TP>1: NCCL/collective buffers.")
     load_efficiency: float = Field(default=1.0, gt=0, le=1, description="Share of load bandwidth reached when loading weights.")
+    graph_memory_bytes: int = Field(default=0, ge=0, description="Per device: the CUDA-graph pool of captured decode steps (vLLM).")
+    start_seconds: float = Field(default=0.0, ge=0, description="Engine start-up beyond reading the weights: profiling, compile, graph capture (vLLM).")
     source: str = Field(description="The measurements these figures were calibrated on.")
 
 
 class EngineFacts(_Facts):
     """What an engine can do: families, dtypes, TP constraints, loading, efficiency."""
 
-    name: Literal["deepspeed", "hf", "neuronx"]
+    name: Literal["deepspeed", "hf", "neuronx", "vllm"]
     hardware: list[DeviceKind] = Field(description="Device kinds the engine runs on.")
     families: list[Family] = Field(description="Model families the engine serves.")
+    refused_families: dict[Family, str] = Field(default_factory=dict, description="Families the engine cannot serve, with the reason a plan gives.")
     dtypes: list[DtypeName] = Field(description="Weight dtypes the engine can serve.")
     kernel_injection_families: list[Family] = Field(default_factory=list, description="Families with fused kernels (DeepSpeed).")
     tp_degrees: dict[str, list[int]] = Field(default_factory=dict, description="Allowed TP degrees per accelerator (Neuron); empty = any divisor.")

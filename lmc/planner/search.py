@@ -29,6 +29,15 @@ from lmc.planner.memory import (
     memory_per_device,
 )
 from lmc.planner.plan import Alternative, Decision, Deployment, MemoryPerDevice, Plan, PlanModel, PlanTarget, Predicted
+from lmc.planner.vllm import (
+    VllmLayout,
+    kv_cache_section,
+    vllm_decisions,
+    vllm_memory,
+    vllm_predict,
+    vllm_quantization,
+    vllm_section,
+)
 
 ENGINE_ORDER = ("neuronx", "deepspeed", "hf")  # ties go to the engine built for the hardware
 MAX_BATCH = 256
@@ -47,6 +56,7 @@ class Config:
     timing: Timing
     goal_gap: float  # max(predicted/goal) over the goals; ≤ 1 means met
     over_cost: bool
+    vllm: VllmLayout | None = None  # vLLM plans: the KV pool and engine arguments
 
     @property
     def fits(self) -> bool:
@@ -94,14 +104,16 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
                           price_per_hour=hardware.price_per_hour),
         engine=chosen.engine,
         dtype=chosen.dtype,
-        quantization=quantization(chosen.dtype),
+        quantization=vllm_quantization(chosen.dtype) if chosen.vllm else quantization(chosen.dtype),
         tensor_parallel_degree=chosen.tp,
         replicas=chosen.replicas,
         batch_size=chosen.batch,
-        max_batch_delay_ms=batch_delay_ms(spec, chosen.batch),
+        max_batch_delay_ms=0 if chosen.vllm else batch_delay_ms(spec, chosen.batch),
         job_queue_size=job_queue_size(spec, chosen),
         max_sequence_length=spec.workload.max_input_tokens + spec.workload.max_output_tokens,
-        scheduling="dynamic",
+        scheduling="continuous" if chosen.vllm else "dynamic",
+        kv_cache=kv_cache_section(chosen.vllm) if chosen.vllm else None,
+        vllm=vllm_section(chosen.vllm) if chosen.vllm else None,
         deployment=Deployment(instances=chosen.timing.instances_used, pipeline_parallel_degree=1,
                               min_instances=chosen.timing.instances_used, max_instances=chosen.timing.instances_used),
         memory_per_device=chosen.memory,
@@ -148,6 +160,8 @@ def engine_unsupported(engine: EngineFacts, model: ModelFacts, hardware: Hardwar
     if hardware.kind not in engine.hardware:
         where = " or ".join(engine.hardware)
         return f"runs only on {where} hardware, not {hardware.accelerator}"
+    if model.family in engine.refused_families:
+        return f"does not support family {model.family}: {engine.refused_families[model.family]}"
     if model.family not in engine.families:
         return f"does not support family {model.family}"
     if hardware.kind not in engine.efficiency:
@@ -307,8 +321,13 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
                                                 f"TP {tp} leaves room for {max_replicas} replica(s), not the "
                                                 f"pinned {pin.replicas}", (3,)))
                     continue
-                for batch in batch_sizes(load.concurrency):
+                sizes = (vllm_batch_sizes(spec, model, hardware, engine, efficiency, dtype, tp) if name == "vllm"
+                         else batch_sizes(load.concurrency))
+                for batch in sizes:
                     replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / batch))
+                    if name == "vllm":
+                        configs.append(vllm_config(spec, model, hardware, engine, efficiency, dtype, tp, replicas, batch))
+                        continue
                     memory = memory_per_device(model, hardware, engine, efficiency, dtype, tp, batch,
                                                load.max_input_tokens, load.max_output_tokens,
                                                budget.memory_fraction, budget.memory_per_device)
@@ -319,6 +338,34 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
                     configs.append(Config(name, dtype, tp, replicas, batch, memory, timing,
                                           goal_gap(goal, timing), over_cost))
     return configs, rejections
+
+
+def vllm_batch_sizes(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
+                     tp: int) -> list[int]:
+    """max_num_seqs candidates: the powers of two, and the sequences the KV pool holds when that is fewer
+    than the concurrency (so a pool of 15 is planned at 15, not 8)."""
+    sizes = batch_sizes(spec.workload.concurrency)
+    load, budget = spec.workload, spec.budget
+    _, layout = vllm_memory(model, hardware, engine, efficiency, dtype, tp, 1, load.max_input_tokens,
+                            load.max_output_tokens, budget.memory_fraction, budget.memory_per_device)
+    holds = layout.max_concurrent_sequences
+    if 1 <= holds < load.concurrency and holds not in sizes:
+        sizes = sorted(sizes + [holds])
+    return sizes
+
+
+def vllm_config(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
+                tp: int, replicas: int, max_num_seqs: int) -> Config:
+    """A vLLM configuration: `max_num_seqs` sequences per replica, the KV pool vLLM leaves for them."""
+    load, budget = spec.workload, spec.budget
+    memory, layout = vllm_memory(model, hardware, engine, efficiency, dtype, tp, max_num_seqs, load.max_input_tokens,
+                                 load.max_output_tokens, budget.memory_fraction, budget.memory_per_device)
+    timing = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, load.max_input_tokens,
+                          load.max_output_tokens, load.concurrency)
+    over_cost = (budget.max_cost_per_hour is not None and timing.cost_per_hour is not None
+                 and timing.cost_per_hour > budget.max_cost_per_hour)
+    return Config("vllm", dtype, tp, replicas, max_num_seqs, memory, timing, goal_gap(spec.goal, timing), over_cost,
+                  vllm=layout)
 
 
 def goal_gap(goal, timing: Timing) -> float:
@@ -538,6 +585,8 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
         summary = (f"no configuration that fits meets the goal; the closest is {chosen.goal_gap:.2f}× it: {summary}; "
                    "relax the goal, or use faster hardware")
     out.append(Decision(key="goal", value=goal_met, reason=summary))
+    if chosen.vllm is not None:
+        out = vllm_decisions(out, spec, model, hardware, chosen.vllm, chosen.memory, chosen.replicas)
     return out
 
 
