@@ -27,6 +27,8 @@ from __future__ import annotations
 import copy
 import datetime
 import logging
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -60,7 +62,10 @@ def init_stage_groups(role: PipelineRole, local_rank: int, backend: str) -> Stag
     """Join the pipeline's torch.distributed world (the store on the leader, at role.port) and make each
     stage's groups. Raises RendezvousError (one line) when the others do not come within role.timeout_s."""
     rank = role.global_rank(local_rank)
-    join = datetime.timedelta(seconds=role.timeout_s)
+    deadline = time.monotonic() + role.timeout_s
+    if rank != 0:
+        _wait_for_leader(role, deadline)
+    join = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
     try:
         store = dist.TCPStore(role.leader_address, role.port, role.world_size, is_master=rank == 0, timeout=join,
                               wait_for_workers=True)
@@ -87,6 +92,23 @@ def init_stage_groups(role: PipelineRole, local_rank: int, backend: str) -> Stag
             groups = StageGroups(tp_group, control)
     assert groups is not None
     return groups
+
+
+def _wait_for_leader(role: PipelineRole, deadline: float) -> None:
+    """Until the leader's store accepts a connection (its pod may start later, its name may not resolve
+    yet), quietly: torch's own store client logs every failed try."""
+    last = "no answer"
+    while True:
+        try:
+            socket.create_connection((role.leader_address, role.port), timeout=2.0).close()
+            return
+        except OSError as exc:
+            last = exc.strerror or str(exc) or type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise RendezvousError(f"{role.describe()}: cannot reach the leader's store at {role.leader_address}:"
+                                  f"{role.port} within {role.timeout_s:g} s (LWS_LEADER_ADDRESS, LMC_RENDEZVOUS_PORT, "
+                                  f"LMC_RENDEZVOUS_TIMEOUT_S): {last}")
+        time.sleep(0.5)
 
 
 def create_pipeline_engine(plan: dict[str, Any], task: str, role: PipelineRole, groups: StageGroups) -> "PipelineEngine":
