@@ -84,3 +84,30 @@ def test_other_families_are_refused(tmp_path):
         partition_pipeline(validate_checkpoint(path, facts), family="gptj", dtype="fp32", tp=1, stages=2,
                            layers=facts.layers, head_dim=facts.head_dim, kv_heads=facts.kv_heads,
                            out_dir=tmp_path / "out", progress=False)
+
+
+def _plan(golden: str, **changes):
+    import json
+    from pathlib import Path
+
+    from lmc.planner.plan import Plan
+
+    plan = Plan.model_validate(json.loads((Path(__file__).parent.parent / "golden" / golden / "plan.json").read_text()))
+    deployment = plan.deployment.model_copy(update={"pipeline_parallel_degree": 2, "instances": 2})
+    return plan.model_copy(update={"deployment": deployment, **changes})
+
+
+@pytest.mark.parametrize("golden, changes, message", [
+    ("gpt-j-6b-deepspeed-p3-2xlarge", {}, "pipeline parallel degree 2: lmc runs plans across instances only on the hf "
+                                          "engine (torch.distributed between the instances), not deepspeed"),
+    ("tiny-llama-cpu", {"engine": "vllm"}, "not vllm; vLLM's multi-node mode needs its Ray cluster, which lmc does not start"),
+    ("gpt-neox-20b-g5-12xlarge", {"engine": "hf"}, "lmc cuts only the llama family into stages, not gpt_neox"),
+])
+def test_build_refuses_pipeline_plans_it_cannot_run(golden, changes, message):
+    from lmc.emitters.build import check_pipeline_plan
+    from lmc.errors import ArtifactError
+
+    with pytest.raises(ArtifactError) as error:
+        check_pipeline_plan(_plan(golden, **changes))
+    assert message in str(error.value)
+    check_pipeline_plan(_plan("tiny-llama-cpu"))  # hf, llama: runs

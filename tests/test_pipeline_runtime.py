@@ -188,3 +188,13 @@ def test_an_unreachable_leader_and_missing_stages_time_out_with_one_line(pipelin
     assert code == 1 and took < 60
     assert line.startswith("lmc: error: worker group 0 cannot load the model: pipeline stage 0 of 2")
     assert "the other 1 stage(s) did not join within 3 s" in line
+
+
+def test_djl_serving_is_told_to_use_lmc_runtime(pipeline_artifact):
+    from lmc.errors import ArtifactError
+    from lmc.runtime.startup import verify_for_rank
+
+    _, artifact = pipeline_artifact
+    with pytest.raises(ArtifactError, match=r"planned for 2 instances \(pipeline parallel degree 2\): serve it with "
+                                            r"`lmc runtime` on each instance"):
+        verify_for_rank(artifact, 0, 1)
