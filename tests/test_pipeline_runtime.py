@@ -141,7 +141,19 @@ def test_two_nodes_answer_as_hf_generate_and_stop_together(pipeline_artifact):
                 "inputs": job[0], "parameters": {"max_new_tokens": job[1], "details": True}}), zip(PROMPTS, NEW_TOKENS)))
         got = [[token["id"] for token in reply.json()["details"]["tokens"]] for reply in replies]
         assert got == [hf_greedy(checkpoint, prompt, n) for prompt, n in zip(PROMPTS, NEW_TOKENS)]
-        print(got)
+        # Stage 1 dies: the next request fails (424), /ping says 503, and a new stage 1 brings it back.
+        worker.kill()
+        worker.wait(10)
+        failed = httpx.post(url + "/invocations", timeout=120, json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 4}})
+        assert failed.status_code == 424, failed.text
+        assert _ping(url) == 503
+        worker = _node(artifact, 1, rendezvous, free_port())
+        deadline = time.monotonic() + 120
+        while _ping(url) != 200 and time.monotonic() < deadline and leader.poll() is None:
+            time.sleep(0.3)
+        again = httpx.post(url + "/invocations", timeout=120, json={
+            "inputs": PROMPTS[0], "parameters": {"max_new_tokens": 4, "details": True}})
+        assert [token["id"] for token in again.json()["details"]["tokens"]] == hf_greedy(checkpoint, PROMPTS[0], 4)
         leader.send_signal(signal.SIGTERM)  # drains, then stage 0 tells stage 1 to stop
         assert leader.wait(60) == 0
         assert worker.wait(60) == 0, worker.stderr.read()[-2000:]

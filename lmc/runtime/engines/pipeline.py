@@ -24,9 +24,11 @@ larger than one instance needs; it is not a throughput optimisation.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -215,8 +217,9 @@ class PipelineEngine(HFEngine):
         rows, tokens = input_ids.shape
         header = [OP_STEP, rows, tokens, attention_mask.shape[1], int(new), 0 if select is None else len(select)]
         extra = () if select is None else (select.to(torch.long),)
-        self._send_on(header, *extra, out, attention_mask.to(torch.long), position_ids.to(torch.long))
-        return self._recv((rows, 1, self.vocab_size), torch.float32, self._peer(self.role.stages - 1))
+        with _fatal_if_broken(self.role):
+            self._send_on(header, *extra, out, attention_mask.to(torch.long), position_ids.to(torch.long))
+            return self._recv((rows, 1, self.vocab_size), torch.float32, self._peer(self.role.stages - 1))
 
     def _adopt(self, cache) -> None:
         """A new batch's cache: the other stages start theirs, and the rows the loop keeps (it drops finished
@@ -233,7 +236,8 @@ class PipelineEngine(HFEngine):
 
     def heartbeat(self) -> None:
         """Stage 0, idle: tell the other stages the pipeline is alive (their receive has a timeout)."""
-        self._send_on([OP_NOOP, 0, 0, 0, 0, 0])
+        with _fatal_if_broken(self.role):
+            self._send_on([OP_NOOP, 0, 0, 0, 0, 0])
 
     def shutdown(self) -> None:
         """Stage 0: the other stages leave serve_stage."""
@@ -285,6 +289,23 @@ class PipelineEngine(HFEngine):
         if self.role.stage != 0:
             raise InternalError("generate called on a pipeline stage other than 0")
         return super().generate(batch, on_token, cancel_probe)
+
+
+# Stage 0's exit status when the pipeline broke (another stage died or stopped answering): the front end's
+# supervisor fails the batch, answers 503 on /ping and starts the group again, which waits for the
+# cluster to bring the other stages back (a torch.distributed world cannot be mended in place).
+PIPELINE_BROKEN_EXIT = 69  # EX_UNAVAILABLE
+
+
+@contextlib.contextmanager
+def _fatal_if_broken(role: PipelineRole):
+    try:
+        yield
+    except Exception as exc:  # DistBackendError, a closed connection, a timeout
+        log.error("%s: the pipeline broke (%s); exiting so the group restarts", role.describe(),
+                  " ".join(str(exc).split())[:300])
+        logging.shutdown()
+        os._exit(PIPELINE_BROKEN_EXIT)
 
 
 class _StageZeroModel:
