@@ -4,8 +4,8 @@ Serves bigscience/bloom (bloom, text-generation) with the deepspeed engine in bf
 tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
-spec sha256 510437c282571ac9367d4975024a165534257bb45fa31dc25ca1da83b87fdb7c
-plan sha256 8b4418cd2e7aef16fce88733564c890492d7423f1b1e257ca7f1d465076b9c9c
+spec sha256 a75eee0cdb9630c9d5b70616e29c809f580d44a0eeec962c0c994c44e00d44bc
+plan sha256 0679e5abeb8775c4a624dd43ad95abbbf6b7551a3424d30368e21169c497c41e
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

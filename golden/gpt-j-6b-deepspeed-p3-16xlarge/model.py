@@ -4,8 +4,8 @@ Serves EleutherAI/gpt-j-6b (gptj, text-generation) with the deepspeed engine in 
 tensor parallel degree 8, dynamic batches of up to 32 requests
 (waiting at most 50 ms), sequences of up to 1280 tokens, on cuda.
 
-spec sha256 15e433da4df3cc1644a73ebc8decf4cd8b2dda17629fa53b9434c7ed3ffb19d1
-plan sha256 80cc9b3e5834689286ac1a7f452570a3a5085df1def4b65045ca30b74cca8c12
+spec sha256 08d953476add034e1984e57856c68463c18e6bac9dbc26c1919c05cbe1a4a02e
+plan sha256 55475e763b0c352021b785078b5f255c01f68f68b75cf5f68b4b7eef0c7a753b
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

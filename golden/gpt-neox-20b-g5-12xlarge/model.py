@@ -4,8 +4,8 @@ Serves EleutherAI/gpt-neox-20b (gpt_neox, text-generation) with the deepspeed en
 tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
-spec sha256 182de1b4abcb26ffbf7274bb336c8f14ccda4c6bf32edab0ea7b4b0f3d6e0196
-plan sha256 1330f21bb099ddc54599d89a6627fcfe05ee9e19dd555733ce07bfc9bd6e4a1e
+spec sha256 557a5e4c8acc1fe10419f6de2bfd83057a52cc4bf768121e5af8cd37549ce0a6
+plan sha256 b49ea12b1d06659c976444fc347f99422b6629af328142069325151cb681ad6d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -4,8 +4,8 @@ Serves meta-llama/Llama-2-13b-hf (llama, text-generation) with the deepspeed eng
 tensor parallel degree 4, dynamic batches of up to 16 requests
 (waiting at most 50 ms), sequences of up to 2560 tokens, on cuda.
 
-spec sha256 b41931c592b7782253d96dcf282f42b9c763e26e53f63f5ba77ad946831ff07e
-plan sha256 23e98a8d79881fe6cd9a1daf5e6ecba838628638d21f4278df528d5a95dba41e
+spec sha256 d1a13e51a923f5f05045b399c2b5f91812686a65c6920ba8c17221a69c8f5551
+plan sha256 81988f2d770fc8c17bf92bc32806ac347a5af5863aabce8e8bbda3a50e012ed1
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

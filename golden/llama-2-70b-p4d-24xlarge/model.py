@@ -4,8 +4,8 @@ Serves meta-llama/Llama-2-70b-hf (llama, text-generation) with the deepspeed eng
 tensor parallel degree 8, dynamic batches of up to 16 requests
 (waiting at most 10 ms), sequences of up to 2560 tokens, on cuda.
 
-spec sha256 a2af5a01a43b0c18c31645e3cda9ccb90e10f9533143c294fac2c98a715d9288
-plan sha256 a1e383acc8e48a7303e95186332d36e4da14666176200591af31517033a45e37
+spec sha256 80c4a2830998c5f83e6a5b1d3214b69a835ac977667f177a9f530ef09b8c638d
+plan sha256 4125372568cff04ecd796b81244392d4ed3aa0f95b11080e9643b8a3ef79e149
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

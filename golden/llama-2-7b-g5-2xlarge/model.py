@@ -4,8 +4,8 @@ Serves meta-llama/Llama-2-7b-hf (llama, text-generation) with the deepspeed engi
 tensor parallel degree 1, dynamic batches of up to 4 requests
 (waiting at most 10 ms), sequences of up to 1536 tokens, on cuda.
 
-spec sha256 f74504cb624c5c0c182248cbbb1b23c2c1f0bca30a9ef42bfe5be05d05f66fe1
-plan sha256 7dec6b25792a4560068ce1426d652c80b000ad6495705a7ce06e65fc6cb47a5e
+spec sha256 6c9609d8a745e3dbeac71ce1b88e207d7c1f047926cfb08f64f3e869984ad1d9
+plan sha256 b21dda2fa30e4cfa15fba32d9226d7c9709dd6a62e8936ae35fba54ace8aaa8f
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -4,8 +4,8 @@ Serves meta-llama/Llama-3.1-70B-Instruct (llama, text-generation) with the deeps
 tensor parallel degree 8, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 5120 tokens, on cuda.
 
-spec sha256 9fa9cf3e72da6d48c4abd17b8b089537037974e69c714341c7c86b33bb68dea9
-plan sha256 47b1930038b34436c41e78b4aee7d9c425e6f13d84c98f27c3659320dabef140
+spec sha256 4228949ec537b9a56d104af3ef593a98e98d94ea7454c8e8d92dcedd5bca5d69
+plan sha256 ec5b2b4d05b1964ed26ae028578cb3bde5897c87c473239fcb2afd4f92fbf80d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

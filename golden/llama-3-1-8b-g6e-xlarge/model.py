@@ -4,8 +4,8 @@ Serves meta-llama/Llama-3.1-8B-Instruct (llama, text-generation) with the deepsp
 tensor parallel degree 1, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 5120 tokens, on cuda.
 
-spec sha256 7e448e8dadcd077f347a2efa9c19be3d397124f6fef0b311f7731503198e94df
-plan sha256 c57d0ee72013324b10368a137030cd17136a6624ced3ac53d9d42324922ee5dd
+spec sha256 f276d4a7b34e89b2ebc36adeb727f53bd36dc8ab8455b85a58a53ada6a680a39
+plan sha256 6d0050c797b38c14ef6bda1d250fcf60e4a79a332c3bbfd0dce786a8b040b298
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

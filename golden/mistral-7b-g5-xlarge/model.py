@@ -4,8 +4,8 @@ Serves mistralai/Mistral-7B-Instruct-v0.2 (mistral, text-generation) with the de
 tensor parallel degree 1, dynamic batches of up to 1 requests
 (waiting at most 0 ms), sequences of up to 2560 tokens, on cuda.
 
-spec sha256 62d8bea2027fb09079a659bae660c08211817d2114bc0bb546610a3463b844e5
-plan sha256 2ea1bf47d963f02965490d1704c9dcf8948ce55eaac53fcdf0661e507e581d56
+spec sha256 b1cdf0d17e54e925b261822bdc6437d402b90d1ea6ee6d575575b51a21e35b2b
+plan sha256 83a486146dc7a6dfec2594fba5b7c771f7e73f46011d3cdceb52369a5a34a073
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

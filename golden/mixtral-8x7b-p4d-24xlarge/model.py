@@ -4,8 +4,8 @@ Serves mistralai/Mixtral-8x7B-v0.1 (mixtral, text-generation) with the deepspeed
 tensor parallel degree 8, dynamic batches of up to 16 requests
 (waiting at most 10 ms), sequences of up to 2560 tokens, on cuda.
 
-spec sha256 11de0035d0970a58fb89e0a11736553b818ef993d0eadfce9daae34153de4564
-plan sha256 8e673bf2567848bd0447c6ac2e7f0414eb8e906ceeb1f8330215c814046eb264
+spec sha256 6a84a8f9a1f14af3c326159cfce1facfdfd761c94805439fd411521b0023a890
+plan sha256 3c0844870f0e190e2b7bb0c8d39d59aa8cbf44ace7b0151429257721b1e622ae
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

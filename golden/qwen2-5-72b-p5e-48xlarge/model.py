@@ -4,8 +4,8 @@ Serves Qwen/Qwen2.5-72B-Instruct (qwen2, text-generation) with the hf engine in 
 tensor parallel degree 8, dynamic batches of up to 32 requests
 (waiting at most 50 ms), sequences of up to 5120 tokens, on cuda.
 
-spec sha256 98bafd3c0a51d7fbf3ada46be239acb0acf748f7b301c18a37bccd067611f186
-plan sha256 368732f73bb391696dba8ebeafe4e01a479a33b05d22a52df6835b1f800b8c89
+spec sha256 4e3e619e7b3801bf041e7592e6db7dc4e6431b3ff6f607e128af83f762d4bfd8
+plan sha256 dd925c9186ce551f27a5a29ad4d303fa660d8e12d9f5e338ab1fb318093a66c2
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -4,8 +4,8 @@ Serves lmc/tiny-llama (llama, text-generation) with the hf engine in fp32,
 tensor parallel degree 2, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 96 tokens, on cpu.
 
-spec sha256 1236aa751aa1c59eb6912ec2bfe577cfe28bc93f61316e82d65b3defa8e68fec
-plan sha256 7334a6a2f649b2542e77426b060ead364e84cca97a412cdc4f6d16e320a8f325
+spec sha256 577f45c861188cfe71ac17bb7892239e05857d22d672a307815137382a936d0e
+plan sha256 b233c9644047d6ed59a37ca731ff59c77d5927ad2427945cc84c4419bcc62cbe
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -68,6 +68,7 @@ class HardwareFacts(_Facts):
     tflops: dict[DtypeName, Annotated[float, Field(gt=0)]] = Field(description="Dense peak TFLOPS per device, per dtype: one for each of `dtypes`.")
     dtypes: list[DtypeName] = Field(min_length=1, description="Dtypes the hardware computes in natively (no bf16 on T4/V100; fp8 on H100+).")
     interconnect: InterconnectFacts
+    network: InterconnectFacts | None = Field(default=None, description="The link between instances (EFA, Ethernet) a pipeline stage hands activations over; None where the plan may not span instances.")
     price_per_hour: float | None = Field(default=None, ge=0, description="On-demand USD/hour (us-east-1), None for local.")
     host_memory_bytes: int | None = Field(default=None, gt=0, description="Instance RAM.")
     load_bandwidth_bytes_per_s: float = Field(default=1.0e9, gt=0, description="Storage-to-device read rate assumed for load time.")
@@ -118,6 +119,7 @@ class EngineFacts(_Facts):
     tp_kv_heads_rule: Literal["divide", "divide_or_replicate"] = Field(default="divide_or_replicate", description="KV heads split across ranks, or kept whole and replicated when TP exceeds them.")
     shards_lm_head: bool = Field(default=True, description="Whether the LM head is split across TP ranks (else replicated).")
     prepartitioned_loading: bool = Field(description="Can load weights pre-split per TP rank.")
+    pipeline_families: list[Family] = Field(default_factory=list, description="Families the engine can split into pipeline stages across instances (empty = none).")
     aot_compile_families: list[Family] = Field(default_factory=list, description="Families whose graphs can be compiled and serialized ahead of time (Neuron).")
     compile_seconds_per_billion_params: float = Field(default=0, ge=0, description="Graph compile time, when compilation happens at start (Neuron).")
     efficiency: dict[DeviceKind, EngineEfficiency] = Field(description="Efficiency figures per device kind.")
