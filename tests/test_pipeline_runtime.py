@@ -33,6 +33,7 @@ path = "{path}"
 [target]
 instance = "local"
 profile = "cpu2.toml"
+instances = {stages}
 
 [workload]
 max_input_tokens = 32
@@ -43,50 +44,22 @@ concurrency = 4
 engine = "hf"
 dtype = "fp32"
 tensor_parallel_degree = 1
+pipeline_parallel_degree = {stages}
+replicas = 1
 """
 CPU_PROFILE = 'base = "local"\ndevices = 2\ndevice_memory_bytes = "8GiB"\n'
 
 
 def build_pipeline_artifact(root: Path, checkpoint: Path, stages: int) -> Path:
-    """`lmc build` of a plan whose deployment has `stages` pipeline stages."""
+    """`lmc build` of a spec pinned to `stages` pipeline stages (one "instance" each)."""
     from lmc.cli.main import main
 
     (root / "cpu2.toml").write_text(CPU_PROFILE)
     spec = root / "spec.toml"
-    spec.write_text(SPEC.format(path=checkpoint.as_posix()))
+    spec.write_text(SPEC.format(path=checkpoint.as_posix(), stages=stages))
     out = root / "artifact"
-    with _pipeline_plans(stages):
-        assert main(["build", str(spec), "--format", "dir", "-o", str(out)]) == 0
+    assert main(["build", str(spec), "--format", "dir", "-o", str(out)]) == 0
     return out
-
-
-def _pipeline_plans(stages: int):
-    """The planner's plan with `stages` pipeline stages over as many instances."""
-    import lmc.pipeline
-
-    original = lmc.pipeline.plan_from_spec
-
-    def plan_from_spec(loaded):
-        result = original(loaded)
-        deployment = result.plan.deployment.model_copy(update={"pipeline_parallel_degree": stages, "instances": stages,
-                                                               "min_instances": stages, "max_instances": stages})
-        plan = result.plan.model_copy(update={"deployment": deployment}).with_digest()
-        return type(result)(plan=plan, model=result.model, hardware=result.hardware, checkpoint=result.checkpoint)
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(lmc.pipeline, "plan_from_spec", plan_from_spec)
-    return _undo(patch)
-
-
-class _undo:
-    def __init__(self, patch):
-        self.patch = patch
-
-    def __enter__(self):
-        return self.patch
-
-    def __exit__(self, *exc):
-        self.patch.undo()
 
 
 @pytest.fixture(scope="module")
