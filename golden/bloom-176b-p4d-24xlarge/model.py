@@ -4,8 +4,8 @@ Serves bigscience/bloom (bloom, text-generation) with the deepspeed engine in in
 tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
-spec sha256 42b2748a521e6b7a36a3158e6441c5f0e824d663aa383f0b5f4147f7391f982d
-plan sha256 2c3a750df860b106aa949cfe3e6c118b6a9285bd9d3213f0ff06611d47c1c687
+spec sha256 7df02b674b921cbb211578ae73735c12b51cc0c6cb0eaac8777b587a1148830d
+plan sha256 aab6f3f194497939507e64ead7b54a8da53013ad529fab014bb92cf23cdc75aa
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -4,8 +4,8 @@ Serves bigscience/bloom (bloom, text-generation) with the deepspeed engine in bf
 tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
-spec sha256 510437c282571ac9367d4975024a165534257bb45fa31dc25ca1da83b87fdb7c
-plan sha256 e1c610cae8d176ee3c64ba163cc377ccc31720be0a10bd32ad0fd008774abfeb
+spec sha256 a75eee0cdb9630c9d5b70616e29c809f580d44a0eeec962c0c994c44e00d44bc
+plan sha256 a0931a11de86e3c7dc0d07ead0ab6ca61629679f788e8e06884d727f1400d21d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

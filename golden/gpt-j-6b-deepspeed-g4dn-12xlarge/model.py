@@ -4,8 +4,8 @@ Serves EleutherAI/gpt-j-6b (gptj, text-generation) with the deepspeed engine in 
 tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 50 ms), sequences of up to 640 tokens, on cuda.
 
-spec sha256 95bb758b8a515b71e0bffef3d0fa6ee1d56f0e362c9d5fb24792b3532b6841d1
-plan sha256 35a776abd28f8cddfee8cb3ffc71eb5e864e9b577c5848d8eed090dda1b541cc
+spec sha256 b3567178d4681350d2c812beee65923e8a1fa69d1c9bbb3f9b69e71e62e50301
+plan sha256 a4052c2e6a6656c5ced64a033d694fde0fe279894f16124339ca8316a27d7df7
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

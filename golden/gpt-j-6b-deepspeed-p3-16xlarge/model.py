@@ -4,8 +4,8 @@ Serves EleutherAI/gpt-j-6b (gptj, text-generation) with the deepspeed engine in 
 tensor parallel degree 8, dynamic batches of up to 32 requests
 (waiting at most 50 ms), sequences of up to 1280 tokens, on cuda.
 
-spec sha256 15e433da4df3cc1644a73ebc8decf4cd8b2dda17629fa53b9434c7ed3ffb19d1
-plan sha256 2f25a823f7dcee0ba544218b76e88d7584ea1659abe97dfdf57186b702f604c8
+spec sha256 08d953476add034e1984e57856c68463c18e6bac9dbc26c1919c05cbe1a4a02e
+plan sha256 9eeed9b3ec747c22d2d5f00e07061fe794bc681d3092888a628cb9367d8f0639
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

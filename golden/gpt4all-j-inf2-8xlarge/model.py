@@ -6,8 +6,8 @@ tensor parallel degree 2, dynamic batches of up to 4 requests
 No compiled Neuron graphs are packed: transformers-neuronx cannot serialize compiled GPTJForSampling graphs, so they are compiled when the container starts
 (predicted load time including the compile: 378.9 s).
 
-spec sha256 66120dfdf401f5140a8fab6c8d5d00fff05df4370da0ef5584092b1c17492b8a
-plan sha256 2a3102bc55a4f424b1dd1e71d87de0c454ec6839e4a103ef48b969afe4584f3d
+spec sha256 841c358efdab6a35e906971d5101300b168ce98162b82776b2a52135b9c98ee3
+plan sha256 3bf8282c1d2fab96484dcbfd20804745ca1c49c0d0932c98b1079b3f31f4cd32
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

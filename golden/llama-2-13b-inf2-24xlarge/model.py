@@ -5,8 +5,8 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 2048 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 80af49028ba730692095cc81faab15b483505bf7873992bf466051cfb25851c2
-plan sha256 e61d84a110597aaf5aac70a03133bf1f1451880f5e1df33cd30630ed11c2b86a
+spec sha256 9a6ed61e4f08cb16645c7d17545e328a8d7e89837ef6e83c5952f03248ec2b9b
+plan sha256 4b460dc058fc3d8b5b605cbe941069f3a365094be66ec02db8394df90fe63bc2
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

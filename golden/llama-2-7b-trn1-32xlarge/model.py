@@ -5,8 +5,8 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 1536 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 7fab9c9728c7e76df62acb1b01b8e25ed3bb02b5a35f886f6a4cb4fa6aeb583f
-plan sha256 bdb23e786b548afe3518362818e6da6969a44566326cd33c97893b966b5daf54
+spec sha256 c3fb834bad214ecbe7d13e02ee6dfd9cd9f6dc176cc2c8f2772ee425ebd77c32
+plan sha256 78185300fbf7f113c850f11de97ddfdd9677d6ef9ef9bff843376556e6e66a5e
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -4,8 +4,8 @@ Serves facebook/opt-66b (opt, text-generation) with the deepspeed engine in fp16
 tensor parallel degree 8, dynamic batches of up to 16 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
-spec sha256 f5e4f19795eff60fca28846d7be3c49db36e8050dd81a11b7dff6e96f42d5b2f
-plan sha256 7cbd4804f2eabd48f6a6f8f1fce938ecf50758985c76445331289530f66cbe90
+spec sha256 64b32496a1793acbdf0c3e346573151c75aee2f94026c79b69cd8e5aa2e62f2f
+plan sha256 db64f8b52ee4528123bb75154b7ecc3014a3a4f8368e4853ab8be59386969a5e
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

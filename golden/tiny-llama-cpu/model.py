@@ -4,8 +4,8 @@ Serves lmc/tiny-llama (llama, text-generation) with the hf engine in fp32,
 tensor parallel degree 2, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 96 tokens, on cpu.
 
-spec sha256 1236aa751aa1c59eb6912ec2bfe577cfe28bc93f61316e82d65b3defa8e68fec
-plan sha256 ffbed01d24f6e9dc6fe16c03d1d7e1710910b5359a2952783224699d858699f7
+spec sha256 577f45c861188cfe71ac17bb7892239e05857d22d672a307815137382a936d0e
+plan sha256 efffbc139c7ba088547a61858f2b211ee2ef93df5e5ae9f5c76d20d9706b0f26
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.
