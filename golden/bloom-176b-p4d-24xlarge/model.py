@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 7df02b674b921cbb211578ae73735c12b51cc0c6cb0eaac8777b587a1148830d
-plan sha256 885c87f7e2e7436e2efb1b2ea6422ed8505af586bd16ce9f0ee503f9879b6eaf
+plan sha256 aab6f3f194497939507e64ead7b54a8da53013ad529fab014bb92cf23cdc75aa
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

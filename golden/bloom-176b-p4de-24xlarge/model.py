@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 a75eee0cdb9630c9d5b70616e29c809f580d44a0eeec962c0c994c44e00d44bc
-plan sha256 0679e5abeb8775c4a624dd43ad95abbbf6b7551a3424d30368e21169c497c41e
+plan sha256 a0931a11de86e3c7dc0d07ead0ab6ca61629679f788e8e06884d727f1400d21d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

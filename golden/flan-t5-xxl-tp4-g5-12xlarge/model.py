@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
 spec sha256 3968c615910fadee39173f3288a6cccb375bb5eb853b7303b4fd68648865ddd5
-plan sha256 df04f23f6123b317568c4c4a403c2086b8df2e0d485bbb0dca52f984f4d8f50b
+plan sha256 5bcba24cda271a65130fe5635675936f770ef9a4fb5bab5bd58834b4312e50d6
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 50 ms), sequences of up to 640 tokens, on cuda.
 
 spec sha256 b3567178d4681350d2c812beee65923e8a1fa69d1c9bbb3f9b69e71e62e50301
-plan sha256 adc1caa96c6bfd1a1364b2841c9002ed8954bbf77c1f9208af0923edf57fb806
+plan sha256 a4052c2e6a6656c5ced64a033d694fde0fe279894f16124339ca8316a27d7df7
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

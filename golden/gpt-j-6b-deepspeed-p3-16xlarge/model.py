@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 32 requests
 (waiting at most 50 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 08d953476add034e1984e57856c68463c18e6bac9dbc26c1919c05cbe1a4a02e
-plan sha256 55475e763b0c352021b785078b5f255c01f68f68b75cf5f68b4b7eef0c7a753b
+plan sha256 9eeed9b3ec747c22d2d5f00e07061fe794bc681d3092888a628cb9367d8f0639
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

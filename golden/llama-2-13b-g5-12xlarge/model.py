@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 16 requests
 (waiting at most 50 ms), sequences of up to 2560 tokens, on cuda.
 
 spec sha256 d1a13e51a923f5f05045b399c2b5f91812686a65c6920ba8c17221a69c8f5551
-plan sha256 81988f2d770fc8c17bf92bc32806ac347a5af5863aabce8e8bbda3a50e012ed1
+plan sha256 53c814b69866be906f7bc7d5d9a35160f5ce3adc21861df6308e9dd3adf32903
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -6,7 +6,7 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
 spec sha256 9a6ed61e4f08cb16645c7d17545e328a8d7e89837ef6e83c5952f03248ec2b9b
-plan sha256 ed7210abef1c708b54e0049adb6177d771ce236bfa4c62716e2ab01e07e797c4
+plan sha256 4b460dc058fc3d8b5b605cbe941069f3a365094be66ec02db8394df90fe63bc2
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 5120 tokens, on cuda.
 
 spec sha256 4228949ec537b9a56d104af3ef593a98e98d94ea7454c8e8d92dcedd5bca5d69
-plan sha256 ec5b2b4d05b1964ed26ae028578cb3bde5897c87c473239fcb2afd4f92fbf80d
+plan sha256 57576b76b932419e52fcb68207f1a51688594d8ca342c6479589bfb6854c3c47
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 16 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 64b32496a1793acbdf0c3e346573151c75aee2f94026c79b69cd8e5aa2e62f2f
-plan sha256 a249cacdda50b67fb8ed4513fc84aa2b9474b866cb1169e6430bcdd8470ba833
+plan sha256 db64f8b52ee4528123bb75154b7ecc3014a3a4f8368e4853ab8be59386969a5e
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 2, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 96 tokens, on cpu.
 
 spec sha256 577f45c861188cfe71ac17bb7892239e05857d22d672a307815137382a936d0e
-plan sha256 b233c9644047d6ed59a37ca731ff59c77d5927ad2427945cc84c4419bcc62cbe
+plan sha256 efffbc139c7ba088547a61858f2b211ee2ef93df5e5ae9f5c76d20d9706b0f26
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

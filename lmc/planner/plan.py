@@ -71,6 +71,7 @@ class VllmConfig(_Frozen):
     max_model_len: int = Field(ge=0, description="Longest sequence, prompt + output (vLLM --max-model-len).")
     max_num_batched_tokens: int = Field(ge=0, description="Tokens per scheduler step; longer prefills are chunked.")
     gpu_memory_utilization: float = Field(ge=0, le=1, description="Share of device memory vLLM may use.")
+    cpu_kvcache_space_gib: int | None = Field(default=None, ge=1, description="CPU plans: VLLM_CPU_KVCACHE_SPACE, the KV pool per rank in whole GiB (None on GPUs).")
 
 
 class Deployment(_Frozen):

@@ -58,6 +58,16 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
                  f"{d.requests_per_second:g} requests/s")
     lines.append(f"  max_batch_delay {plan.max_batch_delay_ms} ms · job_queue_size {plan.job_queue_size} · "
                  f"max_sequence_length {plan.max_sequence_length}")
+    if plan.kv_cache is not None:
+        kv = plan.kv_cache
+        lines.append(f"  {plan.scheduling} batching · KV {kv.blocks} blocks × {kv.block_size} tokens = "
+                     f"{kv.blocks * kv.block_size} tokens, {kv.max_concurrent_sequences} full-length sequences")
+    if plan.vllm is not None:
+        v = plan.vllm
+        space = f" · VLLM_CPU_KVCACHE_SPACE {v.cpu_kvcache_space_gib}" if v.cpu_kvcache_space_gib else ""
+        lines.append(f"  vllm max_num_seqs {v.max_num_seqs} · max_model_len {v.max_model_len} · "
+                     f"max_num_batched_tokens {v.max_num_batched_tokens}")
+        lines.append(f"       gpu_memory_utilization {v.gpu_memory_utilization:g}{space}")
     lines.append("")
     lines.append("memory per device")
     for name, value in (("weights", m.weights), ("kv cache", m.kv_cache), ("activations", m.activations),

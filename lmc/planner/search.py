@@ -29,6 +29,15 @@ from lmc.planner.memory import (
     memory_per_device,
 )
 from lmc.planner.plan import Alternative, Decision, Deployment, MemoryPerDevice, Plan, PlanModel, PlanTarget, Predicted
+from lmc.planner.vllm import (
+    VllmLayout,
+    kv_cache_section,
+    vllm_decisions,
+    vllm_memory,
+    vllm_predict,
+    vllm_quantization,
+    vllm_section,
+)
 from lmc.planner.scale import (
     MAX_PIPELINE_DEGREE,
     pipeline_unsupported,
@@ -55,6 +64,7 @@ class Config:
     timing: Timing
     goal_gap: float  # max(predicted/goal) over the goals; ≤ 1 means met
     over_cost: bool
+    vllm: VllmLayout | None = None  # vLLM plans: the KV pool and engine arguments
     pp: int = 1  # pipeline stages, one instance each
     over_rate: bool = False  # the request rate (or its peak) needs more instances than target.instances
     requests_per_second: float = 0.0  # what the planned replicas carry
@@ -112,14 +122,16 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
                           price_per_hour=hardware.price_per_hour),
         engine=chosen.engine,
         dtype=chosen.dtype,
-        quantization=quantization(chosen.dtype),
+        quantization=vllm_quantization(chosen.dtype) if chosen.vllm else quantization(chosen.dtype),
         tensor_parallel_degree=chosen.tp,
         replicas=chosen.replicas,
         batch_size=chosen.batch,
-        max_batch_delay_ms=batch_delay_ms(spec, chosen.batch),
+        max_batch_delay_ms=0 if chosen.vllm else batch_delay_ms(spec, chosen.batch),
         job_queue_size=job_queue_size(spec, chosen),
         max_sequence_length=spec.workload.max_input_tokens + spec.workload.max_output_tokens,
-        scheduling="dynamic",
+        scheduling="continuous" if chosen.vllm else "dynamic",
+        kv_cache=kv_cache_section(chosen.vllm) if chosen.vllm else None,
+        vllm=vllm_section(chosen.vllm) if chosen.vllm else None,
         deployment=deployment(spec, chosen),
         memory_per_device=chosen.memory,
         predicted=predicted(chosen.timing),
@@ -165,6 +177,8 @@ def engine_unsupported(engine: EngineFacts, model: ModelFacts, hardware: Hardwar
     if hardware.kind not in engine.hardware:
         where = " or ".join(engine.hardware)
         return f"runs only on {where} hardware, not {hardware.accelerator}"
+    if model.family in engine.refused_families:
+        return f"does not support family {model.family}: {engine.refused_families[model.family]}"
     if model.family not in engine.families:
         return f"does not support family {model.family}"
     if hardware.kind not in engine.efficiency:
@@ -355,33 +369,60 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
         return []
     staged = stage_model(model, pp)
     out = []
-    for batch in batch_sizes(load.concurrency):
+    sizes = (vllm_batch_sizes(spec, model, hardware, engine, efficiency, dtype, tp) if engine.name == "vllm"
+             else batch_sizes(load.concurrency))
+    for batch in sizes:
         replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / batch))
-        memory = memory_per_device(staged, hardware, engine, efficiency, dtype, tp, batch,
-                                   load.max_input_tokens, load.max_output_tokens,
-                                   budget.memory_fraction, budget.memory_per_device)
-        scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch)
+        layout = None
+        if engine.name == "vllm":  # vLLM's own memory model: the KV pool is what the budget leaves
+            memory, layout = vllm_memory(staged, hardware, engine, efficiency, dtype, tp, batch, load.max_input_tokens,
+                                         load.max_output_tokens, budget.memory_fraction, budget.memory_per_device)
+        else:
+            memory = memory_per_device(staged, hardware, engine, efficiency, dtype, tp, batch,
+                                       load.max_input_tokens, load.max_output_tokens,
+                                       budget.memory_fraction, budget.memory_per_device)
+        scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout)
         over_rate = False
         if load.requests_per_second is not None:
             needed = replicas_for_rate(load.requests_per_second, batch, scaled.timing, load.max_output_tokens)
             over_rate = pin.replicas is not None and needed > pin.replicas
             if needed > replicas and pin.replicas is None:
                 replicas = needed
-                scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch)
+                scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout)
             over_rate = over_rate or scaled.peak_instances > spec.target.instances
         timing = scaled.timing
         over_cost = (budget.max_cost_per_hour is not None and timing.cost_per_hour is not None
                      and timing.cost_per_hour > budget.max_cost_per_hour)
         out.append(Config(engine.name, dtype, tp, replicas, batch, memory, timing, goal_gap(goal, timing), over_cost,
-                          pp, over_rate, scaled.requests_per_second, scaled.peak_instances))
+                          vllm=layout, pp=pp, over_rate=over_rate, requests_per_second=scaled.requests_per_second,
+                          peak_instances=scaled.peak_instances))
     return out
 
 
-def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch):
+def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout: VllmLayout | None = None):
     load = spec.workload
-    base = predict(model, hardware, engine, dtype, tp, replicas, batch, load.max_input_tokens, load.max_output_tokens)
+    if layout is not None:
+        base = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, load.max_input_tokens,
+                            load.max_output_tokens, load.concurrency)
+    else:
+        base = predict(model, hardware, engine, dtype, tp, replicas, batch, load.max_input_tokens,
+                       load.max_output_tokens)
     return scale_timing(base, model, hardware, engine, dtype, tp, pp, replicas, batch, load.max_input_tokens,
                         load.max_output_tokens, load.peak_requests_per_second)
+
+
+def vllm_batch_sizes(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
+                     tp: int) -> list[int]:
+    """max_num_seqs candidates: the powers of two, and the sequences the KV pool holds when that is fewer
+    than the concurrency (so a pool of 15 is planned at 15, not 8)."""
+    sizes = batch_sizes(spec.workload.concurrency)
+    load, budget = spec.workload, spec.budget
+    _, layout = vllm_memory(model, hardware, engine, efficiency, dtype, tp, 1, load.max_input_tokens,
+                            load.max_output_tokens, budget.memory_fraction, budget.memory_per_device)
+    holds = layout.max_concurrent_sequences
+    if 1 <= holds < load.concurrency and holds not in sizes:
+        sizes = sorted(sizes + [holds])
+    return sizes
 
 
 def goal_gap(goal, timing: Timing) -> float:
@@ -615,6 +656,8 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
         summary = (f"no configuration that fits meets the goal; the closest is {chosen.goal_gap:.2f}× it: {summary}; "
                    "relax the goal, or use faster hardware")
     out.append(Decision(key="goal", value=goal_met, reason=summary))
+    if chosen.vllm is not None:
+        out = vllm_decisions(out, spec, model, hardware, chosen.vllm, chosen.memory, chosen.replicas)
     return out
 
 
