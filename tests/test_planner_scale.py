@@ -124,3 +124,21 @@ def test_request_seconds_is_the_prefill_and_every_token():
 def test_peak_below_the_rate_is_a_spec_error():
     with pytest.raises(ValueError, match="the peak is the higher rate"):
         spec(workload={"requests_per_second": 5.0, "peak_requests_per_second": 2.0})
+
+
+def test_one_stage_keeps_the_engines_own_prediction():
+    """With one stage the engine's figures stand as predicted (vLLM's throughput pays its prefills,
+    which batch / TPOT would not); only the rate's bounds are added."""
+    from lmc.planner.latency import Timing
+    from lmc.planner.scale import scale_timing
+
+    engine = engine_facts()["hf"]
+    timing = Timing(ttft_ms=100.0, tpot_ms=10.0, throughput_tokens_per_s=123.0, load_seconds=50.0,
+                    cost_per_hour=7.09, cost_per_million_tokens=16.0, instances_used=1)
+    scaled = scale_timing(timing, LLAMA_8B, G5, engine, "bf16", 4, 1, 1, 4, 1024, 100, peak_rate=2.0)
+    assert scaled.timing is timing
+    assert scaled.requests_per_second == pytest.approx(4 / 1.1)
+    assert scaled.peak_instances == 1  # 2 requests/s need 1 replica of 3.6
+    across = scale_timing(timing, LLAMA_8B, G5, engine, "bf16", 4, 2, 1, 4, 1024, 100)
+    assert across.timing.throughput_tokens_per_s == pytest.approx(4 / across.timing.tpot_ms * 1e3)
+    assert across.timing.instances_used == 2 and across.timing.load_seconds == 25.0

@@ -96,14 +96,26 @@ def scale_timing(timing: Timing, model: ModelFacts, hardware: HardwareFacts, eng
                  peak_rate: float | None = None) -> Scaled:
     """`timing` (one instance per replica's stages, from latency.predict) across `pp` stages and the
     instances `replicas` need: hand-overs added to TPOT and TTFT, load per stage, instances and cost."""
-    tpot, ttft, load = timing.tpot_ms, timing.ttft_ms, timing.load_seconds
-    if pp > 1:
-        assert hardware.network is not None  # pipeline_unsupported said so
-        width = model.hidden_size * DTYPE_BYTES[compute_dtype(dtype, model, hardware)]
-        tpot += (pp - 1) * hop_ms(hardware.network, batch * width)
-        ttft += (pp - 1) * hop_ms(hardware.network, input_tokens * width)
-        if engine.prepartitioned_loading:
-            load /= pp
+    per_instance = max(hardware.devices // tp, 1)
+    if pp == 1:  # one instance per replica group: the engine's own prediction stands (vLLM's included)
+        scaled = timing
+    else:
+        scaled = _across_stages(timing, model, hardware, engine, dtype, tp, pp, replicas, batch, input_tokens)
+    rps = replicas * batch / request_seconds(scaled, output_tokens)
+    peak = scaled.instances_used
+    if peak_rate is not None:
+        peak = max(peak, instances_for(replicas_for_rate(peak_rate, batch, scaled, output_tokens), per_instance, pp))
+    return Scaled(scaled, rps, peak)
+
+
+def _across_stages(timing: Timing, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str,
+                   tp: int, pp: int, replicas: int, batch: int, input_tokens: int) -> Timing:
+    """`timing` of one instance per replica plus (pp − 1) hand-overs; each instance loads its stage."""
+    assert hardware.network is not None  # pipeline_unsupported said so
+    width = model.hidden_size * DTYPE_BYTES[compute_dtype(dtype, model, hardware)]
+    tpot = timing.tpot_ms + (pp - 1) * hop_ms(hardware.network, batch * width)
+    ttft = timing.ttft_ms + (pp - 1) * hop_ms(hardware.network, input_tokens * width)
+    load = timing.load_seconds / pp if engine.prepartitioned_loading else timing.load_seconds
     per_instance = max(hardware.devices // tp, 1)
     instances = instances_for(replicas, per_instance, pp)
     throughput = replicas * batch / tpot * 1e3
@@ -112,11 +124,5 @@ def scale_timing(timing: Timing, model: ModelFacts, hardware: HardwareFacts, eng
     else:
         cost_hour = hardware.price_per_hour * instances
         cost_million = cost_hour / (throughput * 3600) * 1e6
-    scaled = replace(timing, ttft_ms=ttft, tpot_ms=tpot, throughput_tokens_per_s=throughput, load_seconds=load,
-                     cost_per_hour=cost_hour, cost_per_million_tokens=cost_million, instances_used=instances)
-    rps = replicas * batch / request_seconds(scaled, output_tokens)
-    peak = instances
-    if peak_rate is not None:
-        peak = max(instances, instances_for(replicas_for_rate(peak_rate, batch, scaled, output_tokens),
-                                            per_instance, pp))
-    return Scaled(scaled, rps, peak)
+    return replace(timing, ttft_ms=ttft, tpot_ms=tpot, throughput_tokens_per_s=throughput, load_seconds=load,
+                   cost_per_hour=cost_hour, cost_per_million_tokens=cost_million, instances_used=instances)
