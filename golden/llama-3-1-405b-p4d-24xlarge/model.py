@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 4 requests
 (waiting at most 10 ms), sequences of up to 2560 tokens, on cuda.
 
 spec sha256 aca9d2101b434cb53ca4fb27c67bd479b0e91e87ac3d2952328ca431b44c8dc3
-plan sha256 d9a009a5c34a9c27a1e752edfb7d1b057469178edad58e957c5ff7d53aa5de60
+plan sha256 94bdf19261eafe1d4e90431f885d9dd82bd8ca204d40922804dd8b53d8e07dae
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.
