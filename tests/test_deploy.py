@@ -382,3 +382,18 @@ def test_crd_files_are_the_upstream_bytes_listed_in_their_readme():
     for row in rows:
         digest = hashlib.sha256(gzip.decompress((CRDS / row[1].strip()).read_bytes())).hexdigest()
         assert digest == row[5].strip()
+
+
+def test_cli_takes_the_account_values_from_the_spec(tmp_path):
+    spec = tmp_path / "mine.toml"
+    spec.write_text(BLOOM.read_text() + '\n[deploy]\nname = "bloom-prod"\n'
+                    'image = "123456789012.dkr.ecr.us-west-2.amazonaws.com/lmc:0.1.0"\n'
+                    'role_arn = "arn:aws:iam::123456789012:role/sagemaker"\nmodel_data = "s3://models/bloom/"\n')
+    code, _, err = _run(["deploy", str(spec), "--target", "kubernetes", "-o", str(tmp_path / "out")])
+    assert (code, err) == (0, "")
+    deployment = documents((tmp_path / "out" / "kubernetes" / "deployment.yaml").read_text())[0]
+    assert deployment["metadata"]["name"] == "bloom-prod"
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == "123456789012.dkr.ecr.us-west-2.amazonaws.com/lmc:0.1.0"
+    assert pod["initContainers"][0]["command"][-1] == "aws s3 sync 's3://models/bloom/' '/opt/ml/model'"
+    assert validate_manifest(deployment) == []

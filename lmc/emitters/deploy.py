@@ -23,6 +23,7 @@ from lmc.planner.sizing import GB, GIB, Sizing, replicas_per_instance, size_depl
 TARGETS = ("sagemaker", "kubernetes", "kserve")
 PLACEHOLDER = "REPLACE_ME"
 PORT = 8080
+RENDEZVOUS_PORT = 29500  # lmc runtime's torch.distributed store on the leader (LMC_RENDEZVOUS_PORT's default)
 MODEL_DIR = "/opt/ml/model"
 KSERVE_MODEL_DIR = "/mnt/models"  # where KServe's storage initializer puts STORAGE_URI
 VARIANT = "AllTraffic"
@@ -239,6 +240,13 @@ def _pod_spec(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Siz
     return spec
 
 
+def _leader_spec(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing) -> dict:
+    """The leader serves HTTP and hosts the group's torch.distributed store (named, for network policies)."""
+    spec = _pod_spec(plan, hardware, account, sizing, serves=True)
+    spec["containers"][0]["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+    return spec
+
+
 def download_container(account: Account, model_dir: str) -> dict:
     """Fetches the artifact before the runtime starts (credentials: the pod's service account)."""
     source = account.model_data_or_placeholder
@@ -276,7 +284,7 @@ def kubernetes_files(plan: Plan, hardware: HardwareFacts, account: Account, sizi
                 "leaderWorkerTemplate": {
                     "size": d.pipeline_parallel_degree,
                     "restartPolicy": "RecreateGroupOnPodRestart",
-                    "leaderTemplate": {**template, "spec": _pod_spec(plan, hardware, account, sizing, serves=True)},
+                    "leaderTemplate": {**template, "spec": _leader_spec(plan, hardware, account, sizing)},
                     "workerTemplate": {**template, "spec": _pod_spec(plan, hardware, account, sizing, serves=False)},
                 },
             },
