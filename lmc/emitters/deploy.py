@@ -417,7 +417,8 @@ def _apply_steps(target: str, pp: int) -> list[str]:
                 "    aws application-autoscaling put-scaling-policy --cli-input-json file://put-scaling-policy.json"]
     if target == "kubernetes":
         steps = ["Apply with `kubectl apply -f .`; the pods need read access to the model data (their service "
-                 "account) and nodes of the instance type in nodeSelector."]
+                 "account), nodes of the instance type in nodeSelector, and node ephemeral storage that holds the "
+                 "model volume (on NVMe instances, the kubelet's root on the instance store)."]
         if pp > 1:
             steps.append("LeaderWorkerSet must be installed (https://github.com/kubernetes-sigs/lws); each group's "
                          "pods join through LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX.")
