@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "plan": ("lmc.cli.plan", "plan a deployment from a spec"),
     "build": ("lmc.cli.build", "build the deployable artifact (model.tar.gz)"),
     "runtime": ("lmc.cli.runtime", "serve an artifact (the container entrypoint)"),
+    "calibrate": ("lmc.cli.calibrate", "measure this machine and write a hardware profile"),
+    "bench": ("lmc.cli.bench", "load-test a served artifact: TTFT, TPOT, latency, throughput, memory"),
 }
 
 

@@ -56,6 +56,21 @@ class InterconnectFacts(_Facts):
     latency_us: float = Field(ge=0, description="Fixed cost of one all-reduce hop, microseconds.")
 
 
+class MeasuredEngineFacts(_Facts):
+    """What `lmc calibrate` measured one engine achieving on this hardware. Where present, these
+    replace the engine's estimated efficiency figures (engines.toml) in the latency and memory model."""
+
+    decode_bandwidth_bytes_per_s: dict[DtypeName, Annotated[float, Field(gt=0)]] = Field(
+        description="Weight bytes per second a batch-1 decode step reads, per weight dtype (achieved, not peak).")
+    prefill_tflops: dict[DtypeName, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict, description="TFLOPS a prompt's prefill achieves through the engine, per compute dtype.")
+    step_overhead_ms: float = Field(ge=0, description="Fixed cost of one decode step (sampling, Python, the loop).")
+    layer_overhead_ms: float = Field(ge=0, description="Fixed cost per transformer layer per step (operator dispatch).")
+    runtime_overhead_bytes: int | None = Field(
+        default=None, ge=0, description="Memory of a worker process with the engine loaded and no model (libraries, allocator).")
+    source: str = Field(default="lmc calibrate", description="What was measured, how and when.")
+
+
 class HardwareFacts(_Facts):
     """One target: an instance type (or the local CPU) and its accelerators."""
 
@@ -72,6 +87,8 @@ class HardwareFacts(_Facts):
     host_memory_bytes: int | None = Field(default=None, gt=0, description="Instance RAM.")
     load_bandwidth_bytes_per_s: float = Field(default=1.0e9, gt=0, description="Storage-to-device read rate assumed for load time.")
     source: str = Field(description="Datasheets and pages the figures come from.")
+    measured: dict[Literal["deepspeed", "hf", "neuronx", "vllm"], MeasuredEngineFacts] = Field(
+        default_factory=dict, description="Per engine name: figures `lmc calibrate` measured on this hardware.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "HardwareFacts":
@@ -85,6 +102,17 @@ class HardwareFacts(_Facts):
         if (self.accelerator == "cpu") != (self.kind == "cpu"):
             raise ValueError(f"kind = {self.kind!r} does not fit accelerator = {self.accelerator!r}: "
                              "the accelerator cpu is kind cpu, and only it")
+        for engine, measured in self.measured.items():
+            # Measured figures are achieved shares of the peak ones: a figure above its peak would
+            # be planned as an efficiency over 100 %.
+            for dtype, rate in measured.decode_bandwidth_bytes_per_s.items():
+                if rate > self.memory_bandwidth_bytes_per_s:
+                    raise ValueError(f"measured.{engine}.decode_bandwidth_bytes_per_s.{dtype} = {rate:g} exceeds "
+                                     f"memory_bandwidth_bytes_per_s = {self.memory_bandwidth_bytes_per_s:g}; raise the peak")
+            for dtype, rate in measured.prefill_tflops.items():
+                if rate > self.tflops.get(dtype, float("inf")):
+                    raise ValueError(f"measured.{engine}.prefill_tflops.{dtype} = {rate:g} exceeds tflops.{dtype} = "
+                                     f"{self.tflops[dtype]:g}; raise the peak")
         return self
 
 
