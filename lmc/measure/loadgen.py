@@ -71,13 +71,15 @@ async def _prompt_tokens(client, url: str, model: str, prompt: str) -> int:
 
 async def build_prompt(client, url: str, model: str, tokens: int) -> str:
     """A prompt the server counts as exactly `tokens` tokens (its special tokens included)."""
+    # Probes of k and 2k words stay within the target, so within the server's sequence length.
+    k = max(1, tokens // 3)
     for word in _WORDS:
-        low, high = await _prompt_tokens(client, url, model, word * 16), await _prompt_tokens(client, url, model, word * 32)
-        if high - low != 16:
+        low, high = await _prompt_tokens(client, url, model, word * k), await _prompt_tokens(client, url, model, word * 2 * k)
+        if high - low != k:
             continue  # the word merges with its neighbours: try another
-        words = tokens - (low - 16)
+        words = tokens - (low - k)
         if words < 1:
-            raise BenchError(f"--input-tokens {tokens}: the server adds {low - 16} tokens to every prompt; ask for more")
+            raise BenchError(f"--input-tokens {tokens}: the server adds {low - k} tokens to every prompt; ask for more")
         prompt = word * words
         if await _prompt_tokens(client, url, model, prompt) == tokens:
             return prompt
