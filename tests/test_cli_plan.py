@@ -18,7 +18,7 @@ INFEASIBLE = ROOT / "specs" / "bloom-176b-g5-12xlarge.toml"
 DESIGN_KEYS = [
     "lmc_version", "spec_sha256", "plan_sha256", "model", "target", "engine", "dtype", "quantization",
     "tensor_parallel_degree", "replicas", "batch_size", "max_batch_delay_ms", "job_queue_size",
-    "max_sequence_length", "memory_per_device", "predicted", "goal_met", "decisions", "alternatives",
+    "max_sequence_length", "scheduling", "deployment", "memory_per_device", "predicted", "goal_met", "decisions", "alternatives",
 ]
 
 

@@ -113,14 +113,15 @@ def test_fp8_before_int8_when_both_meet_a_goal_16_bit_misses():
     does, fp8 is chosen (it keeps more precision); where 16-bit meets it, no quantization."""
     g6e = catalog.hardware_facts("ml.g6e.12xlarge")
     llama = reference_model("llama-2-7b")
-    tight = spec(target={"instance": "ml.g6e.12xlarge"}, goal={"tpot_ms": 38}, workload={"concurrency": 1},
+    # hf on L40S, best TP: 16-bit 41.6 ms, fp8 and int8 39.1 ms (docs/planner.md's figures)
+    tight = spec(target={"instance": "ml.g6e.12xlarge"}, goal={"tpot_ms": 40}, workload={"concurrency": 1},
                  pin={"engine": "hf"})
     int8 = plan(tight.model_copy(update={"pin": tight.pin.model_copy(update={"dtype": "int8"})}), model=llama, hardware=g6e)
     assert int8.goal_met and int8.dtype == "int8"  # int8 would do
     chosen = plan(tight, model=llama, hardware=g6e)
     assert chosen.goal_met and chosen.dtype == "fp8" and chosen.predicted.tpot_ms <= int8.predicted.tpot_ms
     assert not any(alt.dtype in ("fp16", "bf16") and alt.verdict == "feasible" for alt in chosen.alternatives)
-    relaxed = plan(tight.model_copy(update={"goal": tight.goal.model_copy(update={"tpot_ms": 40})}), model=llama, hardware=g6e)
+    relaxed = plan(tight.model_copy(update={"goal": tight.goal.model_copy(update={"tpot_ms": 45})}), model=llama, hardware=g6e)
     assert relaxed.dtype in ("fp16", "bf16") and relaxed.quantization is None
 
 

@@ -39,6 +39,7 @@ from lmc.errors import MissingDependencyError
 _DECODE_WIDTH = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4)
 _DECODE_BYTES = 256 * 2**20
 _PREFILL_TOKENS = 128
+_DECODE_PROMPT = 8
 _DECODE_TOKENS = 12
 _OVERHEAD_LAYERS = (2, 12)
 
@@ -63,6 +64,8 @@ class Calibration:
     allreduce_bandwidth: float | None
     allreduce_backend: str
     load_bandwidth: float
+    decode_tflops: dict[str, float] = field(default_factory=dict)
+    prefill_overhead_ms: float = 0.0
     engine: str = "hf"
     measured_at: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc)
                              .strftime("%Y-%m-%d %H:%M UTC"))
@@ -172,12 +175,12 @@ class _Timer:
         self.sync()
         return time.perf_counter() - begin
 
-    def step_ms(self, new_tokens: int, prompt_tokens: int = 8, reps: int = 3) -> float:
+    def step_ms(self, new_tokens: int, prompt_tokens: int = 8, reps: int = 3, batch: int = 1) -> float:
         """One decode step at batch 1: (N tokens − 1 token) / (N − 1), each the fastest of `reps` runs
         (on a shared machine the fastest run is the one nothing else disturbed)."""
-        self.seconds(prompt_tokens, 2)  # warm-up
-        many = min(self.seconds(prompt_tokens, new_tokens) for _ in range(reps))
-        one = min(self.seconds(prompt_tokens, 1) for _ in range(reps))
+        self.seconds(prompt_tokens, 2, batch)  # warm-up
+        many = min(self.seconds(prompt_tokens, new_tokens, batch) for _ in range(reps))
+        one = min(self.seconds(prompt_tokens, 1, batch) for _ in range(reps))
         return (many - one) / (new_tokens - 1) * 1e3
 
 
@@ -191,12 +194,85 @@ def engine_overheads(device: str) -> tuple[float, float]:
     return max(t1 - per_layer * l1, 0.0), per_layer
 
 
-def decode_and_prefill(device: str, dtype: str, step_overhead_ms: float, layer_overhead_ms: float
-                       ) -> tuple[float, float]:
-    """(achieved decode bandwidth bytes/s, achieved prefill TFLOPS) for `dtype`, derived as the latency
-    model would predict them (lmc/planner/latency.py): the fixed costs and, for decode, the compute
-    term are taken out, so a plan on these figures reproduces this model's measured times."""
+_DECODE_BATCH = 8
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    """What one dtype's calibration model gave, in the latency model's terms."""
+
+    decode_bandwidth: float  # bytes/s
+    prefill_tflops: float
+    decode_tflops: float
+
+
+def _solve(predict: Callable[[float], float], measured: float) -> float | None:
+    """The rate x at which `predict(x)` equals `measured`, for predictions of the form a + b/x (a time
+    is fixed costs plus work over a rate); None when the fixed part alone exceeds the measurement."""
+    f1, f2 = predict(1.0), predict(2.0)
+    b = 2 * (f1 - f2)
+    a = f1 - b
+    if b <= 0 or measured <= a:
+        return None
+    return b / (measured - a)
+
+
+def _calibration_hardware(dtype: str, figures: EngineFigures, step_ms: float, layer_ms: float):
+    """A CPU whose hf engine achieves `figures` (peaks far above them: only the achieved rates matter)."""
+    from lmc.planner.facts import HardwareFacts, InterconnectFacts, MeasuredEngineFacts
+
+    measured = MeasuredEngineFacts(decode_bandwidth_bytes_per_s={dtype: figures.decode_bandwidth},
+                                   prefill_tflops={dtype: figures.prefill_tflops},
+                                   decode_tflops={dtype: figures.decode_tflops},
+                                   step_overhead_ms=step_ms, layer_overhead_ms=layer_ms)
+    return HardwareFacts(name="local", accelerator="cpu", kind="cpu", devices=1, device_memory_bytes=2**40,
+                         memory_bandwidth_bytes_per_s=1e18, tflops={dtype: 1e9}, dtypes=[dtype],
+                         interconnect=InterconnectFacts(name="none", bandwidth_bytes_per_s=1e9, latency_us=0),
+                         source="lmc calibrate (solving)", measured={"hf": measured})
+
+
+def solve_figures(model_facts, dtype: str, step_ms: float, layer_ms: float, tpot_1: float, tpot_n: float,
+                  ttft: float, guess: EngineFigures) -> EngineFigures | None:
+    """The achieved rates at which the planner's own latency model (lmc.planner.latency) reproduces the
+    measured batch-1 and batch-8 decode steps and the prefill: each time is linear in its rate's
+    reciprocal, the three couple weakly, so a few rounds settle them. None where a measurement is
+    below the model's fixed costs (a disturbed run)."""
+    from dataclasses import replace
+
     from lmc.planner import latency
+    from lmc.planner.engines import engine_facts
+
+    engine = engine_facts()["hf"]
+    figures = guess
+
+    def tpot(f: EngineFigures, batch: int) -> float:
+        hardware = _calibration_hardware(dtype, f, step_ms, layer_ms)
+        return latency.tpot_ms(model_facts, hardware, engine, dtype, 1, batch, _DECODE_PROMPT, _DECODE_TOKENS)
+
+    def prefill(f: EngineFigures) -> float:
+        hardware = _calibration_hardware(dtype, f, step_ms, layer_ms)
+        return latency.ttft_ms(model_facts, hardware, engine, dtype, 1, _PREFILL_TOKENS)
+
+    for _ in range(4):
+        bandwidth = _solve(lambda x: tpot(replace(figures, decode_bandwidth=x * 1e9), 1), tpot_1)
+        if bandwidth is None:
+            return None
+        figures = replace(figures, decode_bandwidth=bandwidth * 1e9)
+        prefill_tflops = _solve(lambda x: prefill(replace(figures, prefill_tflops=x)), ttft)
+        if prefill_tflops is None:
+            return None
+        figures = replace(figures, prefill_tflops=prefill_tflops)
+        decode_tflops = _solve(lambda x: tpot(replace(figures, decode_tflops=x), _DECODE_BATCH), tpot_n)
+        # A batch that costs no more than one row: compute hides under the weight reads; a rate far
+        # above the matmul peak says so to the model.
+        figures = replace(figures, decode_tflops=decode_tflops if decode_tflops is not None else 1e3 * guess.decode_tflops)
+    return figures
+
+
+def decode_and_prefill(device: str, dtype: str, step_overhead_ms: float, layer_overhead_ms: float,
+                       guess: EngineFigures) -> EngineFigures | None:
+    """A ~256 MB random Llama in `dtype` through lmc's decode loop: batch-1 and batch-8 decode steps and
+    a 128-token prefill, turned into achieved rates by `solve_figures`."""
     from lmc.planner.checkpoint_facts import facts_from_config
     from lmc.planner.facts import DTYPE_BYTES
     from lmc.testing.checkpoints import config_for
@@ -207,36 +283,31 @@ def decode_and_prefill(device: str, dtype: str, step_overhead_ms: float, layer_o
     model = _llama(layers, dtype, device, **_DECODE_WIDTH)
     facts = facts_from_config(config_for("llama", num_hidden_layers=layers, **_DECODE_WIDTH).to_dict(), "calibration",
                               source="lmc calibrate")
-    facts = facts.model_copy(update={"parameters": sum(p.numel() for p in model.parameters())})
+    facts = facts.model_copy(update={"parameters": sum(p.numel() for p in model.parameters()),
+                                     "torch_dtype": dtype})
     timer = _Timer(model, device)
     timer.seconds(_PREFILL_TOKENS, 1)  # warm-up
-    prefill_s = min(timer.seconds(_PREFILL_TOKENS, 1) for _ in range(3))
-    fixed_prefill = step_overhead_ms + 2 * layers * layer_overhead_ms
-    flops = (2 * latency.active_prefill_parameters(facts) * _PREFILL_TOKENS
-             + 2 * _PREFILL_TOKENS**2 * facts.attention_heads * facts.head_dim * facts.layers)
-    prefill_tflops = flops / max(prefill_s - fixed_prefill / 1e3, 1e-6) / 1e12
-    step_ms = timer.step_ms(new_tokens=_DECODE_TOKENS)
-    decode_flops = 2 * latency.active_decode_parameters(facts)
-    compute_ms = decode_flops / (prefill_tflops * 1e12) * 1e3
-    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name)
-    memory_ms = max(step_ms - step_overhead_ms - layers * layer_overhead_ms - compute_ms, step_ms * 0.05)
-    return weights / (memory_ms / 1e3), prefill_tflops
+    ttft_ms = min(timer.seconds(_PREFILL_TOKENS, 1) for _ in range(3)) * 1e3
+    tpot_1 = timer.step_ms(new_tokens=_DECODE_TOKENS, prompt_tokens=_DECODE_PROMPT)
+    tpot_n = timer.step_ms(new_tokens=_DECODE_TOKENS, prompt_tokens=_DECODE_PROMPT, batch=_DECODE_BATCH, reps=2)
+    return solve_figures(facts, dtype, step_overhead_ms, layer_overhead_ms, tpot_1, tpot_n, ttft_ms, guess)
 
 
 _ATTEMPTS = 3
 
 
-def implausible(stream: float, matmul: dict[str, float], decode: dict[str, float], prefill: dict[str, float]) -> str | None:
+def implausible(stream: float, matmul: dict[str, float], figures: dict[str, EngineFigures | None]) -> str | None:
     """Why these figures cannot be this machine's (another process took the cores mid-measurement:
     the fixed costs came out too large, and what is left of a step over-states the bandwidth), or None.
     A decode step reads its weights from memory: it cannot beat the copy bandwidth by half again, nor a
     prefill the matmul peak."""
-    for dtype, rate in decode.items():
-        if rate > 1.5 * stream:
-            return f"decode {dtype} {rate / 1e9:.1f} GB/s against a {stream / 1e9:.1f} GB/s copy"
-    for dtype, rate in prefill.items():
-        if dtype in matmul and rate > 1.5 * matmul[dtype]:
-            return f"prefill {dtype} {rate:.3f} TFLOPS against {matmul[dtype]:.3f} in a matmul"
+    for dtype, f in figures.items():
+        if f is None:
+            return f"{dtype}: a step took less than the fixed costs measured before it"
+        if f.decode_bandwidth > 1.5 * stream:
+            return f"decode {dtype} {f.decode_bandwidth / 1e9:.1f} GB/s against a {stream / 1e9:.1f} GB/s copy"
+        if dtype in matmul and f.prefill_tflops > 1.5 * matmul[dtype]:
+            return f"prefill {dtype} {f.prefill_tflops:.3f} TFLOPS against {matmul[dtype]:.3f} in a matmul"
     return None
 
 
@@ -336,12 +407,14 @@ tensor_parallel_degree = 1
 """
 
 
-def served_engine(scratch: Path) -> tuple[float, int]:
-    """(ms per token, peak worker bytes less its weights) of a tiny 2-layer model served by `lmc runtime`
-    at batch 1: what serving adds per token (the decode loop, the pipe to the front end, HTTP
-    streaming) and what a worker process holds besides the model. Per token = (end-to-end of 32
-    tokens − of 2 tokens) / 30, each the fastest of 5: with sub-millisecond steps, streamed chunks
-    arrive in bursts, so the time between them says nothing; the end of a request does."""
+def served_engine(scratch: Path) -> tuple[float, float, int]:
+    """(ms per token, ms before the first token, peak worker bytes less its weights) of a tiny 2-layer
+    model served by `lmc runtime` at batch 1: what serving adds per token (the decode loop, the pipe to
+    the front end, HTTP streaming), what a request pays before its prefill (HTTP, tokenizing, the
+    queue), and what a worker process holds besides the model. Per token = (end-to-end of 32 tokens −
+    of 2 tokens) / 30, each the fastest of 5: with sub-millisecond steps, streamed chunks arrive in
+    bursts, so the time between them says nothing; the end of a request does. The request's own cost
+    is the 2-token end-to-end less two tokens' worth."""
     import asyncio
 
     from lmc.emitters.build import build_artifact
@@ -377,7 +450,8 @@ def served_engine(scratch: Path) -> tuple[float, int]:
             with PeakMemory(served.pid) as sampler:
                 fastest = asyncio.run(measure(served.url))
             peak = max(sampler.overall().values(), default=0)
-    return (fastest[32] - fastest[2]) / 30 * 1e3, max(peak - weights, 0)
+    per_token = (fastest[32] - fastest[2]) / 30 * 1e3
+    return per_token, max(fastest[2] * 1e3 - 2 * per_token, 0.0), max(peak - weights, 0)
 
 
 def storage_read_bandwidth(directory: Path, size_bytes: int = 256 * 2**20) -> float:
@@ -431,10 +505,10 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
             stage(stages[2] if attempt == 0 else f"{stages[2]} (again)")
             step, layer = engine_overheads(device)
             stage(stages[3])
-            decode, prefill = {}, {}
-            for dtype in dtypes:
-                decode[dtype], prefill[dtype] = decode_and_prefill(device, dtype, step, layer)
-            doubt = implausible(stream, matmul, decode, prefill)
+            figures = {dtype: decode_and_prefill(device, dtype, step, layer,
+                                                 EngineFigures(stream / 2, matmul[dtype] / 2, matmul[dtype] / 2))
+                       for dtype in dtypes}
+            doubt = implausible(stream, matmul, figures)
             if doubt is None:
                 break
             bar.write(f"  disturbed ({doubt}); measuring again", file=sys.stderr)
@@ -442,8 +516,16 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
             notes.append(f"the engine figures looked disturbed in {_ATTEMPTS} tries ({doubt}): calibrate again "
                          "when the machine is quiet")
         done(f"engine hf: {step:.2f} ms per step + {layer:.3f} ms per layer")
+        figures = {dtype: f for dtype, f in figures.items() if f is not None}
+        decode = {dtype: f.decode_bandwidth for dtype, f in figures.items()}
+        prefill = {dtype: f.prefill_tflops for dtype, f in figures.items()}
+        decode_tflops = {dtype: f.decode_tflops for dtype, f in figures.items()}
+        if not figures:
+            raise MissingDependencyError("every engine measurement came out below the fixed costs (the machine "
+                                         "was too busy): calibrate again when it is quieter")
         done("decode " + ", ".join(f"{d} {v / 1e9:.2f} GB/s" for d, v in decode.items())
-             + "; prefill " + ", ".join(f"{d} {v:.3f} TFLOPS" for d, v in prefill.items()))
+             + "; prefill " + ", ".join(f"{d} {v:.3f} TFLOPS" for d, v in prefill.items())
+             + f"; batch-{_DECODE_BATCH} decode " + ", ".join(f"{d} {v:.3f} TFLOPS" for d, v in decode_tflops.items()))
         stage(stages[4])
         devices = torch.cuda.device_count() if device == "cuda" else 1
         if device == "cpu" or devices >= 2:
@@ -456,12 +538,13 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
             done("all-reduce: one device, skipped")
         stage(stages[5])
         if device == "cpu":
-            served_tpot, overhead = served_engine(scratch or Path(tempfile.gettempdir()))
+            served_tpot, request_ms, overhead = served_engine(scratch or Path(tempfile.gettempdir()))
             # What serving adds per step: the served tiny model's TPOT less its layers' share.
             step = max(served_tpot - _OVERHEAD_LAYERS[0] * layer, step)
-            done(f"served by lmc runtime: {served_tpot:.2f} ms per token (step overhead {step:.2f} ms); "
-                 f"worker {overhead / 2**20:.0f} MiB besides the weights")
+            done(f"served by lmc runtime: {served_tpot:.2f} ms per token (step overhead {step:.2f} ms), "
+                 f"{request_ms:.1f} ms per request; worker {overhead / 2**20:.0f} MiB besides the weights")
         else:
+            request_ms = 0.0
             overhead = gpu_runtime_overhead_bytes()
             done(f"engine context and allocator: {overhead / 2**20:.0f} MiB of device memory")
         stage(stages[6])
@@ -471,6 +554,7 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
         device=device, accelerator=_accelerator_name(device), devices=devices,
         device_memory_bytes=_device_memory(device), host_memory_bytes=_ram_bytes(),
         stream_bandwidth=stream, matmul_tflops=matmul, decode_bandwidth=decode, prefill_tflops=prefill,
+        decode_tflops=decode_tflops, prefill_overhead_ms=request_ms,
         step_overhead_ms=step, layer_overhead_ms=layer, runtime_overhead_bytes=overhead,
         allreduce_latency_us=latency_us, allreduce_bandwidth=bandwidth, allreduce_backend=backend,
         load_bandwidth=load, host=_host_line(), notes=notes)

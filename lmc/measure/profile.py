@@ -25,7 +25,8 @@ def _table(values: dict[str, float]) -> str:
 def _peaks(calibration: Calibration) -> tuple[float, dict[str, float]]:
     """Peak bandwidth and TFLOPS at least the achieved ones (the planner reads achieved / peak as a share ≤ 1)."""
     bandwidth = max([calibration.stream_bandwidth, *calibration.decode_bandwidth.values()])
-    tflops = {dtype: max(calibration.matmul_tflops.get(dtype, 0.0), calibration.prefill_tflops.get(dtype, 0.0))
+    tflops = {dtype: max(calibration.matmul_tflops.get(dtype, 0.0), calibration.prefill_tflops.get(dtype, 0.0),
+                         calibration.decode_tflops.get(dtype, 0.0))
               for dtype in calibration.matmul_tflops}
     # _number rounds to 4 digits: a peak must not round below the achieved figure it bounds.
     return float(_number(bandwidth * 1.0005)), {dtype: float(_number(value * 1.0005)) for dtype, value in tflops.items()}
@@ -46,12 +47,16 @@ def render_profile(calibration: Calibration, base: HardwareFacts | None = None) 
     kind = base.kind if base else ("cpu" if c.device == "cpu" else "gpu")
     devices = base.devices if base else c.devices
     link_name = base.interconnect.name if base else f"shared memory ({c.allreduce_backend})"
+    link_base, link_algorithm = 0.0, "ring"
     if c.allreduce_latency_us is not None and c.allreduce_bandwidth is not None:
-        link_latency, link_bandwidth = c.allreduce_latency_us, c.allreduce_bandwidth
-        link_comment = (f"# all-reduce between 2 local processes over {c.allreduce_backend}: a 4-byte one for the latency "
-                        "(median of 200), a 16 MiB one for the bandwidth")
+        # A ring all-reduce over 2 ranks takes 2 steps: the 4-byte one's time is 2 step latencies.
+        link_latency, link_bandwidth = c.allreduce_latency_us / 2, c.allreduce_bandwidth
+        link_comment = (f"# all-reduce between 2 local processes over {c.allreduce_backend}: a 4-byte one "
+                        f"({c.allreduce_latency_us:.0f} µs, median of 200) is 2 ring steps of latency_us; a 16 MiB one "
+                        "gives the bandwidth")
     elif base is not None:
         link_latency, link_bandwidth = base.interconnect.latency_us, base.interconnect.bandwidth_bytes_per_s
+        link_base, link_algorithm = base.interconnect.allreduce_base_us, base.interconnect.algorithm
         link_comment = f"# not measured (one device): {base.name}'s catalog figures"
     else:
         link_latency, link_bandwidth = 50.0, 5e9
@@ -78,7 +83,8 @@ def render_profile(calibration: Calibration, base: HardwareFacts | None = None) 
         f"dtypes = {json.dumps(dtypes)}",
         link_comment,
         f"interconnect = {{ name = {json.dumps(link_name)}, bandwidth_bytes_per_s = {_number(link_bandwidth)}, "
-        f"latency_us = {_number(link_latency)} }}",
+        f"latency_us = {_number(link_latency)}, allreduce_base_us = {_number(link_base)}, "
+        f"algorithm = {json.dumps(link_algorithm)} }}",
         f"load_bandwidth_bytes_per_s = {_number(c.load_bandwidth)}  # a 256 MiB file read back after evicting it from the page cache",
     ]
     if base is not None and base.price_per_hour is not None:
@@ -89,13 +95,18 @@ def render_profile(calibration: Calibration, base: HardwareFacts | None = None) 
         f"# What the `{engine}` engine achieved here, through lmc's decode loop (lmc/runtime/engines/generate.py).",
         "# The latency model reads these instead of engines.toml's estimates (lmc/planner/measured.py).",
         f"[measured.{engine}]",
-        "# weight bytes / (batch-1 decode step − fixed costs − the compute the model adds), ~256 MB random Llama",
+        "# A ~256 MB random Llama per dtype: the rates at which lmc's latency model reproduces its measured",
+        "# batch-1 decode step (weight bandwidth), its 128-token prefill, and its batch-8 decode step (what",
+        "# each extra row's skinny GEMMs cost)",
         f"decode_bandwidth_bytes_per_s = {_table(c.decode_bandwidth)}",
-        f"# FLOPs of a {128}-token prompt's prefill / its time less the fixed costs, same model",
         f"prefill_tflops = {_table(c.prefill_tflops)}",
-        "# decode steps of 2- and 12-layer tiny models at batch 1: step = fixed + layers · per layer",
+        f"decode_tflops = {_table(c.decode_tflops)}",
+        "# decode steps of 2- and 12-layer tiny models at batch 1 (step = fixed + layers · per layer); the",
+        "# step then raised to what a tiny model served by `lmc runtime` takes per token (loop, pipe, HTTP)",
         f"step_overhead_ms = {_number(c.step_overhead_ms)}",
         f"layer_overhead_ms = {_number(c.layer_overhead_ms)}",
+        "# the served tiny model: a 2-token request's end-to-end less two tokens (HTTP, tokenizing, queue)",
+        f"prefill_overhead_ms = {_number(c.prefill_overhead_ms)}",
     ]
     if c.runtime_overhead_bytes is not None:
         what = "peak RSS of a process serving a tiny model with the engine's libraries" if c.device == "cpu" \

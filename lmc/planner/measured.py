@@ -4,9 +4,11 @@ model keep their formulas; only the efficiency figures they read change.
 
 - decode_bandwidth = measured batch-1 decode bandwidth for the weight dtype / the profile's peak
 - prefill_compute  = measured prefill TFLOPS for the compute dtype / the profile's peak TFLOPS
-- step_overhead_ms, layer_overhead_ms, runtime_overhead_bytes: as measured
-- allreduce_efficiency = 1 and load_efficiency = 1: the profile's interconnect and load figures were
-  measured as achieved (all-reduces between local processes, a cold file read), not taken from a datasheet.
+- decode_compute   = measured decode TFLOPS (what each extra batch row costs) / the peak
+- step_overhead_ms, layer_overhead_ms, prefill_overhead_ms, runtime_overhead_bytes: as measured
+- allreduce_efficiency = 1, allreduce_overhead_us = 0 and load_efficiency = 1: the profile's
+  interconnect and load figures were measured as achieved (all-reduces through torch.distributed
+  between local processes, a cold file read), not taken from a datasheet.
 
 A dtype calibrate did not measure keeps the engine's estimated share for it.
 """
@@ -28,14 +30,19 @@ def measured_efficiency(efficiency: EngineEfficiency, hardware: HardwareFacts, e
     update: dict[str, float | int] = {
         "step_overhead_ms": measured.step_overhead_ms,
         "layer_overhead_ms": measured.layer_overhead_ms,
+        "prefill_overhead_ms": measured.prefill_overhead_ms,
         "allreduce_efficiency": 1.0,
+        "allreduce_overhead_us": 0.0,
         "load_efficiency": 1.0,
     }
     if measured.runtime_overhead_bytes is not None:
         update["runtime_overhead_bytes"] = measured.runtime_overhead_bytes
     if dtype in measured.decode_bandwidth_bytes_per_s:
         update["decode_bandwidth"] = measured.decode_bandwidth_bytes_per_s[dtype] / hardware.memory_bandwidth_bytes_per_s
-    if compute_dtype in measured.prefill_tflops and compute_dtype in hardware.tflops:
-        update["prefill_compute"] = measured.prefill_tflops[compute_dtype] / hardware.tflops[compute_dtype]
+    if compute_dtype in hardware.tflops:
+        if compute_dtype in measured.prefill_tflops:
+            update["prefill_compute"] = measured.prefill_tflops[compute_dtype] / hardware.tflops[compute_dtype]
+        if compute_dtype in measured.decode_tflops:
+            update["decode_compute"] = measured.decode_tflops[compute_dtype] / hardware.tflops[compute_dtype]
     update["source"] = f"{measured.source} (measured profile); otherwise {efficiency.source}"
     return efficiency.model_copy(update=update)
