@@ -12,10 +12,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="what to measure: this CPU (default) or the CUDA GPUs")
     parser.add_argument("--dtypes", help="comma-separated dtypes to measure (default: fp32,bf16 on CPU, fp16,bf16 on GPU)")
-    parser.add_argument("--base", metavar="INSTANCE",
-                        help="a catalog instance whose devices these are (its name, price, device count); "
-                             "default: the local target")
+    parser.add_argument("--base", metavar="INSTANCE_OR_ACCELERATOR",
+                        help="a catalog instance whose devices these are (its name, price, device count), or a "
+                             "catalog accelerator (with --device cuda: as many as torch sees); default: the local target")
     parser.add_argument("--scratch", type=Path, help="directory for the storage read test (default: the temp directory)")
+
+
+def _base_facts(name: str, device: str):
+    """A catalog instance, else a catalog accelerator times the devices torch sees (one on CPU)."""
+    from lmc.errors import SpecValueError, UsageError
+    from lmc.planner import catalog
+
+    try:
+        return catalog.hardware_facts(name)
+    except SpecValueError as instance_error:
+        if name.strip().lower() not in catalog.list_accelerators() and device != "cuda":
+            raise UsageError(f"--base {name}: {instance_error.detail}") from None
+    try:
+        devices = 1
+        if device == "cuda":
+            import torch
+
+            devices = max(torch.cuda.device_count(), 1)
+        return catalog.accelerator_facts(name, devices)
+    except SpecValueError as exc:
+        raise UsageError(f"--base {name}: neither a catalog instance nor a catalog accelerator ({exc.detail})") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         bad = [d for d in dtypes if d not in allowed]
         if bad or not dtypes:
             raise UsageError(f"--dtypes {args.dtypes!r}: choose from {', '.join(allowed)} on {args.device}")
-    base = catalog.hardware_facts(args.base) if args.base else None
+    base = _base_facts(args.base, args.device) if args.base else None
     if args.scratch is not None and not args.scratch.is_dir():
         raise UsageError(f"--scratch {args.scratch}: not a directory")
     if args.out is not None and not args.out.parent.resolve().is_dir():
