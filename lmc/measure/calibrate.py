@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -232,7 +233,7 @@ def _calibration_hardware(dtype: str, figures: EngineFigures, step_ms: float, la
 
 
 def solve_figures(model_facts, dtype: str, step_ms: float, layer_ms: float, tpot_1: float, tpot_n: float,
-                  ttft: float, guess: EngineFigures) -> EngineFigures | None:
+                  ttft: float, guess: EngineFigures, peak_tflops: float = math.inf) -> EngineFigures | None:
     """The achieved rates at which the planner's own latency model (lmc.planner.latency) reproduces the
     measured batch-1 and batch-8 decode steps and the prefill: each time is linear in its rate's
     reciprocal, the three couple weakly, so a few rounds settle them. None where a measurement is
@@ -263,14 +264,14 @@ def solve_figures(model_facts, dtype: str, step_ms: float, layer_ms: float, tpot
             return None
         figures = replace(figures, prefill_tflops=prefill_tflops)
         decode_tflops = _solve(lambda x: tpot(replace(figures, decode_tflops=x), _DECODE_BATCH), tpot_n)
-        # A batch that costs no more than one row: compute hides under the weight reads; a rate far
-        # above the matmul peak says so to the model.
-        figures = replace(figures, decode_tflops=decode_tflops if decode_tflops is not None else 1e3 * guess.decode_tflops)
+        # Rows cannot be computed faster than the matmul peak: a batch that came out cheaper (its compute
+        # hidden under the weight reads, or noise) is charged at the peak.
+        figures = replace(figures, decode_tflops=min(decode_tflops or math.inf, peak_tflops))
     return figures
 
 
 def decode_and_prefill(device: str, dtype: str, step_overhead_ms: float, layer_overhead_ms: float,
-                       guess: EngineFigures) -> EngineFigures | None:
+                       guess: EngineFigures, peak_tflops: float) -> EngineFigures | None:
     """A ~256 MB random Llama in `dtype` through lmc's decode loop: batch-1 and batch-8 decode steps and
     a 128-token prefill, turned into achieved rates by `solve_figures`."""
     from lmc.planner.checkpoint_facts import facts_from_config
@@ -290,7 +291,7 @@ def decode_and_prefill(device: str, dtype: str, step_overhead_ms: float, layer_o
     ttft_ms = min(timer.seconds(_PREFILL_TOKENS, 1) for _ in range(3)) * 1e3
     tpot_1 = timer.step_ms(new_tokens=_DECODE_TOKENS, prompt_tokens=_DECODE_PROMPT)
     tpot_n = timer.step_ms(new_tokens=_DECODE_TOKENS, prompt_tokens=_DECODE_PROMPT, batch=_DECODE_BATCH, reps=2)
-    return solve_figures(facts, dtype, step_overhead_ms, layer_overhead_ms, tpot_1, tpot_n, ttft_ms, guess)
+    return solve_figures(facts, dtype, step_overhead_ms, layer_overhead_ms, tpot_1, tpot_n, ttft_ms, guess, peak_tflops)
 
 
 _ATTEMPTS = 3
@@ -501,12 +502,20 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
         matmul = {dtype: matmul_tflops(device, dtype) for dtype in dtypes}
         done("matmul " + ", ".join(f"{dtype} {value:.3f} TFLOPS" for dtype, value in matmul.items()))
         notes = []
+        if device == "cpu":
+            # The engine is measured as a served rank runs; the matmul peak is the better of every core
+            # and the rank's threads (another process on one core slows a 2-thread matmul the most).
+            torch.set_num_threads(worker_threads())
+            matmul = {dtype: max(value, matmul_tflops(device, dtype)) for dtype, value in matmul.items()}
+            notes.append(f"the engine was measured with {worker_threads()} thread(s), as `lmc runtime` runs a CPU rank "
+                         "(OMP_NUM_THREADS, default 1); calibrate with the same OMP_NUM_THREADS the server gets")
         for attempt in range(_ATTEMPTS):
             stage(stages[2] if attempt == 0 else f"{stages[2]} (again)")
             step, layer = engine_overheads(device)
             stage(stages[3])
             figures = {dtype: decode_and_prefill(device, dtype, step, layer,
-                                                 EngineFigures(stream / 2, matmul[dtype] / 2, matmul[dtype] / 2))
+                                                 EngineFigures(stream / 2, matmul[dtype] / 2, matmul[dtype] / 2),
+                                                 matmul[dtype])
                        for dtype in dtypes}
             doubt = implausible(stream, matmul, figures)
             if doubt is None:
@@ -558,6 +567,13 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
         step_overhead_ms=step, layer_overhead_ms=layer, runtime_overhead_bytes=overhead,
         allreduce_latency_us=latency_us, allreduce_bandwidth=bandwidth, allreduce_backend=backend,
         load_bandwidth=load, host=_host_line(), notes=notes)
+
+
+def worker_threads() -> int:
+    """The threads one CPU rank computes with: `lmc runtime` gives each rank OMP_NUM_THREADS, default 1
+    (lmc/runtime/workers.py, device_env), so the engine is measured with as many."""
+    value = os.environ.get("OMP_NUM_THREADS", "1")
+    return max(1, int(value)) if value.isdigit() else 1
 
 
 def _import_torch(device: str):
