@@ -177,12 +177,21 @@ class _Timer:
         return time.perf_counter() - begin
 
     def step_ms(self, new_tokens: int, prompt_tokens: int = 8, reps: int = 3, batch: int = 1) -> float:
-        """One decode step at batch 1: (N tokens − 1 token) / (N − 1), each the fastest of `reps` runs
-        (on a shared machine the fastest run is the one nothing else disturbed)."""
-        self.seconds(prompt_tokens, 2, batch)  # warm-up
-        many = min(self.seconds(prompt_tokens, new_tokens, batch) for _ in range(reps))
-        one = min(self.seconds(prompt_tokens, 1, batch) for _ in range(reps))
-        return (many - one) / (new_tokens - 1) * 1e3
+        """One decode step: the median time between the starts of consecutive decode forwards (each
+        interval one step: the forward, sampling, the loop) over `reps` runs of `new_tokens`. A median
+        of many steps, like the bench's p50, shrugs off what another process does to a few of them."""
+        starts: list[float] = []
+        hook = self.loop.model.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
+        steps: list[float] = []
+        try:
+            self.seconds(prompt_tokens, 2, batch)  # warm-up
+            for _ in range(reps):
+                starts.clear()
+                self.seconds(prompt_tokens, new_tokens, batch)
+                steps += [later - earlier for earlier, later in zip(starts[1:], starts[2:])]  # [0] is the prefill
+        finally:
+            hook.remove()
+        return statistics.median(steps) * 1e3
 
 
 def engine_overheads(device: str) -> tuple[float, float]:
