@@ -162,7 +162,7 @@ def render_table(rows: list[dict[str, Any]], levels: list[int]) -> str:
 
 # --- the run (GPU only) ---------------------------------------------------------------------------
 
-def _lmc(*args: str, capture: bool = False, timeout: float = 900) -> subprocess.CompletedProcess:
+def _lmc(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, "-m", "lmc", *args], env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode:
@@ -291,7 +291,7 @@ def run_engine(engine: str, args: argparse.Namespace, accelerator: str, device: 
     spec.write_text(spec_text(engine, accelerator, args.input_tokens, args.output_tokens, max(args.levels)))
     plan = bench = comparison = allocated = roofline = openai_ok = None
     try:
-        plan = json.loads(_lmc("plan", str(spec), "--json", capture=True).stdout)
+        plan = json.loads(_lmc("plan", str(spec), "--json").stdout)
         from lmc.pipeline import plan_from_spec
         from lmc.schema import load_spec
 
@@ -305,15 +305,14 @@ def run_engine(engine: str, args: argparse.Namespace, accelerator: str, device: 
         try:
             openai_ok = openai_answers(url)
             levels = ",".join(str(c) for c in args.levels)
-            _lmc("bench", url, "--pid", str(server.pid), "--input-tokens", str(args.input_tokens), "--output-tokens",
+            _lmc("bench", url, "--pid", str(server.pid), "--device", "gpu", "--input-tokens", str(args.input_tokens), "--output-tokens",
                  str(args.output_tokens), "--concurrency", levels, "--json", str(work / f"bench-{engine}.json"),
                  "--plot", str(work / f"bench-{engine}.png"))
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=120)
         bench = json.loads((work / f"bench-{engine}.json").read_text())
-        comparison = json.loads(_lmc("plan", str(spec), "--compare", str(work / f"bench-{engine}.json"), "--json",
-                                     capture=True).stdout)
+        comparison = json.loads(_lmc("plan", str(spec), "--compare", str(work / f"bench-{engine}.json"), "--json").stdout)
         if engine == "hf":
             allocated = max_memory_allocated(model_dir, args.input_tokens, args.output_tokens)
         error = None

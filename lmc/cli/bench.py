@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", help="comma-separated levels (default: 1, 2, 4, ... up to the workload's concurrency)")
     parser.add_argument("--requests", type=int, help="timed requests per level (default: max(4, 2 × concurrency))")
     parser.add_argument("--pid", type=int, help="with a URL: the server's process id, to sample its workers' memory")
+    parser.add_argument("--device", choices=("cpu", "gpu"),
+                        help="whose memory is the workers': RSS (cpu) or nvidia-smi's device memory (gpu); "
+                             "default: the artifact's plan, else cpu")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for an artifact's /ping (default 600)")
 

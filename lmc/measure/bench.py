@@ -73,6 +73,7 @@ class BenchSetup:
     pid: int | None
     timeout_s: float
     startup_timeout_s: float
+    memory_device: str | None = None  # "cpu" | "gpu"; None: from the plan
 
     @classmethod
     def from_args(cls, args) -> "BenchSetup":
@@ -103,12 +104,14 @@ class BenchSetup:
             raise UsageError("--output-tokens must be at least 2 (TPOT is the time between tokens)")
         levels = parse_levels(args.concurrency) if args.concurrency else default_levels(int(workload.get("concurrency") or 1))
         return cls(args.target.rstrip("/"), is_url, input_tokens, output_tokens, levels, args.requests, plan,
-                   args.spec, args.pid, args.timeout, args.startup_timeout)
+                   args.spec, args.pid, args.timeout, args.startup_timeout, args.device)
 
     def requests_for(self, concurrency: int) -> int:
         return self.requests or max(4, 2 * concurrency)
 
     def device(self) -> str:
+        if self.memory_device is not None:
+            return self.memory_device
         kind = ((self.plan or {}).get("target") or {}).get("accelerator")
         return "cpu" if kind in (None, "cpu") else "gpu"
 
