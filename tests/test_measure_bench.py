@@ -49,12 +49,15 @@ def test_bench_reports_each_level_of_a_served_artifact(tmp_path):
     report = json.loads((tmp_path / "bench.json").read_text())
     plan = json.loads((tmp_path / "model" / "lmc.json").read_text())["plan"]
     assert report["kind"] == "lmc-bench" and report["plan_sha256"] == plan["plan_sha256"]
-    assert report["workload"] == {"input_tokens": 12, "output_tokens": 6}  # the spec's workload
+    # The spec's workload; the prompt word's token biased so that every token streams on its own.
+    assert (report["workload"]["input_tokens"], report["workload"]["output_tokens"]) == (12, 6)
+    assert isinstance(report["workload"]["logit_bias_token"], int)
     assert [level["concurrency"] for level in report["levels"]] == [1, 2, 3]
     weights = (tmp_path / "model" / "shards" / "tp1" / "rank0.safetensors").stat().st_size
     for level in report["levels"]:
         # Every answer came back with exactly 6 tokens (else it counts as an error), none failed.
         assert level["requests"] == 3 and level["errors"] == 0, level["first_error"]
+        assert level["chunks_per_token"] == 1.0
         for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
             stats = level[key]
             assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]

@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "gpu"),
                         help="whose memory is the workers': RSS (cpu) or nvidia-smi's device memory (gpu); "
                              "default: the artifact's plan, else cpu")
+    parser.add_argument("--tokenizer", type=Path, help="with a URL: the model's tokenizer.json, so that every token "
+                        "streams as it is made (an artifact's own is used otherwise)")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for an artifact's /ping (default 600)")
 

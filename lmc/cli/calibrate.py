@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--scratch {args.scratch}: not a directory")
     if args.out is not None and not args.out.parent.resolve().is_dir():
         raise UsageError(f"--out {args.out}: its directory does not exist")
-    text = render_profile(calibrate(args.device, dtypes, args.scratch), base)
+    text = render_profile(calibrate(args.device, dtypes, args.scratch, accelerator=base.accelerator if base else None),
+                          base)
     # The profile must load as a spec would load it: check before writing.
     import tempfile
 

@@ -74,6 +74,7 @@ class BenchSetup:
     timeout_s: float
     startup_timeout_s: float
     memory_device: str | None = None  # "cpu" | "gpu"; None: from the plan
+    tokenizer: Path | None = None  # tokenizer.json: lets every token stream (loadgen's logit_bias)
 
     @classmethod
     def from_args(cls, args) -> "BenchSetup":
@@ -103,8 +104,11 @@ class BenchSetup:
         if output_tokens < 2:
             raise UsageError("--output-tokens must be at least 2 (TPOT is the time between tokens)")
         levels = parse_levels(args.concurrency) if args.concurrency else default_levels(int(workload.get("concurrency") or 1))
+        tokenizer = args.tokenizer
+        if tokenizer is not None and not tokenizer.is_file():
+            raise UsageError(f"--tokenizer {tokenizer}: no such file (give the model's tokenizer.json)")
         return cls(args.target.rstrip("/"), is_url, input_tokens, output_tokens, levels, args.requests, plan,
-                   args.spec, args.pid, args.timeout, args.startup_timeout, args.device)
+                   args.spec, args.pid, args.timeout, args.startup_timeout, args.device, tokenizer)
 
     def requests_for(self, concurrency: int) -> int:
         return self.requests or max(4, 2 * concurrency)
@@ -132,6 +136,7 @@ class BenchSetup:
 class Served:
     url: str
     pid: int | None  # whose process tree holds the workers
+    tokenizer: Path | None = None  # the served model's tokenizer.json, where known
 
 
 def _free_port() -> int:
@@ -146,7 +151,7 @@ def _free_port() -> int:
 def open_target(setup: BenchSetup, quiet: bool = False) -> Iterator[Served]:
     """The URL as given, or the artifact served by `lmc runtime` until the block ends."""
     if setup.is_url:
-        yield Served(setup.target, setup.pid)
+        yield Served(setup.target, setup.pid, setup.tokenizer)
         return
     port = _free_port()
     log = tempfile.NamedTemporaryFile(prefix="lmc-bench-runtime-", suffix=".log", delete=False)
@@ -157,7 +162,8 @@ def open_target(setup: BenchSetup, quiet: bool = False) -> Iterator[Served]:
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_ready(f"http://127.0.0.1:{port}", server, Path(log.name), setup.startup_timeout_s)
-        yield Served(f"http://127.0.0.1:{port}", server.pid)
+        with _artifact_tokenizer(Path(setup.target)) as tokenizer:
+            yield Served(f"http://127.0.0.1:{port}", server.pid, setup.tokenizer or tokenizer)
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGTERM)
@@ -169,6 +175,25 @@ def open_target(setup: BenchSetup, quiet: bool = False) -> Iterator[Served]:
         log.close()
         if quiet and server.returncode == 0:
             Path(log.name).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _artifact_tokenizer(path: Path) -> Iterator[Path | None]:
+    """The artifact's tokenizer.json (read from the archive into a temporary file), or None."""
+    if path.is_dir():
+        yield path / "tokenizer.json" if (path / "tokenizer.json").is_file() else None
+        return
+    with tempfile.TemporaryDirectory(prefix="lmc-bench-") as tmp:
+        try:
+            with tarfile.open(path) as archive:
+                member = archive.extractfile("tokenizer.json")
+                if member is None:
+                    raise KeyError("tokenizer.json")
+                (Path(tmp) / "tokenizer.json").write_bytes(member.read())
+        except (OSError, tarfile.TarError, KeyError):
+            yield None
+            return
+        yield Path(tmp) / "tokenizer.json"
 
 
 def _wait_ready(url: str, server: subprocess.Popen, log: Path, timeout_s: float) -> None:
@@ -199,7 +224,7 @@ async def run_bench(setup: BenchSetup, served: Served, *, lmc_version: str, meas
     """Every level in turn: prompts sized once, then each level's warm-up and timed requests."""
     from tqdm import tqdm
 
-    from lmc.measure.loadgen import _completion_body, build_prompt, make_client, run_level, served_model
+    from lmc.measure.loadgen import _completion_body, build_prompt, make_client, run_level, served_model, word_token
     from lmc.measure.procmem import PeakMemory
     from lmc.measure.report import bench_report, level_report
 
@@ -207,8 +232,9 @@ async def run_bench(setup: BenchSetup, served: Served, *, lmc_version: str, meas
     host_before = host_line()
     async with make_client(setup.timeout_s, max(setup.levels)) as client:
         model = await served_model(client, served.url)
-        prompt = await build_prompt(client, served.url, model, setup.input_tokens)
-        body = _completion_body(prompt, setup.output_tokens, model, stream=True)
+        prompt, word = await build_prompt(client, served.url, model, setup.input_tokens)
+        bias = word_token(served.tokenizer, word) if served.tokenizer is not None else None
+        body = _completion_body(prompt, setup.output_tokens, model, stream=True, bias_token=bias)
         levels = []
         with contextlib.ExitStack() as stack:
             if sampler is not None:
@@ -223,9 +249,11 @@ async def run_bench(setup: BenchSetup, served: Served, *, lmc_version: str, meas
                 levels.append(level_report(concurrency, samples, wall, peak, setup.output_tokens))
     workers = sampler.overall() if sampler is not None else {}
     host = f"{host_before}; after: load average {', '.join(f'{v:.2f}' for v in os.getloadavg())}"
-    return bench_report(lmc_version=lmc_version, target=setup.target, plan=setup.plan, measured_at=measured_at,
-                        host=host, input_tokens=setup.input_tokens, output_tokens=setup.output_tokens, levels=levels,
-                        memory_source=sampler.source if sampler is not None else None, workers=workers)
+    report = bench_report(lmc_version=lmc_version, target=setup.target, plan=setup.plan, measured_at=measured_at,
+                          host=host, input_tokens=setup.input_tokens, output_tokens=setup.output_tokens, levels=levels,
+                          memory_source=sampler.source if sampler is not None else None, workers=workers)
+    report["workload"]["logit_bias_token"] = bias
+    return report
 
 
 def load_report(path: Path) -> dict[str, Any]:

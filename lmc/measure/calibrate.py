@@ -7,14 +7,13 @@ torch is imported here, never in the planner.
 What is measured, and what the latency model reads it as (lmc/planner/measured.py):
 - stream bandwidth: a 256 MiB tensor copy (read + write), the peak `memory_bandwidth_bytes_per_s`;
 - matmul TFLOPS per dtype: square matmuls, the peak `tflops`;
-- the engine's fixed costs: batch-1 decode steps of two tiny models (2 and 12 layers) through lmc's
-  own decode loop, fitted as step + layers · layer overhead;
-- per dtype, a ~256 MB random Llama through the same loop: its prompt prefill gives the achieved
-  prefill TFLOPS, its batch-1 decode step the achieved decode bandwidth (weight bytes / step time,
-  less the fixed costs and the compute the model adds), so the model reproduces both by construction;
+- the engine's fixed costs: two tiny models (2 and 12 layers) built and served by `lmc runtime`,
+  driven as `lmc bench` drives one: per token = step + layers · layer overhead, the request's own cost,
+  the worker's memory besides its weights;
+- per dtype, a ~512 MB random Llama served the same way: its batch-1 and batch-8 TPOT and its
+  128-token TTFT become the achieved decode bandwidth, decode TFLOPS and prefill TFLOPS by inverting
+  the planner's latency model (`solve_figures`), so a plan reproduces them by construction;
 - all-reduce latency and bandwidth across 2 local processes (gloo on CPU, NCCL across GPUs);
-- a worker's memory with the engine loaded (torch, transformers, a tiny model served): the runtime
-  overhead in the memory model;
 - storage read bandwidth: a file written, flushed, evicted from the page cache, read back.
 """
 
@@ -35,13 +34,14 @@ from typing import Callable
 
 from lmc.errors import MissingDependencyError
 
-# The decode and prefill model: Llama-shaped, wide enough that its matrices are GEMV/GEMM-bound and
-# large enough (~256 MB per dtype) that no cache holds it.
-_DECODE_WIDTH = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4)
-_DECODE_BYTES = 256 * 2**20
+# The decode and prefill model: Llama-shaped, as wide as the 1-3 B models a CPU serves (narrower
+# matrices reach less of the memory bandwidth: 10 GB/s at 1024 wide against 16 GB/s at 2048 here), and
+# large enough (~512 MB per dtype) that no cache holds it.
+_DECODE_WIDTH = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=4)
+_DECODE_BYTES = 512 * 2**20
 _PREFILL_TOKENS = 128
-_DECODE_PROMPT = 8
-_DECODE_TOKENS = 12
+_DECODE_PROMPT = _PREFILL_TOKENS  # the decode steps follow the same prompt
+_DECODE_TOKENS = 16
 _OVERHEAD_LAYERS = (2, 12)
 
 
@@ -127,81 +127,107 @@ def _torch_dtype(dtype: str):
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    from lmc.testing.checkpoints import EOS_ID, SPECIAL_TOKENS, tokenizer_json
-
-    pad, bos, eos, unk = SPECIAL_TOKENS
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json()),
-                                        pad_token=pad, bos_token=bos, eos_token=eos, unk_token=unk)
-    return tokenizer, {EOS_ID}
-
-
-def _llama(layers: int, dtype: str, device: str, **width):
-    import torch
-    import transformers
-
-    from lmc.testing.checkpoints import config_for
-
-    config = config_for("llama", num_hidden_layers=layers, **width)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(dtype))
-    return model.eval()
+_TORCH_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+_SPEC = """\
+[model]
+id = "lmc/calibration-{name}"
+path = "checkpoint-{name}"
+[target]
+{target}
+[workload]
+max_input_tokens = {prompt}
+max_output_tokens = {output}
+concurrency = {concurrency}
+[pin]
+engine = "hf"
+dtype = "{dtype}"
+tensor_parallel_degree = 1
+"""
 
 
-class _Timer:
-    """Times lmc's decode loop (the one every engine serves through) on an in-memory model."""
+@dataclass
+class ServedRun:
+    """One calibration model served by `lmc runtime`, driven as `lmc bench` drives one."""
 
-    def __init__(self, model, device: str):
-        import torch
-
-        from lmc.runtime.engines.generate import DecodeLoop
-
-        tokenizer, eos = _tokenizer()
-        self.loop = DecodeLoop(model, tokenizer, max_sequence_length=4096, device=torch.device(device),
-                               eos_token_ids=eos)
-        self.sync = _sync(device)
-
-    def seconds(self, prompt_tokens: int, new_tokens: int, batch: int = 1) -> float:
-        from lmc.runtime.engines.base import GenerationParams, GenerationRequest
-
-        prompt = " the" * (prompt_tokens - 1)  # one token each, after the BOS the tokenizer adds
-        params = GenerationParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True)
-        requests = [GenerationRequest(id=str(i), prompt=prompt, params=params) for i in range(batch)]
-        begin = time.perf_counter()
-        self.loop.generate(requests)
-        self.sync()
-        return time.perf_counter() - begin
-
-    def step_ms(self, new_tokens: int, prompt_tokens: int = 8, reps: int = 3, batch: int = 1) -> float:
-        """One decode step: the median time between the starts of consecutive decode forwards (each
-        interval one step: the forward, sampling, the loop) over `reps` runs of `new_tokens`. A median
-        of many steps, like the bench's p50, shrugs off what another process does to a few of them."""
-        starts: list[float] = []
-        hook = self.loop.model.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
-        steps: list[float] = []
-        try:
-            self.seconds(prompt_tokens, 2, batch)  # warm-up
-            for _ in range(reps):
-                starts.clear()
-                self.seconds(prompt_tokens, new_tokens, batch)
-                steps += [later - earlier for earlier, later in zip(starts[1:], starts[2:])]  # [0] is the prefill
-        finally:
-            hook.remove()
-        return statistics.median(steps) * 1e3
+    samples: dict[str, list]  # per request shape: the good Samples
+    worker_peak_bytes: int
+    weights_bytes: int
+    max_batch_delay_ms: int
 
 
-def engine_overheads(device: str) -> tuple[float, float]:
-    """(step overhead ms, per-layer overhead ms): decode steps of two tiny models, a line through them."""
-    times = []
+def serve_and_drive(root: Path, name: str, dtype: str, layers: int, width: dict, target: str, device: str,
+                    prompt: int, shapes: list[tuple[str, int, int, int]]) -> ServedRun:
+    """Build a random Llama (`layers` of `width`, in `dtype`) into an artifact under `root`, serve it,
+    and run each shape (label, output tokens, concurrency, requests) after its warm-up round."""
+    import asyncio
+
+    from lmc.emitters.build import build_artifact
+    from lmc.measure.bench import BenchSetup, open_target
+    from lmc.measure.loadgen import _completion_body, build_prompt, make_client, run_level, served_model, word_token
+    from lmc.measure.procmem import PeakMemory
+    from lmc.schema import load_spec
+    from lmc.testing.checkpoints import make_checkpoint
+
+    make_checkpoint("llama", root / f"checkpoint-{name}", dtype=_TORCH_NAMES[dtype], num_hidden_layers=layers, **width)
+    output = max(tokens for _, tokens, _, _ in shapes)
+    concurrency = max(c for _, _, c, _ in shapes)
+    (root / f"{name}.toml").write_text(_SPEC.format(name=name, target=target, prompt=prompt, output=output,
+                                                    concurrency=concurrency, dtype=dtype), encoding="utf-8")
+    result = build_artifact(load_spec(root / f"{name}.toml"), root / f"model-{name}", fmt="dir")
+    weights = sum(f.stat().st_size for f in (root / f"model-{name}" / "shards").rglob("*.safetensors"))
+    setup = BenchSetup(str(root / f"model-{name}"), False, prompt, output, [1], None, None, None, None, 300.0, 300.0)
+
+    async def drive(url: str) -> dict[str, list]:
+        async with make_client(300.0, concurrency) as client:
+            model = await served_model(client, url)
+            text, word = await build_prompt(client, url, model, prompt)
+            bias = word_token(root / f"model-{name}" / "tokenizer.json", word)
+            found = {}
+            for label, tokens, level, requests in shapes:
+                body = _completion_body(text, tokens, model, stream=True, bias_token=bias)
+                samples, _ = await run_level(client, url, body, level, requests)
+                good = [s for s in samples if s.error is None and s.completion_tokens == tokens]
+                if not good:
+                    raise MissingDependencyError(f"the calibration model {name} served no complete answer: "
+                                                 f"{samples[0].error if samples else 'no samples'}")
+                found[label] = good
+            return found
+
+    for old in (root / f"checkpoint-{name}").glob("*.safetensors"):
+        old.unlink()  # the artifact holds the weights now; keep the scratch space small
+    with open_target(setup, quiet=True) as served:
+        with PeakMemory(served.pid, "gpu" if device == "cuda" else "cpu") as sampler:
+            samples = asyncio.run(drive(served.url))
+        peak = max(sampler.overall().values(), default=0)
+    return ServedRun(samples, peak, weights, result.plan.max_batch_delay_ms)
+
+
+def _fastest(samples: list, key: str) -> float:
+    return min(getattr(s, key) for s in samples) * 1e3
+
+
+def _median(samples: list, key: str) -> float:
+    return statistics.median(getattr(s, key) for s in samples) * 1e3
+
+
+def engine_overheads(root: Path, target: str, device: str) -> tuple[float, float, float, int]:
+    """(step ms, per-layer ms, request ms, worker bytes besides the weights) from two tiny models (2 and
+    12 layers, 64 wide) served at batch 1. Per token = (end-to-end of 32 tokens − of 2) / 30, each the
+    fastest of 5: with sub-millisecond steps streamed chunks arrive in bursts, so the time between them
+    says nothing, the end of a request does. The request's own cost (HTTP, tokenizing, the queue, the
+    pipe) is the 2-token end-to-end less two tokens."""
+    per_token, request, memory = {}, 0.0, 0
+    shapes = [("long", 32, 1, 5), ("short", 2, 1, 5)]
     for layers in _OVERHEAD_LAYERS:
-        times.append(_Timer(_llama(layers, "fp32", device), device).step_ms(new_tokens=24, reps=5))
-    (l1, t1), (l2, t2) = zip(_OVERHEAD_LAYERS, times)
-    per_layer = max((t2 - t1) / (l2 - l1), 0.0)
-    return max(t1 - per_layer * l1, 0.0), per_layer
+        run = serve_and_drive(root, f"tiny{layers}", "fp32", layers, {}, target, device, 16, shapes)
+        long_ms, short_ms = _fastest(run.samples["long"], "e2e_s"), _fastest(run.samples["short"], "e2e_s")
+        per_token[layers] = (long_ms - short_ms) / 30
+        if layers == _OVERHEAD_LAYERS[0]:
+            request = max(short_ms - 2 * per_token[layers], 0.0)
+            memory = max(run.worker_peak_bytes - run.weights_bytes, 0)
+    (l1, l2) = _OVERHEAD_LAYERS
+    layer = max((per_token[l2] - per_token[l1]) / (l2 - l1), 0.0)
+    return max(per_token[l1] - l1 * layer, 0.0), layer, request, memory
 
 
 _DECODE_BATCH = 8
@@ -227,14 +253,14 @@ def _solve(predict: Callable[[float], float], measured: float) -> float | None:
     return b / (measured - a)
 
 
-def _calibration_hardware(dtype: str, figures: EngineFigures, step_ms: float, layer_ms: float):
+def _calibration_hardware(dtype: str, figures: EngineFigures, step_ms: float, layer_ms: float, request_ms: float = 0.0):
     """A CPU whose hf engine achieves `figures` (peaks far above them: only the achieved rates matter)."""
     from lmc.planner.facts import HardwareFacts, InterconnectFacts, MeasuredEngineFacts
 
     measured = MeasuredEngineFacts(decode_bandwidth_bytes_per_s={dtype: figures.decode_bandwidth},
                                    prefill_tflops={dtype: figures.prefill_tflops},
                                    decode_tflops={dtype: figures.decode_tflops},
-                                   step_overhead_ms=step_ms, layer_overhead_ms=layer_ms)
+                                   step_overhead_ms=step_ms, layer_overhead_ms=layer_ms, prefill_overhead_ms=request_ms)
     return HardwareFacts(name="local", accelerator="cpu", kind="cpu", devices=1, device_memory_bytes=2**40,
                          memory_bandwidth_bytes_per_s=1e18, tflops={dtype: 1e9}, dtypes=[dtype],
                          interconnect=InterconnectFacts(name="none", bandwidth_bytes_per_s=1e9, latency_us=0),
@@ -242,7 +268,8 @@ def _calibration_hardware(dtype: str, figures: EngineFigures, step_ms: float, la
 
 
 def solve_figures(model_facts, dtype: str, step_ms: float, layer_ms: float, tpot_1: float, tpot_n: float,
-                  ttft: float, guess: EngineFigures, peak_tflops: float = math.inf) -> EngineFigures | None:
+                  ttft: float, guess: EngineFigures, peak_tflops: float = math.inf,
+                  request_ms: float = 0.0) -> EngineFigures | None:
     """The achieved rates at which the planner's own latency model (lmc.planner.latency) reproduces the
     measured batch-1 and batch-8 decode steps and the prefill: each time is linear in its rate's
     reciprocal, the three couple weakly, so a few rounds settle them. None where a measurement is
@@ -256,11 +283,11 @@ def solve_figures(model_facts, dtype: str, step_ms: float, layer_ms: float, tpot
     figures = guess
 
     def tpot(f: EngineFigures, batch: int) -> float:
-        hardware = _calibration_hardware(dtype, f, step_ms, layer_ms)
+        hardware = _calibration_hardware(dtype, f, step_ms, layer_ms, request_ms)
         return latency.tpot_ms(model_facts, hardware, engine, dtype, 1, batch, _DECODE_PROMPT, _DECODE_TOKENS)
 
     def prefill(f: EngineFigures) -> float:
-        hardware = _calibration_hardware(dtype, f, step_ms, layer_ms)
+        hardware = _calibration_hardware(dtype, f, step_ms, layer_ms, request_ms)
         return latency.ttft_ms(model_facts, hardware, engine, dtype, 1, _PREFILL_TOKENS)
 
     for _ in range(4):
@@ -279,28 +306,26 @@ def solve_figures(model_facts, dtype: str, step_ms: float, layer_ms: float, tpot
     return figures
 
 
-def decode_and_prefill(device: str, dtype: str, step_overhead_ms: float, layer_overhead_ms: float,
-                       guess: EngineFigures, peak_tflops: float) -> EngineFigures | None:
-    """A ~256 MB random Llama in `dtype` through lmc's decode loop: batch-1 and batch-8 decode steps and
-    a 128-token prefill, turned into achieved rates by `solve_figures`."""
+def decode_and_prefill(root: Path, target: str, device: str, dtype: str, step_ms: float, layer_ms: float,
+                       request_ms: float, guess: EngineFigures, peak_tflops: float) -> EngineFigures | None:
+    """A ~512 MB random Llama in `dtype`, served: its batch-1 and batch-8 TPOT (p50) and its 128-token
+    TTFT at concurrency 1 (less the batching delay the plan added), turned into rates by `solve_figures`."""
     from lmc.planner.checkpoint_facts import facts_from_config
     from lmc.planner.facts import DTYPE_BYTES
     from lmc.testing.checkpoints import config_for
 
-    size = DTYPE_BYTES[dtype]
-    per_layer = (4 * 1024 * 1024 * 0.625 + 3 * 1024 * 2816) * size  # q,o full; k,v a quarter each
+    hidden, inner = _DECODE_WIDTH["hidden_size"], _DECODE_WIDTH["intermediate_size"]
+    per_layer = (2.5 * hidden * hidden + 3 * hidden * inner) * DTYPE_BYTES[dtype]  # q,o full; k,v a quarter each
     layers = max(2, round(_DECODE_BYTES / per_layer))
-    model = _llama(layers, dtype, device, **_DECODE_WIDTH)
-    facts = facts_from_config(config_for("llama", num_hidden_layers=layers, **_DECODE_WIDTH).to_dict(), "calibration",
-                              source="lmc calibrate")
-    facts = facts.model_copy(update={"parameters": sum(p.numel() for p in model.parameters()),
-                                     "torch_dtype": dtype})
-    timer = _Timer(model, device)
-    timer.seconds(_PREFILL_TOKENS, 1)  # warm-up
-    ttft_ms = min(timer.seconds(_PREFILL_TOKENS, 1) for _ in range(3)) * 1e3
-    tpot_1 = timer.step_ms(new_tokens=_DECODE_TOKENS, prompt_tokens=_DECODE_PROMPT)
-    tpot_n = timer.step_ms(new_tokens=_DECODE_TOKENS, prompt_tokens=_DECODE_PROMPT, batch=_DECODE_BATCH, reps=2)
-    return solve_figures(facts, dtype, step_overhead_ms, layer_overhead_ms, tpot_1, tpot_n, ttft_ms, guess, peak_tflops)
+    shapes = [("one", _DECODE_TOKENS, 1, 3), ("batch", _DECODE_TOKENS, _DECODE_BATCH, _DECODE_BATCH)]
+    run = serve_and_drive(root, f"decode-{dtype}", dtype, layers, _DECODE_WIDTH, target, device, _PREFILL_TOKENS, shapes)
+    config = config_for("llama", num_hidden_layers=layers, **_DECODE_WIDTH)
+    facts = facts_from_config(config.to_dict(), "calibration", source="lmc calibrate")
+    facts = facts.model_copy(update={"parameters": run.weights_bytes // int(DTYPE_BYTES[dtype]), "torch_dtype": dtype})
+    tpot_1 = _median(run.samples["one"], "tpot_s")
+    tpot_n = _median(run.samples["batch"], "tpot_s")
+    ttft = _median(run.samples["one"], "ttft_s") - run.max_batch_delay_ms
+    return solve_figures(facts, dtype, step_ms, layer_ms, tpot_1, tpot_n, ttft, guess, peak_tflops, request_ms)
 
 
 _ATTEMPTS = 3
@@ -387,83 +412,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def gpu_runtime_overhead_bytes() -> int:
-    """On a GPU: device memory in use beyond the tensors once the engine served a tiny model (CUDA
-    context, allocator), from a fresh process."""
-    code = ("import torch; from lmc.measure.calibrate import _Timer, _llama; "
-            "_Timer(_llama(2, 'fp32', 'cuda'), 'cuda').seconds(8, 4); "
-            "free, total = torch.cuda.mem_get_info(); print(total - free)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    if result.returncode:
-        raise MissingDependencyError("the hf engine could not run a tiny model on the GPU: "
-                                     + (result.stderr.strip().splitlines() or ["no message"])[-1])
-    return int(result.stdout.strip().splitlines()[-1])
-
-
-_SERVED_SPEC = """\
-[model]
-id = "lmc/calibration-tiny-llama"
-path = "checkpoint"
-[target]
-instance = "local"
-[workload]
-max_input_tokens = 16
-max_output_tokens = 32
-concurrency = 1
-[pin]
-engine = "hf"
-dtype = "fp32"
-tensor_parallel_degree = 1
-"""
-
-
-def served_engine(scratch: Path) -> tuple[float, float, int]:
-    """(ms per token, ms before the first token, peak worker bytes less its weights) of a tiny 2-layer
-    model served by `lmc runtime` at batch 1: what serving adds per token (the decode loop, the pipe to
-    the front end, HTTP streaming), what a request pays before its prefill (HTTP, tokenizing, the
-    queue), and what a worker process holds besides the model. Per token = (end-to-end of 32 tokens −
-    of 2 tokens) / 30, each the fastest of 5: with sub-millisecond steps, streamed chunks arrive in
-    bursts, so the time between them says nothing; the end of a request does. The request's own cost
-    is the 2-token end-to-end less two tokens' worth."""
-    import asyncio
-
-    from lmc.emitters.build import build_artifact
-    from lmc.measure.bench import BenchSetup, open_target
-    from lmc.measure.loadgen import _completion_body, build_prompt, make_client, run_level, served_model
-    from lmc.measure.procmem import PeakMemory
-    from lmc.schema import load_spec
-    from lmc.testing.checkpoints import make_checkpoint
-
-    with tempfile.TemporaryDirectory(prefix="lmc-calibrate-", dir=scratch) as tmp:
-        root = Path(tmp)
-        make_checkpoint("llama", root / "checkpoint")
-        (root / "spec.toml").write_text(_SERVED_SPEC, encoding="utf-8")
-        build_artifact(load_spec(root / "spec.toml"), root / "model", fmt="dir")
-        weights = sum(f.stat().st_size for f in (root / "model" / "shards").rglob("*.safetensors"))
-        setup = BenchSetup(str(root / "model"), False, 16, 32, [1], 5, None, None, None, 120.0, 300.0)
-
-        async def measure(url: str) -> dict[int, float]:
-            async with make_client(120.0, 1) as client:
-                model = await served_model(client, url)
-                prompt = await build_prompt(client, url, model, 16)
-                fastest = {}
-                for tokens in (32, 2):
-                    samples, _ = await run_level(client, url, _completion_body(prompt, tokens, model, stream=True), 1, 5)
-                    done = [s.e2e_s for s in samples if s.error is None and s.completion_tokens == tokens]
-                    if not done:
-                        raise MissingDependencyError("the tiny calibration model served no complete answer: "
-                                                     f"{samples[0].error if samples else 'no samples'}")
-                    fastest[tokens] = min(done)
-                return fastest
-
-        with open_target(setup, quiet=True) as served:
-            with PeakMemory(served.pid) as sampler:
-                fastest = asyncio.run(measure(served.url))
-            peak = max(sampler.overall().values(), default=0)
-    per_token = (fastest[32] - fastest[2]) / 30 * 1e3
-    return per_token, max(fastest[2] * 1e3 - 2 * per_token, 0.0), max(peak - weights, 0)
-
-
 def storage_read_bandwidth(directory: Path, size_bytes: int = 256 * 2**20) -> float:
     """Bytes per second reading a file not in the page cache (written, flushed, evicted, read back)."""
     chunk = os.urandom(8 * 2**20)
@@ -485,12 +433,13 @@ def storage_read_bandwidth(directory: Path, size_bytes: int = 256 * 2**20) -> fl
 # --- the run -------------------------------------------------------------------------------------
 
 def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratch: Path | None = None,
-              progress: bool | None = None) -> Calibration:
-    """Measure this machine (see the module docstring); `progress` None shows a bar on a terminal."""
+              progress: bool | None = None, accelerator: str | None = None) -> Calibration:
+    """Measure this machine (see the module docstring); `progress` None shows a bar on a terminal.
+    `accelerator` (a catalog name) is what the served calibration models target on a GPU."""
     from tqdm import tqdm
 
-    stages = ["stream bandwidth", "matmul", "engine overheads", "decode & prefill", "all-reduce",
-              "served engine", "storage read"]
+    stages = ["stream bandwidth", "matmul", "engine overheads (served)", "decode & prefill (served)", "all-reduce",
+              "storage read"]
     bar = tqdm(total=len(stages), desc="lmc calibrate", unit="stage", disable=None if progress is None else not progress,
                file=sys.stderr, bar_format="{desc}: {n_fmt}/{total_fmt} {bar} {elapsed} {postfix}")
 
@@ -501,7 +450,13 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
         bar.update(1)
         bar.write(f"  {line}", file=sys.stderr)
 
-    with bar:
+    if device == "cuda" and accelerator is None:
+        raise MissingDependencyError("--device cuda needs --base (the catalog accelerator or instance these GPUs are)")
+    target = 'instance = "local"' if device == "cpu" else f'accelerator = "{accelerator}"\ndevices = 1'
+    scratch = scratch or Path(tempfile.gettempdir())
+    notes: list[str] = []
+    with bar, tempfile.TemporaryDirectory(prefix="lmc-calibrate-", dir=scratch) as tmp:
+        root = Path(tmp)
         torch = _import_torch(device)
         dtypes = dtypes or (("fp32", "bf16") if device == "cpu" else ("fp16", "bf16"))
         stage(stages[0])
@@ -510,19 +465,11 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
         stage(stages[1])
         matmul = {dtype: matmul_tflops(device, dtype) for dtype in dtypes}
         done("matmul " + ", ".join(f"{dtype} {value:.3f} TFLOPS" for dtype, value in matmul.items()))
-        notes = []
-        if device == "cpu":
-            # The engine is measured as a served rank runs; the matmul peak is the better of every core
-            # and the rank's threads (another process on one core slows a 2-thread matmul the most).
-            torch.set_num_threads(worker_threads())
-            matmul = {dtype: max(value, matmul_tflops(device, dtype)) for dtype, value in matmul.items()}
-            notes.append(f"the engine was measured with {worker_threads()} thread(s), as `lmc runtime` runs a CPU rank "
-                         "(OMP_NUM_THREADS, default 1); calibrate with the same OMP_NUM_THREADS the server gets")
         for attempt in range(_ATTEMPTS):
-            stage(stages[2] if attempt == 0 else f"{stages[2]} (again)")
-            step, layer = engine_overheads(device)
+            stage(stages[2] if attempt == 0 else f"{stages[2]}, again")
+            step, layer, request_ms, overhead = engine_overheads(root, target, device)
             stage(stages[3])
-            figures = {dtype: decode_and_prefill(device, dtype, step, layer,
+            figures = {dtype: decode_and_prefill(root, target, device, dtype, step, layer, request_ms,
                                                  EngineFigures(stream / 2, matmul[dtype] / 2, matmul[dtype] / 2),
                                                  matmul[dtype])
                        for dtype in dtypes}
@@ -533,14 +480,15 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
         else:
             notes.append(f"the engine figures looked disturbed in {_ATTEMPTS} tries ({doubt}): calibrate again "
                          "when the machine is quiet")
-        done(f"engine hf: {step:.2f} ms per step + {layer:.3f} ms per layer")
+        done(f"engine hf served by lmc runtime: {step:.2f} ms per step + {layer:.3f} ms per layer, "
+             f"{request_ms:.1f} ms per request; a worker holds {overhead / 2**20:.0f} MiB besides its weights")
         figures = {dtype: f for dtype, f in figures.items() if f is not None}
-        decode = {dtype: f.decode_bandwidth for dtype, f in figures.items()}
-        prefill = {dtype: f.prefill_tflops for dtype, f in figures.items()}
-        decode_tflops = {dtype: f.decode_tflops for dtype, f in figures.items()}
         if not figures:
             raise MissingDependencyError("every engine measurement came out below the fixed costs (the machine "
                                          "was too busy): calibrate again when it is quieter")
+        decode = {dtype: f.decode_bandwidth for dtype, f in figures.items()}
+        prefill = {dtype: f.prefill_tflops for dtype, f in figures.items()}
+        decode_tflops = {dtype: f.decode_tflops for dtype, f in figures.items()}
         done("decode " + ", ".join(f"{d} {v / 1e9:.2f} GB/s" for d, v in decode.items())
              + "; prefill " + ", ".join(f"{d} {v:.3f} TFLOPS" for d, v in prefill.items())
              + f"; batch-{_DECODE_BATCH} decode " + ", ".join(f"{d} {v:.3f} TFLOPS" for d, v in decode_tflops.items()))
@@ -555,18 +503,7 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
             notes.append("one GPU: no all-reduce measured (the base instance's interconnect figures stand)")
             done("all-reduce: one device, skipped")
         stage(stages[5])
-        if device == "cpu":
-            served_tpot, request_ms, overhead = served_engine(scratch or Path(tempfile.gettempdir()))
-            # What serving adds per step: the served tiny model's TPOT less its layers' share.
-            step = max(served_tpot - _OVERHEAD_LAYERS[0] * layer, step)
-            done(f"served by lmc runtime: {served_tpot:.2f} ms per token (step overhead {step:.2f} ms), "
-                 f"{request_ms:.1f} ms per request; worker {overhead / 2**20:.0f} MiB besides the weights")
-        else:
-            request_ms = 0.0
-            overhead = gpu_runtime_overhead_bytes()
-            done(f"engine context and allocator: {overhead / 2**20:.0f} MiB of device memory")
-        stage(stages[6])
-        load = storage_read_bandwidth(scratch or Path(tempfile.gettempdir()))
+        load = storage_read_bandwidth(scratch)
         done(f"storage read {load / 1e9:.2f} GB/s")
     return Calibration(
         device=device, accelerator=_accelerator_name(device), devices=devices,
@@ -576,13 +513,6 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
         step_overhead_ms=step, layer_overhead_ms=layer, runtime_overhead_bytes=overhead,
         allreduce_latency_us=latency_us, allreduce_bandwidth=bandwidth, allreduce_backend=backend,
         load_bandwidth=load, host=_host_line(), notes=notes)
-
-
-def worker_threads() -> int:
-    """The threads one CPU rank computes with: `lmc runtime` gives each rank OMP_NUM_THREADS, default 1
-    (lmc/runtime/workers.py, device_env), so the engine is measured with as many."""
-    value = os.environ.get("OMP_NUM_THREADS", "1")
-    return max(1, int(value)) if value.isdigit() else 1
 
 
 def _import_torch(device: str):

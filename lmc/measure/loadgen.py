@@ -11,6 +11,10 @@ fixed-length workload:
   it needs no tokenizer on the client and works against lmc, vLLM or TGI alike;
 - outputs of an exact length: `max_tokens = min_tokens = N` with `ignore_eos` (vLLM's extensions,
   which lmc honours), checked against `usage.completion_tokens`;
+- one streamed chunk per token: a random-weight model emits byte tokens that complete no character,
+  and servers hold such text back, so chunks stop marking tokens. Given the model's tokenizer (an
+  artifact has it), the prompt word's token gets `logit_bias` +100: every token is that word, and
+  streams as it is made. The report says how many chunks came per token;
 - TTFT = request sent → first streamed text; TPOT = (end − first text) / (completion tokens − 1);
   end-to-end = request sent → `[DONE]`;
 - a level of concurrency c: c clients, each sending its next request when its last one ends, after
@@ -43,6 +47,7 @@ class Sample:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    chunks: int = 0  # streamed chunks that carried text
 
     @property
     def tpot_s(self) -> float | None:
@@ -51,9 +56,11 @@ class Sample:
         return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
 
 
-def _completion_body(prompt: str, output_tokens: int, model: str, stream: bool) -> dict:
+def _completion_body(prompt: str, output_tokens: int, model: str, stream: bool, bias_token: int | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "min_tokens": output_tokens,
             "ignore_eos": True, "temperature": 0, "stream": stream}
+    if bias_token is not None:
+        body["logit_bias"] = {str(bias_token): 100}
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -69,8 +76,9 @@ async def _prompt_tokens(client, url: str, model: str, prompt: str) -> int:
     return usage["prompt_tokens"]
 
 
-async def build_prompt(client, url: str, model: str, tokens: int) -> str:
-    """A prompt the server counts as exactly `tokens` tokens (its special tokens included)."""
+async def build_prompt(client, url: str, model: str, tokens: int) -> tuple[str, str]:
+    """(a prompt the server counts as exactly `tokens` tokens, its special tokens included; the word
+    repeated in it, one token each)."""
     # Probes of k and 2k words stay within the target, so within the server's sequence length.
     k = max(1, tokens // 3)
     for word in _WORDS:
@@ -82,7 +90,7 @@ async def build_prompt(client, url: str, model: str, tokens: int) -> str:
             raise BenchError(f"--input-tokens {tokens}: the server adds {low - k} tokens to every prompt; ask for more")
         prompt = word * words
         if await _prompt_tokens(client, url, model, prompt) == tokens:
-            return prompt
+            return prompt, word
     raise BenchError(f"could not build a prompt of exactly {tokens} tokens from repeated words")
 
 
@@ -91,6 +99,7 @@ async def _one(client, url: str, body: dict) -> Sample:
     first = None
     usage: dict = {}
     error = None
+    chunks = 0
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -108,15 +117,25 @@ async def _one(client, url: str, body: dict) -> Sample:
                     continue
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                if first is None and any(choice.get("text") for choice in chunk.get("choices", [])):
-                    first = time.perf_counter()
+                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter()
     except Exception as exc:  # the network, a malformed chunk: recorded on the sample, counted as an error
         error = f"{type(exc).__name__}: {exc}"[:200]
     end = time.perf_counter()
     if error is None and not usage:
         error = "the stream carried no usage (stream_options.include_usage)"
     return Sample(start, (first or end) - start, end - start, int(usage.get("prompt_tokens", 0)),
-                  int(usage.get("completion_tokens", 0)), error)
+                  int(usage.get("completion_tokens", 0)), error, chunks)
+
+
+def word_token(tokenizer_file, word: str) -> int | None:
+    """The id of `word` in a tokenizer.json, when it is one token; else None."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(tokenizer_file)).encode(word, add_special_tokens=False).ids
+    return ids[0] if len(ids) == 1 else None
 
 
 async def run_level(client, url: str, body: dict, concurrency: int, requests: int) -> tuple[list[Sample], float]:

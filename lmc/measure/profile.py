@@ -95,22 +95,21 @@ def render_profile(calibration: Calibration, base: HardwareFacts | None = None) 
         f"# What the `{engine}` engine achieved here, through lmc's decode loop (lmc/runtime/engines/generate.py).",
         "# The latency model reads these instead of engines.toml's estimates (lmc/planner/measured.py).",
         f"[measured.{engine}]",
-        "# A ~256 MB random Llama per dtype: the rates at which lmc's latency model reproduces its measured",
-        "# batch-1 decode step (weight bandwidth), its 128-token prefill, and its batch-8 decode step (what",
-        "# each extra row's skinny GEMMs cost)",
+        "# A ~512 MB random Llama per dtype, served by `lmc runtime` and driven as `lmc bench` drives one: the",
+        "# rates at which lmc's latency model reproduces its batch-1 TPOT (weight bandwidth), its 128-token TTFT",
+        "# and its batch-8 TPOT (what each extra row's skinny GEMMs cost)",
         f"decode_bandwidth_bytes_per_s = {_table(c.decode_bandwidth)}",
         f"prefill_tflops = {_table(c.prefill_tflops)}",
         f"decode_tflops = {_table(c.decode_tflops)}",
-        "# decode steps of 2- and 12-layer tiny models at batch 1 (step = fixed + layers · per layer); the",
-        "# step then raised to what a tiny model served by `lmc runtime` takes per token (loop, pipe, HTTP)",
+        "# 2- and 12-layer tiny models served at batch 1: per token = step + layers · per layer (loop, pipe, HTTP)",
         f"step_overhead_ms = {_number(c.step_overhead_ms)}",
         f"layer_overhead_ms = {_number(c.layer_overhead_ms)}",
-        "# the served tiny model: a 2-token request's end-to-end less two tokens (HTTP, tokenizing, queue)",
+        "# the served 2-layer model: a 2-token request's end-to-end less two tokens (HTTP, tokenizing, queue)",
         f"prefill_overhead_ms = {_number(c.prefill_overhead_ms)}",
     ]
     if c.runtime_overhead_bytes is not None:
-        what = "peak RSS of a process serving a tiny model with the engine's libraries" if c.device == "cpu" \
-            else "device memory in use beyond the tensors (CUDA context, allocator)"
+        what = "the served 2-layer model's worker: peak RSS less its weights" if c.device == "cpu" \
+            else "the served 2-layer model's worker: device memory (nvidia-smi) less its weights"
         lines += [f"# {what}", f"runtime_overhead_bytes = {c.runtime_overhead_bytes}"]
     lines.append(f"source = {json.dumps(f'lmc calibrate, {c.measured_at}')}")
     return "\n".join(lines) + "\n"

@@ -57,6 +57,9 @@ def level_report(concurrency: int, samples: list[Sample], wall_s: float, peak_me
         "tpot_ms": summary([s.tpot_s * 1e3 for s in good if s.tpot_s is not None]),
         "e2e_ms": summary([s.e2e_s * 1e3 for s in good]),
         "output_tokens_per_s": round(sum(s.completion_tokens for s in good) / wall_s, 3) if wall_s > 0 else None,
+        # Below 1, streamed text came in fewer pieces than tokens (held-back bytes): TTFT and TPOT blur.
+        "chunks_per_token": round(sum(s.chunks for s in good) / max(sum(s.completion_tokens for s in good), 1), 3)
+        if good else None,
         "peak_worker_memory_bytes": peak_memory,
     }
 
@@ -108,6 +111,9 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append(f"peak worker memory over the run: {report['peak_worker_memory_bytes'] / 2**20:.0f} MiB "
                      f"({report['memory_source']})")
     for level in report["levels"]:
+        if level.get("chunks_per_token") is not None and level["chunks_per_token"] < 0.9:
+            lines.append(f"concurrency {level['concurrency']}: {level['chunks_per_token']:.2f} streamed chunks per token: "
+                         "the server held text back, so TTFT and TPOT are not per token (give --tokenizer)")
         if level["first_error"]:
             lines.append(f"concurrency {level['concurrency']}: {level['errors']} failed; first: {level['first_error']}")
     return "\n".join(lines) + "\n"

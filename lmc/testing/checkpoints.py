@@ -248,11 +248,6 @@ def _tokenizer_json() -> str:
     return json.dumps(json.loads(tokenizer.to_str()), indent=2, sort_keys=False, ensure_ascii=False) + "\n"
 
 
-def tokenizer_json() -> str:
-    """The tiny models' tokenizer as tokenizer.json text (what `make_checkpoint` writes)."""
-    return _tokenizer_json()
-
-
 def _write_tokenizer(out_dir: Path, family: str) -> None:
     (out_dir / "tokenizer.json").write_text(_tokenizer_json(), encoding="utf-8")
     pad, bos, eos, unk = SPECIAL_TOKENS
