@@ -317,7 +317,8 @@ def decode_and_prefill(root: Path, target: str, device: str, dtype: str, step_ms
     hidden, inner = _DECODE_WIDTH["hidden_size"], _DECODE_WIDTH["intermediate_size"]
     per_layer = (2.5 * hidden * hidden + 3 * hidden * inner) * DTYPE_BYTES[dtype]  # q,o full; k,v a quarter each
     layers = max(2, round(_DECODE_BYTES / per_layer))
-    shapes = [("one", _DECODE_TOKENS, 1, 3), ("batch", _DECODE_TOKENS, _DECODE_BATCH, _DECODE_BATCH)]
+    # Two full batches: one batch's 8 rows share every step, so they are one sample, not eight.
+    shapes = [("one", _DECODE_TOKENS, 1, 3), ("batch", _DECODE_TOKENS, _DECODE_BATCH, 2 * _DECODE_BATCH)]
     run = serve_and_drive(root, f"decode-{dtype}", dtype, layers, _DECODE_WIDTH, target, device, _PREFILL_TOKENS, shapes)
     config = config_for("llama", num_hidden_layers=layers, **_DECODE_WIDTH)
     facts = facts_from_config(config.to_dict(), "calibration", source="lmc calibrate")
