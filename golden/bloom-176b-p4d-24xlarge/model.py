@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 42b2748a521e6b7a36a3158e6441c5f0e824d663aa383f0b5f4147f7391f982d
-plan sha256 baa5648b79436a8f929d452f366cd49a9aca64c8614a81acbe813ced52d36448
+plan sha256 0255a888cfcbd6b7083db135b8039cd92eb09b5f386225c9cb29ec1b80309ccc
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 510437c282571ac9367d4975024a165534257bb45fa31dc25ca1da83b87fdb7c
-plan sha256 8b4418cd2e7aef16fce88733564c890492d7423f1b1e257ca7f1d465076b9c9c
+plan sha256 e1c610cae8d176ee3c64ba163cc377ccc31720be0a10bd32ad0fd008774abfeb
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 50 ms), sequences of up to 640 tokens, on cuda.
 
 spec sha256 95bb758b8a515b71e0bffef3d0fa6ee1d56f0e362c9d5fb24792b3532b6841d1
-plan sha256 2fd1238753b021785e0a965c2f021de93f4b225e36508d30fd5861f6fb9f11d2
+plan sha256 35a776abd28f8cddfee8cb3ffc71eb5e864e9b577c5848d8eed090dda1b541cc
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 32 requests
 (waiting at most 50 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 15e433da4df3cc1644a73ebc8decf4cd8b2dda17629fa53b9434c7ed3ffb19d1
-plan sha256 80cc9b3e5834689286ac1a7f452570a3a5085df1def4b65045ca30b74cca8c12
+plan sha256 2f25a823f7dcee0ba544218b76e88d7584ea1659abe97dfdf57186b702f604c8
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

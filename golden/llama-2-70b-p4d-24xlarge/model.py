@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 16 requests
 (waiting at most 10 ms), sequences of up to 2560 tokens, on cuda.
 
 spec sha256 a2af5a01a43b0c18c31645e3cda9ccb90e10f9533143c294fac2c98a715d9288
-plan sha256 a1e383acc8e48a7303e95186332d36e4da14666176200591af31517033a45e37
+plan sha256 498f2731607bbfaa8a4a2c05c5e8a3af20126b31af9fa43df04309ecaeab2711
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

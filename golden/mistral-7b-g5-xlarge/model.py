@@ -5,7 +5,7 @@ tensor parallel degree 1, dynamic batches of up to 1 requests
 (waiting at most 0 ms), sequences of up to 2560 tokens, on cuda.
 
 spec sha256 62d8bea2027fb09079a659bae660c08211817d2114bc0bb546610a3463b844e5
-plan sha256 2ea1bf47d963f02965490d1704c9dcf8948ce55eaac53fcdf0661e507e581d56
+plan sha256 066ba7c0355e68ab6178c9e112caea3e8dc17db919240890dc7ab4a4c976fc2f
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 16 requests
 (waiting at most 10 ms), sequences of up to 2560 tokens, on cuda.
 
 spec sha256 11de0035d0970a58fb89e0a11736553b818ef993d0eadfce9daae34153de4564
-plan sha256 8e673bf2567848bd0447c6ac2e7f0414eb8e906ceeb1f8330215c814046eb264
+plan sha256 77b5bdeba2ee521621391e72948c6c60ee2a03de4005add76849cbb179f020bf
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

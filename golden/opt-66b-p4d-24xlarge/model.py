@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 16 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 f5e4f19795eff60fca28846d7be3c49db36e8050dd81a11b7dff6e96f42d5b2f
-plan sha256 ba378b3367efdff63aaf976431525af3f353132ea880fe379f2c7667fc218db7
+plan sha256 7cbd4804f2eabd48f6a6f8f1fce938ecf50758985c76445331289530f66cbe90
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 32 requests
 (waiting at most 50 ms), sequences of up to 5120 tokens, on cuda.
 
 spec sha256 98bafd3c0a51d7fbf3ada46be239acb0acf748f7b301c18a37bccd067611f186
-plan sha256 368732f73bb391696dba8ebeafe4e01a479a33b05d22a52df6835b1f800b8c89
+plan sha256 994a0c344dc4e61746e9b09b8eabec86739ba6dcf90de0d9bdbb871bafe9a33d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 2, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 96 tokens, on cpu.
 
 spec sha256 1236aa751aa1c59eb6912ec2bfe577cfe28bc93f61316e82d65b3defa8e68fec
-plan sha256 7334a6a2f649b2542e77426b060ead364e84cca97a412cdc4f6d16e320a8f325
+plan sha256 ffbed01d24f6e9dc6fe16c03d1d7e1710910b5359a2952783224699d858699f7
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.
