@@ -52,7 +52,7 @@ def level_report(concurrency: int, samples: list[Sample], wall_s: float, peak_me
         "requests": len(samples),
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
-        "wall_s": round(wall_s, 3),
+        "wall_s": round(wall_s, 6),
         "ttft_ms": summary([s.ttft_s * 1e3 for s in good]),
         "tpot_ms": summary([s.tpot_s * 1e3 for s in good if s.tpot_s is not None]),
         "e2e_ms": summary([s.e2e_s * 1e3 for s in good]),
