@@ -18,7 +18,6 @@ from typing import Any, Sequence
 from lmc.measure.loadgen import Sample
 
 FORMAT_VERSION = 1
-FIGURES = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
