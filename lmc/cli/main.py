@@ -16,6 +16,8 @@ SUBCOMMANDS = {
     "build": ("lmc.cli.build", "build the deployable artifact (model.tar.gz)"),
     "deploy": ("lmc.cli.deploy", "write the deployment files (SageMaker, Kubernetes, KServe) sized from the plan"),
     "runtime": ("lmc.cli.runtime", "serve an artifact (the container entrypoint)"),
+    "calibrate": ("lmc.cli.calibrate", "measure this machine and write a hardware profile"),
+    "bench": ("lmc.cli.bench", "load-test a served artifact: TTFT, TPOT, latency, throughput, memory"),
 }
 
 

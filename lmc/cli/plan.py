@@ -1,9 +1,11 @@
-"""`lmc plan SPEC [--json] [--explain]`: decide how to serve, and say why."""
+"""`lmc plan SPEC [--json] [--explain] [--compare BENCH.json]`: decide how to serve, and say why."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -11,14 +13,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print the plan object (DESIGN.md) as JSON")
     output.add_argument("--explain", action="store_true", help="print every decision and alternative with its reason")
+    parser.add_argument("--compare", type=Path, metavar="BENCH.json",
+                        help="put the plan's predictions beside a bench report's measurements (with --json: as JSON)")
 
 
 def run(args: argparse.Namespace) -> int:
     from lmc.pipeline import plan_from_spec
     from lmc.schema import load_spec
 
+    if args.compare is not None and args.explain:
+        from lmc.errors import UsageError
+
+        raise UsageError("--compare and --explain: choose one")
     loaded = load_spec(args.spec)
     result = plan_from_spec(loaded)
+    if args.compare is not None:
+        from lmc.measure.bench import load_report
+        from lmc.measure.compare import compare, render_comparison
+        from lmc.planner.engines import engine_facts
+
+        report = load_report(args.compare)
+        comparison = compare(result.plan, result.model, result.hardware, engine_facts()[result.plan.engine], report)
+        if args.json:
+            sys.stdout.write(json.dumps(comparison, indent=2) + "\n")
+        else:
+            sys.stdout.write(render_comparison(comparison, args.spec, str(args.compare)))
+        return 0
     if args.json:
         sys.stdout.write(result.plan.to_json())
     else:

@@ -63,6 +63,24 @@ class InterconnectFacts(_Facts):
     algorithm: Literal["ring", "tree"] = Field(default="ring", description="The all-reduce algorithm the collective library uses on this link (NCCL: ring inside a node, tree across nodes).")
 
 
+class MeasuredEngineFacts(_Facts):
+    """What `lmc calibrate` measured one engine achieving on this hardware. Where present, these
+    replace the engine's estimated efficiency figures (engines.toml) in the latency and memory model."""
+
+    decode_bandwidth_bytes_per_s: dict[DtypeName, Annotated[float, Field(gt=0)]] = Field(
+        description="Weight bytes per second a batch-1 decode step reads, per weight dtype (achieved, not peak).")
+    prefill_tflops: dict[DtypeName, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict, description="TFLOPS a prompt's prefill achieves through the engine, per compute dtype.")
+    decode_tflops: dict[DtypeName, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict, description="TFLOPS the decode step's skinny GEMMs add per extra batch row, per compute dtype.")
+    step_overhead_ms: float = Field(ge=0, description="Fixed cost of one decode step (sampling, Python, the loop, serving).")
+    prefill_overhead_ms: float = Field(default=0.0, ge=0, description="What a request pays before its prefill (HTTP, tokenizing, queueing, the pipe to the worker).")
+    layer_overhead_ms: float = Field(ge=0, description="Fixed cost per transformer layer per step (operator dispatch).")
+    runtime_overhead_bytes: int | None = Field(
+        default=None, ge=0, description="Memory of a worker process with the engine loaded and no model (libraries, allocator).")
+    source: str = Field(default="lmc calibrate", description="What was measured, how and when.")
+
+
 class HardwareFacts(_Facts):
     """One target: an instance type (or the local CPU) and its accelerators."""
 
@@ -81,6 +99,8 @@ class HardwareFacts(_Facts):
     instance_storage_bytes: int | None = Field(default=None, gt=0, description="Local NVMe instance storage (where SageMaker puts the model; such instances take no EBS volume); None: EBS only.")
     load_bandwidth_bytes_per_s: float = Field(default=1.0e9, gt=0, description="Storage-to-device read rate assumed for load time.")
     source: str = Field(description="Datasheets and pages the figures come from.")
+    measured: dict[Literal["deepspeed", "hf", "neuronx", "vllm"], MeasuredEngineFacts] = Field(
+        default_factory=dict, description="Per engine name: figures `lmc calibrate` measured on this hardware.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "HardwareFacts":
@@ -94,6 +114,18 @@ class HardwareFacts(_Facts):
         if (self.accelerator == "cpu") != (self.kind == "cpu"):
             raise ValueError(f"kind = {self.kind!r} does not fit accelerator = {self.accelerator!r}: "
                              "the accelerator cpu is kind cpu, and only it")
+        for engine, measured in self.measured.items():
+            # Measured figures are achieved shares of the peak ones: a figure above its peak would
+            # be planned as an efficiency over 100 %.
+            for dtype, rate in measured.decode_bandwidth_bytes_per_s.items():
+                if rate > self.memory_bandwidth_bytes_per_s:
+                    raise ValueError(f"measured.{engine}.decode_bandwidth_bytes_per_s.{dtype} = {rate:g} exceeds "
+                                     f"memory_bandwidth_bytes_per_s = {self.memory_bandwidth_bytes_per_s:g}; raise the peak")
+            for key in ("prefill_tflops", "decode_tflops"):
+                for dtype, rate in getattr(measured, key).items():
+                    if rate > self.tflops.get(dtype, float("inf")):
+                        raise ValueError(f"measured.{engine}.{key}.{dtype} = {rate:g} exceeds tflops.{dtype} = "
+                                         f"{self.tflops[dtype]:g}; raise the peak")
         return self
 
 

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, InterconnectFacts, ModelFacts
+from lmc.planner.measured import measured_efficiency
 from lmc.planner.memory import (
     WEIGHT_ONLY,
     compute_dtype,
@@ -49,13 +50,15 @@ class Timing:
     instances_used: int
 
 
-def efficiency_for(engine: EngineFacts, model: ModelFacts, hardware: HardwareFacts) -> EngineEfficiency:
-    """The engine's figures for this hardware; DeepSpeed AutoTP (no fused kernels) has its own."""
+def efficiency_for(engine: EngineFacts, model: ModelFacts, hardware: HardwareFacts,
+                   dtype: str | None = None) -> EngineEfficiency:
+    """The engine's figures for this hardware; DeepSpeed AutoTP (no fused kernels) has its own. A
+    measured profile's figures for the engine replace them (per `dtype` where given: measured.py)."""
+    efficiency = engine.efficiency[hardware.kind]
     if engine.kernel_injection_families and model.family not in engine.kernel_injection_families:
-        unfused = engine.unfused_efficiency.get(hardware.kind)
-        if unfused is not None:
-            return unfused
-    return engine.efficiency[hardware.kind]
+        efficiency = engine.unfused_efficiency.get(hardware.kind, efficiency)
+    act = compute_dtype(dtype, model, hardware) if dtype is not None else None
+    return measured_efficiency(efficiency, hardware, engine.name, dtype, act)
 
 
 def peak_tflops(hardware: HardwareFacts, dtype: str) -> float:
@@ -152,7 +155,7 @@ def active_prefill_parameters(model: ModelFacts) -> float:
 def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int, batch: int,
             input_tokens: int, output_tokens: int) -> float:
     """Time per output token at `batch` sequences, context averaged over the generation."""
-    efficiency = efficiency_for(engine, model, hardware)
+    efficiency = efficiency_for(engine, model, hardware, dtype)
     act = compute_dtype(dtype, model, hardware)
     weights = decode_weight_bytes(model, engine, dtype, tp, hardware)
     share = _expert_share(model)
@@ -190,7 +193,7 @@ def ttft_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     the rank's weights (summed, as in decode), the all-reduces of input·hidden activations and the
     fixed per-pass cost.
     """
-    efficiency = efficiency_for(engine, model, hardware)
+    efficiency = efficiency_for(engine, model, hardware, dtype)
     act = compute_dtype(dtype, model, hardware)
     flops = 2 * active_prefill_parameters(model) * input_tokens / tp
     blocks = model.encoder_layers if model.is_encoder_decoder else model.layers

@@ -261,15 +261,25 @@ def _write_tokenizer(out_dir: Path, family: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lmc.testing FAMILY OUT_DIR [--seed N]`: write a tiny random checkpoint."""
+    """`python -m lmc.testing FAMILY OUT_DIR [--seed N] [--dtype D] [--set KEY=INT ...]`: write a random
+    checkpoint, tiny unless --set widens it (the family's own config keys: hidden_size=1536 ...)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m lmc.testing", description=main.__doc__)
     parser.add_argument("family", choices=FAMILIES)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=_TORCH_DTYPES, default="float32")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=INT",
+                        help="a config key of the family's transformers config, as a whole number")
     args = parser.parse_args(argv)
-    print(make_checkpoint(args.family, args.out_dir, seed=args.seed))
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if not key or not value.isdigit():
+            parser.error(f"--set {item!r}: expected KEY=INT, e.g. hidden_size=1536")
+        overrides[key] = int(value)
+    print(make_checkpoint(args.family, args.out_dir, seed=args.seed, dtype=args.dtype, **overrides))
     return 0
 
 

@@ -1,0 +1,102 @@
+"""`lmc bench` on a tiny model: the real runtime served for the run, the report as JSON, table and PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lmc.measure.bench import default_levels
+from lmc.measure.report import percentile
+from lmc.measure.profile import render_profile
+from tests.test_measure_profile import _calibration
+
+SPEC = """\
+[model]
+id = "lmc/tiny-llama"
+path = "ckpt"
+[target]
+instance = "local"
+profile = "local.toml"
+[workload]
+max_input_tokens = 12
+max_output_tokens = 6
+concurrency = 3
+[pin]
+engine = "hf"
+dtype = "fp32"
+tensor_parallel_degree = 1
+"""
+
+
+def _lmc(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmc", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_bench_reports_each_level_of_a_served_artifact(tmp_path):
+    from lmc.testing.checkpoints import make_checkpoint
+
+    make_checkpoint("llama", tmp_path / "ckpt")
+    (tmp_path / "local.toml").write_text(render_profile(_calibration()))
+    (tmp_path / "spec.toml").write_text(SPEC)
+    assert _lmc("build", str(tmp_path / "spec.toml"), "--format", "dir", "-o", str(tmp_path / "model")).returncode == 0
+    out = _lmc("bench", str(tmp_path / "model"), "--spec", str(tmp_path / "spec.toml"), "--requests", "3",
+               "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"))
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    plan = json.loads((tmp_path / "model" / "lmc.json").read_text())["plan"]
+    assert report["kind"] == "lmc-bench" and report["plan_sha256"] == plan["plan_sha256"]
+    # The spec's workload; the prompt word's token biased so that every token streams on its own.
+    assert (report["workload"]["input_tokens"], report["workload"]["output_tokens"]) == (12, 6)
+    assert isinstance(report["workload"]["logit_bias_token"], int)
+    assert [level["concurrency"] for level in report["levels"]] == [1, 2, 3]
+    weights = (tmp_path / "model" / "shards" / "tp1" / "rank0.safetensors").stat().st_size
+    for level in report["levels"]:
+        # Every answer came back with exactly 6 tokens (else it counts as an error), none failed.
+        assert level["requests"] == 3 and level["errors"] == 0, level["first_error"]
+        assert level["chunks_per_token"] == 1.0
+        for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            stats = level[key]
+            assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
+        assert level["ttft_ms"]["p50"] < level["e2e_ms"]["p50"]
+        assert level["output_tokens_per_s"] == pytest.approx(3 * 6 / level["wall_s"], rel=0.01)
+        # A worker holds torch and the model: far more than the weights, far less than the machine.
+        assert weights < level["peak_worker_memory_bytes"] < 4 * 2**30
+    assert report["peak_worker_memory_bytes"] >= max(level["peak_worker_memory_bytes"] for level in report["levels"])
+    assert report["workers"]
+    table = out.stdout.splitlines()
+    assert table[0].startswith("lmc bench ") and "12 prompt tokens, 6 output tokens" in table[0]
+    assert [row.split()[:3] for row in table[2:5]] == [["1", "3", "0"], ["2", "3", "0"], ["3", "3", "0"]]
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The comparison reads the report back.
+    compared = _lmc("plan", str(tmp_path / "spec.toml"), "--compare", str(tmp_path / "bench.json"), "--json")
+    assert compared.returncode == 0 and json.loads(compared.stdout)["same_plan"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["/nonexistent/model.tar.gz"], "no such artifact"),
+    (["http://127.0.0.1:9"], "give --input-tokens and --output-tokens, or --spec"),
+    (["http://127.0.0.1:9", "--input-tokens", "8", "--output-tokens", "4", "--concurrency", "0"], "each level must be 1 to 1024"),
+    (["http://127.0.0.1:9", "--input-tokens", "8", "--output-tokens", "1"], "at least 2"),
+])
+def test_bench_usage_errors_are_one_line_exit_2(args, message):
+    out = _lmc("bench", *args)
+    assert out.returncode == 2
+    assert message in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_percentiles_match_numpys_linear_method():
+    import numpy
+
+    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(numpy.percentile(values, q))
+
+
+def test_default_levels_double_up_to_the_workload_concurrency():
+    assert default_levels(1) == [1]
+    assert default_levels(8) == [1, 2, 4, 8]
+    assert default_levels(12) == [1, 2, 4, 8, 12]
