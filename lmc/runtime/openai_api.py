@@ -300,7 +300,7 @@ def _make_jobs(runtime: "Runtime", prompts: list[str], counts: list[int], params
     not once per copy."""
     from lmc.runtime.server import RequestFailed
 
-    capacity = runtime.scheduler.batcher.queue.capacity
+    capacity = runtime.scheduler.capacity
     if n * len(prompts) > capacity:
         raise RequestFailed(400, f"n = {n} for {len(prompts)} prompt(s) is {n * len(prompts)} answers; the request "
                                  f"queue holds {capacity}")

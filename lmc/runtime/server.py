@@ -141,6 +141,11 @@ class Scheduler:
     def all_ready(self) -> bool:
         return all(event.is_set() for event in self._ready)
 
+    @property
+    def capacity(self) -> int:
+        """The most jobs admitted and not yet taken (a request's prompts x n must fit)."""
+        return self.batcher.queue.capacity
+
     # -- admission
 
     def submit(self, jobs: list[Job]) -> None:
@@ -310,10 +315,16 @@ class Runtime:
         # The OpenAI routes' defaults for what a request leaves out (None: the model's generation_config.json).
         self.sampling_defaults = sampling_defaults if sampling_defaults is not None else load_sampling_defaults(self.model_dir)
         self.metrics = Metrics(int(plan["batch_size"]))
-        if group_factory is None:
+        if group_factory is None and plan.get("engine") != "vllm":
             def group_factory(index: int, events) -> WorkerGroup:
                 return WorkerGroup(self.model_dir, plan, index, events, extra_env=worker_env, gate=worker_gate)
-        self.scheduler = Scheduler(plan, self.metrics, group_factory, request_timeout_s)
+        if plan.get("engine") == "vllm" and group_factory is None:  # vLLM's own scheduler, in process
+            from lmc.runtime.vllm_backend import VllmScheduler
+
+            self.scheduler = VllmScheduler(self.model_dir, plan, self.metrics, self.text, request_timeout_s,
+                                           gate=worker_gate)
+        else:
+            self.scheduler = Scheduler(plan, self.metrics, group_factory, request_timeout_s)
         self.accepting = True
         self._in_flight = 0
         self.metrics.in_flight.set_function(lambda: self._in_flight)
@@ -385,7 +396,7 @@ class Runtime:
                   label: str = "inputs", length_field: str = "max_new_tokens") -> list[Job]:
         """Jobs for `prompts`, after checking prompt tokens (`counts`, from count_prompts) +
         max_new_tokens fit the planned sequence length (RequestFailed 400 naming the prompt otherwise)."""
-        capacity = self.scheduler.batcher.queue.capacity
+        capacity = self.scheduler.capacity
         if len(prompts) > capacity:
             raise RequestFailed(400, f"{label} has {len(prompts)} prompts; the request queue holds {capacity}: "
                                      f"send at most {capacity} per request")

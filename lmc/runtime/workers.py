@@ -161,7 +161,8 @@ def _warm_imports(engine: str, family: str) -> None:
 
 def mp_context(plan: dict[str, Any]):
     """The multiprocessing context `plan`'s worker processes (and the objects they share) come from."""
-    return _FORKSERVER if device_kind(plan) == "cpu" else _SPAWN
+    # vLLM starts its own processes (spawned); lmc starts none for it: no fork server to warm.
+    return _FORKSERVER if device_kind(plan) == "cpu" and plan.get("engine") != "vllm" else _SPAWN
 
 
 def preload_modules(plan: dict[str, Any]) -> list[str]:
