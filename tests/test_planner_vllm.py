@@ -78,6 +78,7 @@ def test_a_pool_too_small_for_the_sequences_does_not_fit():
 def test_vllm_plan_has_continuous_scheduling_and_its_sections():
     p = plan(spec(pin={"engine": "vllm"}, workload={"concurrency": 8}))
     assert p.engine == "vllm" and p.scheduling == "continuous" and p.max_batch_delay_ms == 0
+    assert p.decision("max_batch_delay_ms").value == 0
     assert p.vllm.max_num_seqs == p.batch_size >= 8
     assert p.vllm.max_model_len == 1024 + 256
     assert p.kv_cache.blocks * p.kv_cache.block_size * 2 * 32 * 8 * 128 * 2 <= p.memory_per_device.kv_cache
@@ -126,3 +127,11 @@ def test_p50_tpot_is_the_decode_step_and_throughput_pays_the_prefills():
     # Running decodes ride in every prefill step: more concurrency, later first token
     alone = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 1024, 256, 1).ttft_ms
     assert timing.ttft_ms > alone
+
+
+def test_max_num_seqs_is_what_the_pool_holds_when_that_is_short_of_the_concurrency():
+    g5 = catalog.hardware_facts("ml.g5.2xlarge")
+    p = plan(spec(instance="ml.g5.2xlarge", pin={"engine": "vllm"},
+                  workload={"max_input_tokens": 2048, "max_output_tokens": 512, "concurrency": 16}), hardware=g5)
+    assert p.kv_cache.max_concurrent_sequences < 16  # an 8B leaves room for fewer on 24 GiB
+    assert p.vllm.max_num_seqs == p.batch_size == p.kv_cache.max_concurrent_sequences

@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 42b2748a521e6b7a36a3158e6441c5f0e824d663aa383f0b5f4147f7391f982d
-plan sha256 baa5648b79436a8f929d452f366cd49a9aca64c8614a81acbe813ced52d36448
+plan sha256 a8e91c330d3a3e99cc53abc648e2bdf2f53ca98ff50bfcafc890fd73dfdadacd
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 182de1b4abcb26ffbf7274bb336c8f14ccda4c6bf32edab0ea7b4b0f3d6e0196
-plan sha256 1330f21bb099ddc54599d89a6627fcfe05ee9e19dd555733ce07bfc9bd6e4a1e
+plan sha256 0ea597b0f825e7437f81927e4ed7b43c46bec91c287284c9d916d3f24ec0efe0
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

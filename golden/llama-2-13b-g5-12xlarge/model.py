@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 16 requests
 (waiting at most 50 ms), sequences of up to 2560 tokens, on cuda.
 
 spec sha256 b41931c592b7782253d96dcf282f42b9c763e26e53f63f5ba77ad946831ff07e
-plan sha256 23e98a8d79881fe6cd9a1daf5e6ecba838628638d21f4278df528d5a95dba41e
+plan sha256 69b882b0b7c35105d4a12bcdc6808534d5a7b84a5e9efbf6d4938ee581969c68
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 5120 tokens, on cuda.
 
 spec sha256 9fa9cf3e72da6d48c4abd17b8b089537037974e69c714341c7c86b33bb68dea9
-plan sha256 47b1930038b34436c41e78b4aee7d9c425e6f13d84c98f27c3659320dabef140
+plan sha256 2a57471ee4b06eb297cf690979599e8a2d14bd6705ed28bd5be6489725404098
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

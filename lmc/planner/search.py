@@ -321,7 +321,9 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
                                                 f"TP {tp} leaves room for {max_replicas} replica(s), not the "
                                                 f"pinned {pin.replicas}", (3,)))
                     continue
-                for batch in batch_sizes(load.concurrency):
+                sizes = (vllm_batch_sizes(spec, model, hardware, engine, efficiency, dtype, tp) if name == "vllm"
+                         else batch_sizes(load.concurrency))
+                for batch in sizes:
                     replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / batch))
                     if name == "vllm":
                         configs.append(vllm_config(spec, model, hardware, engine, efficiency, dtype, tp, replicas, batch))
@@ -336,6 +338,20 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
                     configs.append(Config(name, dtype, tp, replicas, batch, memory, timing,
                                           goal_gap(goal, timing), over_cost))
     return configs, rejections
+
+
+def vllm_batch_sizes(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
+                     tp: int) -> list[int]:
+    """max_num_seqs candidates: the powers of two, and the sequences the KV pool holds when that is fewer
+    than the concurrency (so a pool of 15 is planned at 15, not 8)."""
+    sizes = batch_sizes(spec.workload.concurrency)
+    load, budget = spec.workload, spec.budget
+    _, layout = vllm_memory(model, hardware, engine, efficiency, dtype, tp, 1, load.max_input_tokens,
+                            load.max_output_tokens, budget.memory_fraction, budget.memory_per_device)
+    holds = layout.max_concurrent_sequences
+    if 1 <= holds < load.concurrency and holds not in sizes:
+        sizes = sorted(sizes + [holds])
+    return sizes
 
 
 def vllm_config(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,

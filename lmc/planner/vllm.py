@@ -240,7 +240,8 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
         "kv_cache": f"{pool}; {layout.blocks} blocks of {layout.block_size} tokens × {per_token / 1024:.1f} KiB per "
                     f"token per rank = {layout.blocks * layout.block_size} tokens",
     }
-    out = [Decision(key=d.key, value=d.value, reason=replaced.get(d.key, d.reason)) for d in out]
+    values = {"max_batch_delay_ms": 0}
+    out = [Decision(key=d.key, value=values.get(d.key, d.value), reason=replaced.get(d.key, d.reason)) for d in out]
     fmt, why = weights_format(hardware)
     goal_at = next(i for i, d in enumerate(out) if d.key == "goal")
     out[goal_at:goal_at] = [
