@@ -33,7 +33,12 @@ from lmc.runtime.startup import TextTools, planned_output_tokens, sampling_defau
 
 log = logging.getLogger("lmc.runtime")
 
-DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+# SageMaker's real-time payload limit (InvokeEndpoint: 6 MB): a body it would pass is never refused here.
+DEFAULT_MAX_BODY_BYTES = 6_000_000
+# Past the limit, this much more of a body is read and thrown away before the 413 (within this long), so
+# a client still sending reads the answer instead of a reset; beyond it the connection is closed.
+DISCARD_BYTES = 64 * 1024 * 1024
+DISCARD_SECONDS = 30.0
 # Prompts longer than this (characters, all of a request's together) are tokenized on a thread.
 INLINE_TOKENIZE_CHARS = 4096
 
@@ -112,15 +117,24 @@ class Runtime:
     # -- request plumbing shared by the LMI and OpenAI routes
 
     async def read_json(self, request: Request) -> Any:
-        """The decoded body; RequestFailed 413 past max_body_bytes, 400 when it is not JSON."""
+        """The decoded body; RequestFailed 413 past max_body_bytes, 400 when it is not JSON.
+
+        A 413 is sent after the rest of the body is read and discarded (up to DISCARD_BYTES, within
+        DISCARD_SECONDS), as nginx's lingering close does: a server that closes while the client is
+        still sending makes the client's kernel see a reset, and most clients (urllib, requests) then
+        report the reset, not the 413. A client that asked `Expect: 100-continue` has sent nothing yet:
+        it is answered at once (it is never told to continue)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            if request.headers.get("expect", "").lower() != "100-continue":
+                await _discard(request, min(int(declared), DISCARD_BYTES))
             raise RequestFailed(413, f"request body is {declared} bytes; the limit is {self.max_body_bytes}")
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > self.max_body_bytes:
+                    await _discard(request, DISCARD_BYTES)
                     raise RequestFailed(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
                 chunks.append(chunk)
         except ClientDisconnect:
@@ -249,6 +263,24 @@ class Runtime:
             self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
 
 
+
+
+async def _discard(request: Request, limit: int) -> None:
+    """Read and drop the body's rest, up to `limit` bytes in all and DISCARD_SECONDS (see read_json)."""
+    async def drain() -> None:
+        seen = 0
+        while seen < limit:
+            message = await request.receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
+    try:
+        await asyncio.wait_for(drain(), DISCARD_SECONDS)
+    except asyncio.TimeoutError:
+        pass
 
 
 async def client_gone(request: Request) -> None:
