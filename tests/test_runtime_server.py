@@ -471,3 +471,42 @@ def test_a_group_that_dies_while_the_server_drains_comes_back_for_the_queued_req
         assert {i: replies[i].json() for i in (1, 2)} == {
             i: {"generated_text": expected_text(f"queued {i}", 20)} for i in (1, 2)}
         assert len(_rank_pids(record, 0)) == 2  # the restart served them
+
+
+def test_the_default_body_limit_is_sagemakers_6_mb_and_every_client_reads_its_413(tmp_path):
+    """An 8 MiB body gets a 413 that urllib, requests and curl each actually read (the server keeps reading
+    and discarding the body instead of closing under a client still sending: a reset, before); 5 MB passes."""
+    import subprocess
+    import urllib.error
+    import urllib.request
+
+    import requests
+
+    from lmc.runtime.core import DEFAULT_MAX_BODY_BYTES
+
+    assert DEFAULT_MAX_BODY_BYTES == 6_000_000
+    big = b'{"inputs": "hi"}' + b" " * (8 * 1024 * 1024)  # valid JSON, 8 MiB: only its size is wrong
+    with serve_fake(tmp_path / "m") as srv:
+        url = srv.url + "/invocations"
+        statuses = {}
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, data=big, headers={"content-type": "application/json"}),
+                                   timeout=60)
+        except urllib.error.HTTPError as exc:
+            statuses["urllib"] = (exc.code, json.loads(exc.read())["code"])
+        reply = requests.post(url, data=big, timeout=60)
+        statuses["requests"] = (reply.status_code, reply.json()["code"])
+        body_file = tmp_path / "big.json"
+        body_file.write_bytes(big)
+        curl = subprocess.run(["curl", "-sS", "-o", "-", "-w", "\n%{http_code}", "--data-binary", f"@{body_file}",
+                               "-H", "content-type: application/json", url], capture_output=True, timeout=60)
+        answer, code = curl.stdout.rsplit(b"\n", 1)
+        statuses["curl"] = (int(code), json.loads(answer)["code"])
+        assert statuses == {"urllib": (413, 413), "requests": (413, 413), "curl": (413, 413)}, (statuses, curl.stderr)
+        # Chunked (no length): the same answer once the limit is passed.
+        reply = requests.post(url, data=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]), timeout=60)
+        assert reply.status_code == 413 and "exceeds the limit of 6000000 bytes" in reply.json()["error"]
+        five_mb = b'{"inputs": "hi", "parameters": {"max_new_tokens": 3}}' + b" " * 5_000_000
+        reply = requests.post(url, data=five_mb, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["generated_text"] == expected_text("hi", 3)

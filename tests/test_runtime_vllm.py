@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from lmc.runtime.engines.base import GenerationParams, GenerationRequest
+from lmc.runtime.jobs import Job
 from lmc.runtime.metrics import Metrics
 from lmc.runtime.vllm_backend import (
     VllmScheduler,
@@ -191,23 +192,9 @@ class Text:
         return ([1] if add_special_tokens else []) + [len(word) for word in text.split()]
 
 
-@dataclass(eq=False)
-class Job:
-    request: GenerationRequest
-    stream: bool = False
-    prompt_tokens: int = 2
-    enqueued_at: float = 0.0
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    first_token_at: float | None = None
-    finished: bool = False
-
-    @property
-    def id(self):
-        return self.request.id
-
-
 def job(name: str, stream=False, **params) -> Job:
-    return Job(GenerationRequest(name, "hello there", GenerationParams(**params)), stream=stream)
+    return Job(GenerationRequest(name, "hello there", GenerationParams(**params)), stream=stream, prompt_tokens=2,
+               enqueued_at=0.0)
 
 
 async def started(engines: list, plan=None, **kwargs) -> VllmScheduler:
@@ -250,7 +237,7 @@ def test_a_streamed_job_gets_its_pieces_then_its_result():
 
 
 def test_admission_holds_max_num_seqs_plus_the_queue_then_503_and_abandon_aborts():
-    from lmc.runtime.server import RequestFailed
+    from lmc.runtime.jobs import RequestFailed
 
     async def run():
         engines: list = []

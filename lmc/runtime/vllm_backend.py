@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from lmc.errors import LmcError
 from lmc.runtime.engines.base import GenerationParams, GenerationResult, Piece
+from lmc.runtime.jobs import Job, RequestFailed
 
 log = logging.getLogger("lmc.runtime")
 
@@ -238,7 +239,7 @@ class VllmScheduler:
         self._stopping = False
         self._supervisor: asyncio.Task | None = None
         self._served = 0  # answers given: an engine that dies after serving some is restarted without limit
-        metrics.queue_depth.set_function(lambda: max(0, len(self._jobs) - self.running_limit))
+        metrics.queue_depth.set_function(self.queued)
         metrics.groups_ready.set_function(lambda: int(self._ready.is_set()))
         metrics.registry.register(_VllmCollector())
 
@@ -354,11 +355,9 @@ class VllmScheduler:
 
     # -- admission
 
-    def submit(self, jobs: list) -> None:
+    def submit(self, jobs: list[Job]) -> None:
         """Start all of `jobs` or raise RequestFailed(503) at once: vLLM runs max_num_seqs, and at most
         job_queue_size more wait."""
-        from lmc.runtime.server import RequestFailed
-
         if not self._ready.is_set():
             raise RequestFailed(503, "the vLLM engine is not ready (loading or restarting); retry later")
         if len(self._jobs) + len(jobs) > self.capacity:
@@ -368,24 +367,28 @@ class VllmScheduler:
             task = asyncio.create_task(self._run(job), name=f"lmc-vllm-{job.id}")
             self._jobs[job.id] = (job, task)
 
-    def abandon(self, job) -> None:
+    def abandon(self, job: Job) -> None:
         """The job's answer is no longer wanted: its vLLM request is aborted (its sequence leaves the batch)."""
         job.finished = True
         entry = self._jobs.get(job.id)
         if entry is not None and not entry[1].done():
             entry[1].cancel()  # AsyncLLM.generate aborts the request when cancelled
 
+    def queued(self) -> int:
+        """Requests beyond what vLLM runs at once (its waiting queue, as lmc counts it)."""
+        return max(0, len(self._jobs) - self.running_limit)
+
     def fail_all(self, status: int, message: str) -> None:
         for job, _ in list(self._jobs.values()):
             self._fail(job, status, message)
 
-    def _fail(self, job, status: int, message: str) -> None:
+    def _fail(self, job: Job, status: int, message: str) -> None:
         if not job.finished:
             job.events.put_nowait(("error", status, message))
 
     # -- one request
 
-    async def _run(self, job) -> None:
+    async def _run(self, job: Job) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
