@@ -172,7 +172,9 @@ def test_bad_input_gets_the_same_400s(served):
 
 
 def _metric(text: str, name: str) -> float:
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")]
+    """The sum of a series' samples (`name` may end inside its labels, to pick some)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + ("" if "{" in name else "{")) or line.startswith(name + " ")]
     assert values, f"{name} not in /metrics"
     return sum(values)
 
@@ -197,11 +199,11 @@ def test_a_full_queue_answers_503_at_once_and_a_hang_up_aborts(served):
         async with httpx.AsyncClient(timeout=120) as client:
             filling = asyncio.create_task(client.post(url + "/invocations", json={
                 "inputs": ["the quick brown fox"] * capacity, "parameters": long}))
-            for _ in range(200):  # until the engine holds them
+            for _ in range(200):  # until they are admitted: max_num_seqs run, the rest wait
                 metrics = (await client.get(url + "/metrics")).text
-                if _metric(metrics, "vllm:num_requests_running") > 0:
+                if _metric(metrics, "lmc_queue_depth") == plan["job_queue_size"]:
                     break
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.02)
             started = time.monotonic()
             refused = await client.post(url + "/invocations", json={"inputs": "one more"})
             assert refused.status_code == 503 and "queue is full" in refused.json()["error"]
@@ -209,19 +211,21 @@ def test_a_full_queue_answers_503_at_once_and_a_hang_up_aborts(served):
             filled = await filling
             assert filled.status_code == 200 and len(filled.json()) == capacity
 
-            # a stream whose client leaves after one line: its vLLM request is aborted
+            # a stream whose client leaves after one line: its vLLM request is aborted (it never runs to its length)
+            before = _metric((await client.get(url + "/metrics")).text, 'vllm:request_success_total{engine="0",finished_reason="length"')
             async with client.stream("POST", url + "/invocations", json={
-                    "inputs": "hello", "stream": True, "parameters": {"max_new_tokens": 80, "ignore_eos_token": True}}) as reply:
+                    "inputs": "hello", "stream": True, "parameters": {"max_new_tokens": 90, "ignore_eos_token": True}}) as reply:
                 async for line in reply.aiter_lines():
                     if line:
                         break
             for _ in range(100):
                 metrics = (await client.get(url + "/metrics")).text
-                if _metric(metrics, "vllm:num_requests_running") == 0:
+                if _metric(metrics, "vllm:num_requests_running") == 0 and "499" in metrics:
                     break
                 await asyncio.sleep(0.1)
             assert _metric(metrics, "vllm:num_requests_running") == 0
-            assert 'lmc_requests_total{endpoint="invocations",status="499"}' in metrics
+            assert 'lmc_requests_total{endpoint="invocations",status="499"} 1.0' in metrics
+            assert _metric(metrics, 'vllm:request_success_total{engine="0",finished_reason="length"') == before
 
     asyncio.run(run())
 
