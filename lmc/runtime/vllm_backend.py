@@ -254,6 +254,8 @@ class VllmScheduler:
     def _create_engine(self) -> None:
         try:
             if self.gate is not None:
+                if self.engine_factory is _start_async_llm:
+                    _warm_import()  # seconds, while the front end checks the artifact's hashes
                 while not self.gate.wait(0.5):
                     if self._stopping:
                         return
@@ -466,6 +468,14 @@ def check_cpu_head_size(model_dir: Path) -> None:
     if head_dim not in supported:
         raise VllmUnavailable(f"{model_dir / 'config.json'}: head size {head_dim}: vLLM's CPU attention runs head sizes "
                               f"{', '.join(map(str, supported))} only; serve this model with the hf engine")
+
+
+def _warm_import() -> None:
+    """Import vLLM's engine client (reads nothing from the artifact); a missing vLLM is reported later."""
+    try:
+        import vllm.v1.engine.async_llm  # noqa: F401
+    except ImportError:
+        pass
 
 
 def _shutdown(engine) -> None:
