@@ -52,6 +52,7 @@ def test_engine_arguments_carry_the_planned_sizes(tmp_path):
     assert "gpu_memory_utilization" not in args  # CPU: the pool comes from VLLM_CPU_KVCACHE_SPACE
     assert args["generation_config"] == "vllm"  # lmc applies generation_config.json itself
     assert "load_format" not in args  # the checkpoint itself
+    assert args["enforce_eager"] is True  # CPU: no inductor compile at start (see engine_arguments)
 
 
 def test_engine_arguments_on_a_gpu_plan(tmp_path):
@@ -61,6 +62,7 @@ def test_engine_arguments_on_a_gpu_plan(tmp_path):
     assert (args["dtype"], args["quantization"], args["tensor_parallel_size"]) == ("bfloat16", "fp8", 2)
     assert args["gpu_memory_utilization"] == 0.5
     assert args["load_format"] == "sharded_state"  # vLLM's files are in the artifact
+    assert args["enforce_eager"] is False  # GPUs: vLLM's compile and CUDA graphs
     assert engine_environment(plan) == {}
 
 
