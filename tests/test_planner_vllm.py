@@ -61,7 +61,8 @@ def test_activation_peak_follows_max_num_batched_tokens():
 
 def test_cpu_pool_is_whole_gib_of_vllm_cpu_kvcache_space():
     memory, layout = vllm_memory(LLAMA8, LOCAL, VLLM, VLLM.efficiency["cpu"], "bf16", 1, 2, 1024, 256, 1.0, 24 * GIB)
-    left = 24 * GIB - memory.weights - memory.activations - memory.runtime_overhead
+    left = memory.capacity - memory.weights - memory.activations - memory.runtime_overhead
+    assert memory.capacity <= 24 * GIB  # the cap, or this machine's memory when smaller
     assert layout.cpu_kvcache_space_gib == left // GIB
     assert layout.pool_bytes == layout.cpu_kvcache_space_gib * GIB
     assert layout.block_size == 128
@@ -135,3 +136,12 @@ def test_max_num_seqs_is_what_the_pool_holds_when_that_is_short_of_the_concurren
                   workload={"max_input_tokens": 2048, "max_output_tokens": 512, "concurrency": 16}), hardware=g5)
     assert p.kv_cache.max_concurrent_sequences < 16  # an 8B leaves room for fewer on 24 GiB
     assert p.vllm.max_num_seqs == p.batch_size == p.kv_cache.max_concurrent_sequences
+
+
+def test_the_schema_accepts_vllm_and_a_remote_checkpoint_is_not_sharded():
+    from lmc.schema import load_spec
+
+    loaded = load_spec(__import__("pathlib").Path(__file__).parents[1] / "specs" / "tiny-llama-cpu-vllm.toml")
+    assert loaded.spec.pin.engine == "vllm"
+    p = plan(spec(model={"id": "x", "uri": "s3://bucket/llama/"}, pin={"engine": "vllm"}))
+    assert p.decision("weights").value == "remote"

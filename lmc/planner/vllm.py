@@ -209,8 +209,10 @@ def vllm_section(layout: VllmLayout) -> VllmConfig:
                       cpu_kvcache_space_gib=layout.cpu_kvcache_space_gib)
 
 
-def weights_format(hardware: HardwareFacts) -> tuple[str, str]:
+def weights_format(hardware: HardwareFacts, remote: bool = False) -> tuple[str, str]:
     """How a vLLM artifact carries its weights, and why (the build follows this; README has the details)."""
+    if remote:
+        return ("remote", "model.uri: the container loads the checkpoint from there and vLLM partitions it as it loads")
     if hardware.kind == "cpu":
         return ("checkpoint", "the checkpoint in the planned dtype: vLLM's sharded_state round trip is broken on CPU "
                               "(saving writes only embeddings and norms; loading fails with missing keys)")
@@ -242,7 +244,7 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
     }
     values = {"max_batch_delay_ms": 0}
     out = [Decision(key=d.key, value=values.get(d.key, d.value), reason=replaced.get(d.key, d.reason)) for d in out]
-    fmt, why = weights_format(hardware)
+    fmt, why = weights_format(hardware, remote=spec.model.uri is not None)
     goal_at = next(i for i, d in enumerate(out) if d.key == "goal")
     out[goal_at:goal_at] = [
         Decision(key="scheduling", value="continuous",
