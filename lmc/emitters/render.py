@@ -118,6 +118,7 @@ def context(plan: Plan, spec: Spec) -> dict[str, Any]:
         "instances": instances,
         "batch_size": plan.batch_size,
         "max_batch_delay_ms": plan.max_batch_delay_ms,
+        "scheduling": plan.scheduling,
         "job_queue_size": plan.job_queue_size,
         "max_sequence_length": plan.max_sequence_length,
         "device": device_of(plan),

@@ -29,6 +29,7 @@ from lmc.planner.memory import (
     memory_per_device,
 )
 from lmc.planner.plan import Alternative, Decision, Deployment, MemoryPerDevice, Plan, PlanModel, PlanTarget, Predicted
+from lmc.planner.scheduling import choose_scheduling
 
 ENGINE_ORDER = ("neuronx", "deepspeed", "hf")  # ties go to the engine built for the hardware
 MAX_BATCH = 256
@@ -83,6 +84,9 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
     if not feasible:
         raise no_feasible_plan(spec, model, hardware, engines, configs, rejections, candidates)
     chosen, goal_met = choose(spec, model, hardware, feasible)
+    scheduling, kv_cache, scheduling_reason = choose_scheduling(
+        chosen.engine, chosen.dtype, chosen.tp, chosen.batch, spec.workload.concurrency,
+        spec.workload.max_input_tokens + spec.workload.max_output_tokens, model, hardware, chosen.memory)
     plan = Plan(
         lmc_version=lmc_version,
         spec_sha256=spec_sha256,
@@ -101,13 +105,15 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         max_batch_delay_ms=batch_delay_ms(spec, chosen.batch),
         job_queue_size=job_queue_size(spec, chosen),
         max_sequence_length=spec.workload.max_input_tokens + spec.workload.max_output_tokens,
-        scheduling="dynamic",
+        scheduling=scheduling,
+        kv_cache=kv_cache,
         deployment=Deployment(instances=chosen.timing.instances_used, pipeline_parallel_degree=1,
                               min_instances=chosen.timing.instances_used, max_instances=chosen.timing.instances_used),
         memory_per_device=chosen.memory,
         predicted=predicted(chosen.timing),
         goal_met=goal_met,
-        decisions=decisions(spec, model, hardware, engines, chosen, goal_met, configs, rejections),
+        decisions=[*decisions(spec, model, hardware, engines, chosen, goal_met, configs, rejections),
+                   Decision(key="scheduling", value=scheduling, reason=scheduling_reason)],
         alternatives=alternatives(spec, model, hardware, chosen, configs, rejections),
     )
     return plan.with_digest()
