@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
 spec sha256 66b9b5ea89e56791b1e75019e5b80363209f496d75385d5bbbf361d08a2ed400
-plan sha256 112596c71f33dc3b17a63842b6da90305ac7ea14c9bdce84a990fec0f7e71fc4
+plan sha256 ffc27f84dbe10580f8950ab90e5ad15e0565f4d3fa4125ed38fe762846eff31a
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 1, dynamic batches of up to 4 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 ebfdc1f0789f643dced1da026260aa12529ac61b41eafbd150d33d844c41b179
-plan sha256 f6cb1f7c8b00709cdbb0020c5b2f973801b798c7969ddb10cc51107c6d60cb74
+plan sha256 25a1367d531eae1ce6d698554aa2123e2bc9be9df300dfee04166bb620d38957
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

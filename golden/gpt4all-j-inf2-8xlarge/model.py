@@ -7,7 +7,7 @@ No compiled Neuron graphs are packed: transformers-neuronx cannot serialize comp
 (predicted load time including the compile: 378.9 s).
 
 spec sha256 66120dfdf401f5140a8fab6c8d5d00fff05df4370da0ef5584092b1c17492b8a
-plan sha256 2c0462c21079d88f328218456ebe53064a85fd37f2dc768d2673a77723edbbdf
+plan sha256 066336b6daa2901738ba64bc61ee86819bf706884d7f0d59d5d726e14078dfac
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -6,7 +6,7 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
 spec sha256 80af49028ba730692095cc81faab15b483505bf7873992bf466051cfb25851c2
-plan sha256 20844edaf0de7875e9f92df286c3f7c1c4f9536ecdc05ff459ea12d7f6fefb27
+plan sha256 1e75d96c40b2c2a7179800b3c6afa06bec026f5b40fc6b006a245837905bc438
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 1, dynamic batches of up to 4 requests
 (waiting at most 10 ms), sequences of up to 1536 tokens, on cuda.
 
 spec sha256 f74504cb624c5c0c182248cbbb1b23c2c1f0bca30a9ef42bfe5be05d05f66fe1
-plan sha256 7dec6b25792a4560068ce1426d652c80b000ad6495705a7ce06e65fc6cb47a5e
+plan sha256 3334049f3e25be9a7b21141d98bf506ef6618f02a30b2300ca85b470397b04ea
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

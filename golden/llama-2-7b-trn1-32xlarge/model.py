@@ -6,7 +6,7 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
 spec sha256 7fab9c9728c7e76df62acb1b01b8e25ed3bb02b5a35f886f6a4cb4fa6aeb583f
-plan sha256 cafae7af9ce17ac396b173fe745bffb76239dee9bb63dbbe61f9e115f1a437cb
+plan sha256 4b263171aedba57ac378314b68fcc09b2355a2ebbfe55493ee75b433bb34537d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

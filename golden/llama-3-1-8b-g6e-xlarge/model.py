@@ -5,7 +5,7 @@ tensor parallel degree 1, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 5120 tokens, on cuda.
 
 spec sha256 7e448e8dadcd077f347a2efa9c19be3d397124f6fef0b311f7731503198e94df
-plan sha256 c57d0ee72013324b10368a137030cd17136a6624ced3ac53d9d42324922ee5dd
+plan sha256 96d0c3253152ab9324c783bdd51007989a47bab40b6f08dac9a28ae09204ba3f
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.
