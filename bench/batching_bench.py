@@ -49,11 +49,11 @@ replicas = 1
 """
 
 
-def build_real(root: Path, spec_text: str = SPEC) -> Path:
+def build_real(root: Path, spec_text: str = SPEC, **checkpoint_overrides) -> Path:
     from lmc.cli.main import main
     from lmc.testing.checkpoints import make_checkpoint
 
-    checkpoint = make_checkpoint("llama", root / "ckpt")
+    checkpoint = make_checkpoint("llama", root / "ckpt", **checkpoint_overrides)
     spec = root / "spec.toml"
     spec.write_text(spec_text.format(path=checkpoint.as_posix()))
     out = root / "artifact"
