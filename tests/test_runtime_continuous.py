@@ -41,6 +41,20 @@ def artifact(tmp_path_factory) -> Path:
     return root / "artifact"
 
 
+@pytest.fixture(scope="module")
+def server(artifact):
+    served = open_artifact(artifact)
+    with ServerThread(Runtime(served.model_dir, served.plan, request_timeout_s=120)) as srv:
+        srv.wait_ready(180)
+        srv.plan = served.plan
+        yield srv
+
+
+def _series(server) -> dict[str, float]:
+    return {line.split(" ")[0]: float(line.split(" ")[1])
+            for line in httpx.get(server.url + "/metrics").text.splitlines() if line and line[0] != "#"}
+
+
 def test_the_plan_is_continuous_with_a_kv_pool_and_says_why(artifact):
     plan = open_artifact(artifact).plan
     assert plan["scheduling"] == "continuous"
@@ -62,32 +76,44 @@ def _stream(url: str, prompt: str, tokens: int, log: dict, key: str) -> None:
     log[key + "_end"] = time.monotonic()
 
 
-def test_a_short_request_finishes_while_a_long_one_decodes_with_its_alone_answer(artifact):
-    served = open_artifact(artifact)
-    with ServerThread(Runtime(served.model_dir, served.plan, request_timeout_s=120)) as server:
-        server.wait_ready(180)
-        alone = {prompt: httpx.post(server.url + "/invocations", timeout=120, json={
-            "inputs": prompt, "parameters": {"max_new_tokens": n, "ignore_eos_token": True}}).json()["generated_text"]
-            for prompt, n in (("a long story about a fox", 240), ("short one", 8))}
-        log: dict = {}
-        long = threading.Thread(target=_stream, args=(server.url, "a long story about a fox", 240, log, "long"))
-        long.start()
-        deadline = time.monotonic() + 60
-        while "long_first" not in log and time.monotonic() < deadline:
-            time.sleep(0.005)
-        _stream(server.url, "short one", 8, log, "short")
-        long.join(120)
-        metrics = httpx.get(server.url + "/metrics").text
+def test_a_short_request_finishes_while_a_long_one_decodes_with_its_alone_answer(server):
+    alone = {prompt: httpx.post(server.url + "/invocations", timeout=120, json={
+        "inputs": prompt, "parameters": {"max_new_tokens": n, "ignore_eos_token": True}}).json()["generated_text"]
+        for prompt, n in (("a long story about a fox", 240), ("short one", 8))}
+    log: dict = {}
+    long = threading.Thread(target=_stream, args=(server.url, "a long story about a fox", 240, log, "long"))
+    long.start()
+    deadline = time.monotonic() + 60
+    while "long_first" not in log and time.monotonic() < deadline:
+        time.sleep(0.005)
+    _stream(server.url, "short one", 8, log, "short")
+    long.join(120)
+    series = _series(server)
     assert log["short_end"] < log["long_end"], "the short request waited for the long one"
-    # ... and it was generated while the long one decoded, not queued behind it: the long stream still had
-    # lines to send after the short answer was complete.
     assert log["long_lines"][-1]["details"]["generated_tokens"] == 240
     assert log["short_lines"][-1]["generated_text"] == alone["short one"]
     assert log["long_lines"][-1]["generated_text"] == alone["a long story about a fox"]
-    series = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
-              if line and not line.startswith("#")}
     assert series["lmc_scheduler_running_requests"] == 0 and series["lmc_scheduler_waiting_requests"] == 0
-    assert series["lmc_kv_cache_blocks_used"] == 0 and series["lmc_kv_cache_blocks_free"] == served.plan["kv_cache"]["blocks"]
-    assert series["lmc_queue_time_seconds_count"] == 4
+    assert series["lmc_kv_cache_blocks_used"] == 0 and series["lmc_kv_cache_blocks_free"] == server.plan["kv_cache"]["blocks"]
+    assert series["lmc_queue_time_seconds_count"] >= 4
     # Some step decoded both rows: the short one joined the running long one.
     assert series["lmc_scheduler_tokens_per_step_count"] > series['lmc_scheduler_tokens_per_step_bucket{le="1.0"}']
+
+
+def test_a_client_that_leaves_stops_its_row_and_frees_its_slot(server):
+    before = _series(server)["lmc_generated_tokens_total"]
+    body = {"inputs": "a story nobody reads", "stream": True,
+            "parameters": {"max_new_tokens": 250, "ignore_eos_token": True}}
+    with httpx.stream("POST", server.url + "/invocations", json=body, timeout=60) as reply:
+        lines = reply.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 30
+    while _series(server)["lmc_generated_tokens_total"] == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    series = _series(server)
+    # The row stopped once the cancel reached rank 0, well before its 250 tokens; its slot and blocks are free.
+    assert 3 <= series["lmc_generated_tokens_total"] - before < 250
+    assert series["lmc_scheduler_running_requests"] == 0 and series["lmc_kv_cache_blocks_used"] == 0
+    after = httpx.post(server.url + "/invocations", timeout=60, json={"inputs": "next", "parameters": {"max_new_tokens": 4}})
+    assert after.status_code == 200
