@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lmc.errors import ArtifactError
-from lmc.layouts import shard_path
+from lmc.layouts import pipeline_degree, shard_path, stage_shard_path
 
 MANIFEST_NAME = "lmc.json"
 FORMAT_VERSION = 1
@@ -27,6 +27,8 @@ BINDING_FILE = "serving.properties"
 # What importing model.py (DJL Serving does; lmc runs it from source) may add to a writable model dir.
 # lmc never reads it: model.py is the one Python file in an artifact, and it sits at the top.
 _BYTECODE_DIR = "__pycache__"
+# vLLM's sharded_state files (its ShardedStateLoader's TP-only pattern), in a vLLM artifact's top level.
+VLLM_SHARDED_STATE = "model-rank-{rank}-part-{part}.safetensors"
 
 
 def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
@@ -148,14 +150,22 @@ def expected_files(manifest: dict[str, Any]) -> list[str]:
     generation_config.json, Neuron graphs). A file removed together with its entry is caught here,
     before any process starts, instead of by a load that fails."""
     plan, spec = manifest["plan"], manifest["spec"]
-    names = [BINDING_FILE, "model.py", "requirements.txt"]
+    vllm = plan.get("engine") == "vllm"  # LMI's vLLM handler is the entry point: no model.py
+    names = [BINDING_FILE, "requirements.txt"] if vllm else [BINDING_FILE, "model.py", "requirements.txt"]
     model = spec.get("model")
     if isinstance(model, dict) and model.get("uri"):  # the container loads the weights itself
         return names
     names.append("config.json")
     tp = plan.get("tensor_parallel_degree")
-    if plan.get("engine") == "neuronx":
+    if vllm and "model.safetensors" not in manifest["files"] and isinstance(tp, int) and 0 < tp <= 1024:
+        names += [VLLM_SHARDED_STATE.format(rank=rank, part=0) for rank in range(tp)]  # each rank's first part
+    elif vllm:
+        names.append("model.safetensors")  # the checkpoint in the planned dtype
+    elif plan.get("engine") == "neuronx":
         names.append("model.safetensors")
+    elif isinstance(tp, int) and not isinstance(tp, bool) and 0 < tp <= 1024 and pipeline_degree(plan) > 1:
+        stages = pipeline_degree(plan)
+        names += [stage_shard_path(stages, tp, stage, rank) for stage in range(stages) for rank in range(tp)]
     elif isinstance(tp, int) and not isinstance(tp, bool) and 0 < tp <= 1024:
         names += [shard_path(tp, rank) for rank in range(tp)]
     return names

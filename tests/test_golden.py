@@ -20,6 +20,8 @@ from lmc.schema import load_spec
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "specs").glob("*.toml"))
 CPU_SPEC = ROOT / "specs" / "tiny-llama-cpu.toml"
+# Specs whose model.path is the tiny checkpoint the tests create.
+CPU_SPECS = (CPU_SPEC, ROOT / "specs" / "tiny-llama-cpu-vllm.toml")
 GOLDEN = ROOT / "golden"
 
 # syrupy warns that a golden file's name does not contain the test's name: that is the layout.
@@ -44,7 +46,7 @@ def _plan_or_none(spec: Path):
 
 @pytest.mark.parametrize("spec", SPECS, ids=[p.stem for p in SPECS])
 def test_golden_plan(spec: Path, snapshot, request):
-    if spec == CPU_SPEC:
+    if spec in CPU_SPECS:
         request.getfixturevalue("cpu_checkpoint")
     result = _plan_or_none(spec)
     if result is None:
@@ -74,7 +76,7 @@ def _capture_plan_error(spec: Path) -> str:
 
 @pytest.mark.parametrize("spec", SPECS, ids=[p.stem for p in SPECS])
 def test_golden_emitted_files(spec: Path, snapshot, request):
-    if spec == CPU_SPEC:
+    if spec in CPU_SPECS:
         request.getfixturevalue("cpu_checkpoint")
     result = _plan_or_none(spec)
     if result is None:
@@ -86,6 +88,9 @@ def test_golden_emitted_files(spec: Path, snapshot, request):
     assert files == render_text_files(result.plan, loaded.spec), "rendering must be deterministic"
     assert files["serving.properties"].decode() == snapshot(
         extension_class=golden_file(spec.stem, "serving.properties"))
+    if result.plan.engine == "vllm":  # LMI's vLLM handler is the entry point (render.VLLM_OMITS)
+        assert "model.py" not in files
+        return
     assert files["model.py"].decode() == snapshot(extension_class=golden_file(spec.stem, "model.py"))
 
 
@@ -102,10 +107,13 @@ def test_no_unused_golden_files(cpu_checkpoint):
     """Every file under golden/ belongs to a spec in specs/ and a check above: stale goldens fail."""
     expected = {f"{CPU_SPEC.stem}/archive.txt"}
     for spec in SPECS:
-        if _plan_or_none(spec) is None:
+        result = _plan_or_none(spec)
+        if result is None:
             expected.add(f"{spec.stem}/plan.txt")
         else:
-            expected.update(f"{spec.stem}/{name}" for name in ("plan.json", "report.txt", "serving.properties", "model.py"))
-    present = {str(p.relative_to(GOLDEN)) for p in GOLDEN.rglob("*") if p.is_file()}
+            names = ("plan.json", "report.txt", "serving.properties") + (() if result.plan.engine == "vllm" else ("model.py",))
+            expected.update(f"{spec.stem}/{name}" for name in names)
+    present = {str(p.relative_to(GOLDEN)) for p in GOLDEN.rglob("*") if p.is_file()
+               and p.relative_to(GOLDEN).parts[1:2] != ("deploy",)}  # tests/test_deploy.py checks those
     assert present - expected == set(), "golden files no check produces: delete them (or run --snapshot-update)"
     assert expected - present == set(), "golden files missing: run `pytest --snapshot-update`"

@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 42b2748a521e6b7a36a3158e6441c5f0e824d663aa383f0b5f4147f7391f982d
-plan sha256 51f959320ceaf4a9d0ac6cd4948ab818139680b074089aeac4216f4b89f7218b
+spec sha256 7df02b674b921cbb211578ae73735c12b51cc0c6cb0eaac8777b587a1148830d
+plan sha256 6ffa88bd8d2a1daff348a3e03c8625771eda08491de737a9867b8387bc5d50f6
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 510437c282571ac9367d4975024a165534257bb45fa31dc25ca1da83b87fdb7c
-plan sha256 38f49fd72951e1441114cbc926990b0a08e0567bb6457900256ddda10cd91886
+spec sha256 a75eee0cdb9630c9d5b70616e29c809f580d44a0eeec962c0c994c44e00d44bc
+plan sha256 2dbc7369db6103a39fe23d169263f299b1fa1af01d440b096755d9aeef31cc8c
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 50 ms),
 sequences of up to 640 tokens, on cuda.
 
-spec sha256 95bb758b8a515b71e0bffef3d0fa6ee1d56f0e362c9d5fb24792b3532b6841d1
-plan sha256 c3bd72daaefb933f6b2263e9195dea54d1b7574f8c11b2538aa5fe33a7c3b68c
+spec sha256 b3567178d4681350d2c812beee65923e8a1fa69d1c9bbb3f9b69e71e62e50301
+plan sha256 fec938a395d49a5c98b6930269684b190768ea191738190929630971e2afb954
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 32 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waiting at most 50 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 15e433da4df3cc1644a73ebc8decf4cd8b2dda17629fa53b9434c7ed3ffb19d1
-plan sha256 a181873fe0336802c9802d446dbb5d0bcbedb30319260c285f3248762bf88c61
+spec sha256 08d953476add034e1984e57856c68463c18e6bac9dbc26c1919c05cbe1a4a02e
+plan sha256 f8b9b47ce8fb06ef3560c599cc4f8dbd517906ed993b757cc45d53961b7342f2
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

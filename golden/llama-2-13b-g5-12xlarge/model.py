@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 16 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waiting at most 50 ms),
 sequences of up to 2560 tokens, on cuda.
 
-spec sha256 b41931c592b7782253d96dcf282f42b9c763e26e53f63f5ba77ad946831ff07e
-plan sha256 a54ea07a05939ca29fc1cfd208bc2a4b673d58fc974cdb2dedd195d82a63ed33
+spec sha256 d1a13e51a923f5f05045b399c2b5f91812686a65c6920ba8c17221a69c8f5551
+plan sha256 cef10d0e1b8721386cf7774c8a56fdd39a2cf2f70c36e54ca02f303dac7275af
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 64 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 64 requests waiting at most 50 ms),
 sequences of up to 5120 tokens, on cuda.
 
-spec sha256 9fa9cf3e72da6d48c4abd17b8b089537037974e69c714341c7c86b33bb68dea9
-plan sha256 296e9089cd442d24f8c8081db5f7f54782a8f5771147552201a5853bf45a55d5
+spec sha256 4228949ec537b9a56d104af3ef593a98e98d94ea7454c8e8d92dcedd5bca5d69
+plan sha256 b66f495f204c4dd3747aeb7c64ac6bc6ff07be0dc5a5bdfbe72798a8efc505d4
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

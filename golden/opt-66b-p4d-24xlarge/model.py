@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 16 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 f5e4f19795eff60fca28846d7be3c49db36e8050dd81a11b7dff6e96f42d5b2f
-plan sha256 8c40e82abe55b82053ab5dc6004695eafbe52b7ba14be21123acfd94fd10afbb
+spec sha256 64b32496a1793acbdf0c3e346573151c75aee2f94026c79b69cd8e5aa2e62f2f
+plan sha256 2576d89735c228deb43eb233f0c1d8a871edef05997def9792822858a3abbb71
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 2, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 96 tokens, on cpu.
 
-spec sha256 1236aa751aa1c59eb6912ec2bfe577cfe28bc93f61316e82d65b3defa8e68fec
-plan sha256 cecc0b24fb3d250fb42a3a95c92eeee0f0040b3b966aa2fa4815f5bdae5e0ad0
+spec sha256 577f45c861188cfe71ac17bb7892239e05857d22d672a307815137382a936d0e
+plan sha256 decdd2307b7312b29eb088d7f425ae42ea3b704f95b01fcf085bbc2a6cd2d767
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     width = max(len(name) for name in result.files)
     for name, size in result.files.items():
         print(f"  {name:<{width}}  {format_bytes(size):>10}")
+    for note in result.notes:
+        print(f"note: {note}")
     if result.archive_sha256 is not None:
         print(f"wrote {result.out} ({format_bytes(result.archive_bytes)}, {len(result.files)} files), "
               f"sha256 {result.archive_sha256}")

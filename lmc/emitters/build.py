@@ -8,7 +8,11 @@ staging directory is removed whatever happens: a failed build leaves nothing beh
 Artifact layout (DESIGN.md): serving.properties, model.py, requirements.txt, lmc.json, the
 checkpoint's config.json / generation_config.json / tokenizer files, then
   hf, deepspeed:  shards/tp{N}/rank{r}.safetensors, already in the planned dtype;
-  neuronx:        model.safetensors (cast, whole) and neuron/ (see lmc.emitters.neuron).
+  hf across P instances (pipeline degree P > 1, Llama family): shards/pp{P}-tp{N}/stage{s}-rank{r}.safetensors;
+  neuronx:        model.safetensors (cast, whole) and neuron/ (see lmc.emitters.neuron);
+  vllm:           no model.py; vLLM's model-rank-{r}-part-{p}.safetensors (load_format=sharded_state)
+                  when the build machine can run vLLM for the plan, else model.safetensors (cast, whole)
+                  (see lmc.emitters.vllm_weights).
 With model.uri set, no weights and no checkpoint files are packed: the container loads them.
 """
 
@@ -44,6 +48,7 @@ class BuildResult:
     files: dict[str, int]  # relative path -> size in bytes, sorted; lmc.json included
     archive_sha256: str | None  # of the .tar.gz; None for --format dir
     archive_bytes: int  # the archive's size, or the tree's total for dir
+    notes: tuple[str, ...] = ()  # what the build did differently from what the plan prefers, and why
 
     @property
     def total_file_bytes(self) -> int:
@@ -64,6 +69,7 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
     profile = loaded.source.base_dir / spec.target.profile if spec.target.profile else None
     _check_output(out, fmt, inputs=[loaded.source.path, profile], checkpoint=result.checkpoint)
 
+    check_pipeline_plan(plan)
     weights_remote = spec.model.uri is not None
     precompile = neuron.graphs_precompiled(plan, weights_remote)
     # The SDK check comes before any weight is read: a build that cannot finish stops at once.
@@ -80,12 +86,17 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
         info = validate_checkpoint(result.checkpoint, result.model, allow_pickle=allow_pickle)
 
     staging = _make_staging(out)
+    vllm_format = vllm_note = None  # what a vLLM build packed (sharded_state or checkpoint), and why
     try:
         try:
             if info is not None:
                 _copy_checkpoint_files(info, result.checkpoint, staging)
                 if plan.engine == "neuronx":
                     _stage_neuron_weights(info, plan, result.model, staging, progress)
+                elif plan.engine == "vllm":
+                    vllm_format, vllm_note = _stage_vllm_weights(info, plan, result, staging, say, progress)
+                elif plan.deployment.pipeline_parallel_degree > 1:
+                    _stage_pipeline_weights(info, plan, result.model, staging, say, progress)
                 else:
                     from lmc.emitters.partition import partition_checkpoint
 
@@ -101,7 +112,7 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
                     neuron.write_compile_record(staging, neuron.deferred_compile_record(plan, weights_remote))
                 _write(staging / neuron.README, render_neuron_readme(plan, spec))
 
-            for name, data in render_text_files(plan, spec).items():
+            for name, data in render_text_files(plan, spec, vllm_format).items():
                 _write(staging / name, data)
             files = _write_manifest(staging, loaded, plan)
             try:  # the runtime's own check, sizes only: what it would refuse is lmc's bug, not the user's
@@ -119,11 +130,12 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
+    notes = (vllm_note,) if vllm_note else ()
     if fmt == "tar.gz":
         return BuildResult(out=written, format=fmt, plan=plan, files=files,
-                           archive_sha256=sha256_file(written), archive_bytes=written.stat().st_size)
+                           archive_sha256=sha256_file(written), archive_bytes=written.stat().st_size, notes=notes)
     return BuildResult(out=written, format=fmt, plan=plan, files=files, archive_sha256=None,
-                       archive_bytes=sum(files.values()))
+                       archive_bytes=sum(files.values()), notes=notes)
 
 
 def _check_output(out: Path, fmt: str, inputs: list[Path | None] = (), checkpoint: Path | None = None) -> None:
@@ -165,16 +177,74 @@ def _copy_checkpoint_files(info: Any, checkpoint: Path, staging: Path) -> None:
         shutil.copyfile(checkpoint / name, target)
 
 
+def check_pipeline_plan(plan: Plan) -> None:
+    """What lmc can run across instances: the hf engine on a Llama-family model (lmc.runtime.engines.pipeline).
+    Anything else with a pipeline degree > 1 stops the build with one line."""
+    from lmc.layouts import PIPELINE_FAMILIES
+
+    stages = plan.deployment.pipeline_parallel_degree
+    if stages <= 1:
+        return
+    if plan.engine != "hf":
+        raise ArtifactError(f"pipeline parallel degree {stages}: lmc runs plans across instances only on the hf engine "
+                            f"(torch.distributed between the instances), not {plan.engine}"
+                            + ("; vLLM's multi-node mode needs its Ray cluster, which lmc does not start"
+                               if plan.engine == "vllm" else ""))
+    if plan.model.family not in PIPELINE_FAMILIES:
+        raise ArtifactError(f"pipeline parallel degree {stages}: lmc cuts only the {', '.join(PIPELINE_FAMILIES)} "
+                            f"family into stages, not {plan.model.family}; plan for one instance instead")
+    if stages > plan.model.layers:
+        raise ArtifactError(f"pipeline parallel degree {stages} exceeds the model's {plan.model.layers} layers")
+
+
+def _stage_pipeline_weights(info: Any, plan: Plan, model: Any, staging: Path, say: Progress,
+                            progress: Progress | None) -> None:
+    """Per pipeline stage, per TP rank: that stage's layers only (lmc.emitters.partition.partition_pipeline)."""
+    from lmc.emitters.partition import partition_pipeline
+
+    stages = plan.deployment.pipeline_parallel_degree
+    say(f"partitioning weights into {stages} pipeline stages x tensor parallel degree "
+        f"{plan.tensor_parallel_degree} ({plan.dtype})")
+    partition_pipeline(info, family=plan.model.family, dtype=plan.dtype, tp=plan.tensor_parallel_degree,
+                       stages=stages, layers=plan.model.layers, head_dim=model.head_dim, kv_heads=model.kv_heads,
+                       out_dir=staging, progress=progress)
+
+
 def _stage_neuron_weights(info: Any, plan: Plan, model: Any, staging: Path, progress: Progress | None) -> None:
     """The whole checkpoint cast to the planned dtype, as model.safetensors next to config.json.
 
     transformers-neuronx reads a standard HF directory and shards across NeuronCores itself, so the
     weights stay whole (TP 1 in the partitioner's terms). int8 is quantized by the SDK from f16.
     """
+    _stage_whole_weights(info, plan, model, staging, progress, "fp16" if plan.dtype == "int8" else plan.dtype)
+
+
+def _stage_vllm_weights(info: Any, plan: Plan, result: Any, staging: Path, say: Progress,
+                        progress: Progress | None) -> tuple[str, str | None]:
+    """vLLM's sharded_state files when this machine can run vLLM for the plan, else the checkpoint in the
+    planned dtype (16-bit for fp8: vLLM quantizes as it loads). Returns which (lmc.emitters.vllm_weights),
+    and for a GPU plan that could not get sharded_state, the note saying so."""
+    from lmc.emitters import vllm_weights
+
+    why_not = vllm_weights.sharded_state_unavailable(plan)
+    if why_not is None:
+        say(f"writing vLLM sharded_state for tensor parallel degree {plan.tensor_parallel_degree} (vLLM loads the model)")
+        vllm_weights.write_sharded_state(plan, result.checkpoint, staging)
+        return "sharded_state", None
+    dtype = "bf16" if plan.dtype == "fp8" else plan.dtype
+    note = (f"packed the checkpoint in {dtype} as model.safetensors, not vLLM sharded_state: {why_not}; "
+            "vLLM partitions it as it loads (build on a machine with the GPUs for pre-partitioned weights)")
+    say(note)
+    _stage_whole_weights(info, plan, result.model, staging, progress, dtype)
+    return "checkpoint", (note if plan.target.accelerator != "cpu" else None)
+
+
+def _stage_whole_weights(info: Any, plan: Plan, model: Any, staging: Path, progress: Progress | None,
+                         dtype: str) -> None:
+    """The whole checkpoint cast to `dtype`, as model.safetensors next to config.json."""
     from lmc.emitters.partition import partition_checkpoint
 
-    dtype = "fp16" if plan.dtype == "int8" else plan.dtype
-    scratch = staging / ".neuron-weights"
+    scratch = staging / ".whole-weights"
     partition_checkpoint(info, family=plan.model.family, dtype=dtype, tp=1, head_dim=model.head_dim,
                          kv_heads=model.kv_heads, out_dir=scratch, progress=progress)
     whole = scratch / "shards" / "tp1" / "rank0.safetensors"

