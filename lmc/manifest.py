@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lmc.errors import ArtifactError
-from lmc.layouts import shard_path
+from lmc.layouts import pipeline_degree, shard_path, stage_shard_path
 
 MANIFEST_NAME = "lmc.json"
 FORMAT_VERSION = 1
@@ -163,6 +163,9 @@ def expected_files(manifest: dict[str, Any]) -> list[str]:
         names.append("model.safetensors")  # the checkpoint in the planned dtype
     elif plan.get("engine") == "neuronx":
         names.append("model.safetensors")
+    elif isinstance(tp, int) and not isinstance(tp, bool) and 0 < tp <= 1024 and pipeline_degree(plan) > 1:
+        stages = pipeline_degree(plan)
+        names += [stage_shard_path(stages, tp, stage, rank) for stage in range(stages) for rank in range(tp)]
     elif isinstance(tp, int) and not isinstance(tp, bool) and 0 < tp <= 1024:
         names += [shard_path(tp, rank) for rank in range(tp)]
     return names

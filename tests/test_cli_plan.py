@@ -18,14 +18,16 @@ INFEASIBLE = ROOT / "specs" / "bloom-176b-g5-12xlarge.toml"
 DESIGN_KEYS = [
     "lmc_version", "spec_sha256", "plan_sha256", "model", "target", "engine", "dtype", "quantization",
     "tensor_parallel_degree", "replicas", "batch_size", "max_batch_delay_ms", "job_queue_size",
-    "max_sequence_length", "memory_per_device", "predicted", "goal_met", "decisions", "alternatives",
+    "max_sequence_length", "scheduling", "deployment", "memory_per_device", "predicted", "goal_met", "decisions", "alternatives",
 ]
 
 
 def test_plan_json_has_exactly_the_design_keys(capsys):
     assert main(["plan", "--json", str(GPTJ)]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert list(plan) == DESIGN_KEYS
+    # kv_cache only for continuous plans (DESIGN.md), right after scheduling.
+    assert plan["scheduling"] == "continuous"  # DeepSpeed at TP > 1: no fused kernels, rows can join
+    assert list(plan) == [*DESIGN_KEYS[:15], "kv_cache", *DESIGN_KEYS[15:]]
     assert list(plan["memory_per_device"]) == ["weights", "kv_cache", "activations", "runtime_overhead",
                                                "total", "capacity", "headroom"]
     assert list(plan["predicted"]) == ["ttft_ms", "tpot_ms", "throughput_tokens_per_s", "load_seconds",

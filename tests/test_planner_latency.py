@@ -1,30 +1,146 @@
-"""Latency model: physics checks, and the published measurements held to ±35%."""
+"""Latency model: the all-reduce arithmetic, physics checks, and the published measurements held to
+the bounds docs/planner.md reports."""
 
 from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
 
 import pytest
 
 from lmc.planner import catalog
 from lmc.planner.engines import engine_facts, measurements, reference_model
-from lmc.planner.latency import predict, tpot_ms
+from lmc.planner.facts import InterconnectFacts
+from lmc.planner.latency import allreduce_ms, allreduce_us, predict, send_us, tpot_ms, ttft_ms
+from lmc.planner.validation import checks, markdown_table, summarize
 
 ENGINES = engine_facts()
 P4DE = catalog.hardware_facts("ml.p4de.24xlarge")
 G5 = catalog.hardware_facts("ml.g5.12xlarge")
 LLAMA7 = reference_model("llama-2-7b")
 LLAMA70 = reference_model("llama-2-70b")
-TOLERANCE = 0.35  # every calibration and held-out measurement, see docs/planner.md
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "planner.md"
+# The issue's bounds on the table of published measurements (docs/planner.md, "Validation").
+DECODE_MEDIAN, DECODE_WORST, TTFT_MEDIAN = 0.10, 0.35, 0.20
+# No issue bound on the worst first token: Neuron's bucketed context encoding has outliers (-65%);
+# this keeps a prediction from drifting further unseen.
+TTFT_WORST = 0.70
 
 
-@pytest.mark.parametrize("m", measurements(), ids=lambda m: m.name)
-def test_published_measurements_within_tolerance(m):
-    predicted = tpot_ms(m.model, m.hardware, ENGINES[m.engine], m.dtype, m.tensor_parallel_degree, m.batch_size,
-                        m.input_tokens, m.output_tokens)
-    assert abs(predicted / m.measured_tpot_ms - 1) <= TOLERANCE, (m.name, predicted, m.measured_tpot_ms)
+# --- all-reduce arithmetic -----------------------------------------------------------------------
+
+def _link(algorithm: str = "ring") -> InterconnectFacts:
+    return InterconnectFacts(name="test", bandwidth_bytes_per_s=100e9, latency_us=2.0, allreduce_base_us=5.0,
+                             algorithm=algorithm)
 
 
-def test_at_least_four_held_out_measurements():
-    assert sum(m.role == "validation" for m in measurements()) >= 4
+@pytest.mark.parametrize("ranks", [2, 4, 8, 24])
+def test_ring_allreduce_pays_2_p_minus_1_steps_and_2_p_minus_1_over_p_of_the_message(ranks):
+    link = _link()
+    small = allreduce_us(link, ranks, 0)
+    assert small == pytest.approx(5.0 + 2 * (ranks - 1) * 2.0)
+    big = allreduce_us(link, ranks, 1e9)
+    assert big - small == pytest.approx(2 * (ranks - 1) / ranks * 1e9 / 100e9 * 1e6)
+
+
+@pytest.mark.parametrize("ranks, levels", [(2, 1), (4, 2), (8, 3), (16, 4), (24, 5)])
+def test_tree_allreduce_pays_two_steps_per_level_and_twice_the_message(ranks, levels):
+    link = _link("tree")
+    assert allreduce_us(link, ranks, 0) == pytest.approx(5.0 + 2 * levels * 2.0)
+    assert allreduce_us(link, ranks, 1e9) - allreduce_us(link, ranks, 0) == pytest.approx(2 * 1e9 / 100e9 * 1e6)
+
+
+def test_one_rank_reduces_nothing():
+    assert allreduce_us(_link(), 1, 1e9) == 0
+    assert allreduce_us(_link("tree"), 1, 1e9) == 0
+    assert allreduce_ms(P4DE, ENGINES["deepspeed"].efficiency["gpu"], 1, 1e9) == 0
+
+
+def test_ring_latency_grows_with_the_rank_count_and_the_tree_overtakes_it():
+    ring, tree = _link(), _link("tree")
+    times = [allreduce_us(ring, p, 1024) for p in (2, 4, 8)]
+    assert times[0] < times[1] < times[2]
+    assert allreduce_us(tree, 64, 1024) < allreduce_us(ring, 64, 1024)
+
+
+def test_engine_allreduce_adds_its_overhead_and_reaches_its_share_of_bandwidth():
+    efficiency = ENGINES["deepspeed"].efficiency["gpu"]
+    link = P4DE.interconnect
+    expected = (link.allreduce_base_us + 14 * link.latency_us + 2 * 7 / 8 * 1e8 / (link.bandwidth_bytes_per_s
+                * efficiency.allreduce_efficiency) * 1e6 + efficiency.allreduce_overhead_us) / 1e3
+    assert allreduce_ms(P4DE, efficiency, 8, 1e8) == pytest.approx(expected)
+
+
+def test_send_pays_one_step():
+    link = _link()
+    assert send_us(link, 1e9) == pytest.approx(5.0 + 2.0 + 1e9 / 100e9 * 1e6)
+
+
+def test_multi_gpu_instances_know_their_network():
+    for name, gbps in (("ml.p4d.24xlarge", 400), ("ml.p5.48xlarge", 3200), ("ml.trn1.32xlarge", 800)):
+        network = catalog.hardware_facts(name).network
+        assert network is not None and network.name.startswith("EFA")
+        assert network.bandwidth_bytes_per_s == gbps * 1e9 / 8 and network.algorithm == "tree"
+    assert catalog.hardware_facts("ml.g5.xlarge").network is None
+
+
+# --- published measurements ----------------------------------------------------------------------
+
+def test_decode_error_on_the_published_table_is_within_the_issue_bounds():
+    decode = summarize(checks(), "tpot")
+    assert decode.median_abs_error <= DECODE_MEDIAN, decode
+    assert decode.worst_abs_error <= DECODE_WORST, decode
+
+
+def test_the_decode_table_spans_tensor_parallel_degrees_1_to_8_on_several_engines_and_hardware():
+    decode = [c.measurement for c in checks() if c.metric == "tpot"]
+    assert {1, 2, 4, 8} <= {m.tensor_parallel_degree for m in decode}
+    assert len({m.system for m in decode}) >= 4 and len({m.hardware.accelerator for m in decode}) >= 3
+    for tp in (1, 2, 4, 8):  # each degree has held-out rows, not only calibration ones
+        assert any(m.tensor_parallel_degree == tp and m.role == "validation" for m in decode), tp
+
+
+def test_time_to_first_token_error_on_the_published_table_is_within_the_issue_bound():
+    ttft = summarize(checks(), "ttft")
+    assert ttft.count >= 10
+    assert ttft.median_abs_error <= TTFT_MEDIAN, ttft
+    assert ttft.worst_abs_error <= TTFT_WORST, ttft
+
+
+@pytest.mark.parametrize("check", [c for c in checks() if c.metric == "tpot"],
+                         ids=lambda c: c.measurement.name)
+def test_every_published_decode_measurement_within_the_worst_bound(check):
+    assert abs(check.error) <= DECODE_WORST, (check.measurement.name, check.predicted_ms, check.measured_ms)
+
+
+def test_most_rows_are_held_out():
+    rows = checks()
+    assert sum(c.measurement.role == "validation" for c in rows) > sum(c.measurement.role == "calibration" for c in rows)
+
+
+def test_docs_carry_the_current_validation_table():
+    """docs/planner.md prints `python -m lmc.planner.validation`; a changed figure must update it."""
+    assert markdown_table() in DOCS.read_text(encoding="utf-8")
+
+
+def test_high_tp_decode_is_slower_than_bandwidth_alone_predicts():
+    """What the issue measured: at TP 8 the all-reduces and per-layer costs are a large share of a step."""
+    deepspeed = ENGINES["deepspeed"]
+    efficiency = deepspeed.efficiency["gpu"]
+    one = tpot_ms(LLAMA7, P4DE, deepspeed, "bf16", 1, 1, 128, 128)
+    eight = tpot_ms(LLAMA7, P4DE, deepspeed, "bf16", 8, 1, 128, 128)
+    assert eight > one / 8 * 1.5
+    comm = 2 * LLAMA7.layers * allreduce_ms(P4DE, efficiency, 8, LLAMA7.hidden_size * 2)
+    assert comm > 0.2 * eight
+
+
+def test_prefill_is_compute_bound_at_long_prompts():
+    deepspeed = ENGINES["deepspeed"]
+    short, long = (ttft_ms(LLAMA7, P4DE, deepspeed, "fp16", 1, n) for n in (128, 4096))
+    assert long > 10 * short  # 32x the tokens: compute, not the weight read, sets the time
+    flops = 2 * 6.74e9 * 4096
+    assert long > flops / (312e12 * deepspeed.efficiency["gpu"].prefill_compute) * 1e3
 
 
 def test_tpot_falls_with_tp_but_not_linearly():

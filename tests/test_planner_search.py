@@ -91,7 +91,7 @@ def test_nothing_fits_names_numbers_and_options():
     message = str(err.value)
     assert "bigscience/bloom bf16 needs 352.5 GB of weights; ml.g5.12xlarge has 4 × 24.0 GiB = 96.0 GiB" in message
     assert "(86.4 GiB in budget)" in message
-    assert any(d.startswith("ml.p4de.24xlarge (8 × 80.0 GiB): deepspeed bf16 TP 8 fits") for d in err.value.details)
+    assert any(d.startswith("ml.p4de.24xlarge (8 × 80.0 GiB): ") and " bf16 TP 8 fits" in d for d in err.value.details)
     assert err.value.exit_code == 3
 
 
@@ -113,14 +113,15 @@ def test_fp8_before_int8_when_both_meet_a_goal_16_bit_misses():
     does, fp8 is chosen (it keeps more precision); where 16-bit meets it, no quantization."""
     g6e = catalog.hardware_facts("ml.g6e.12xlarge")
     llama = reference_model("llama-2-7b")
-    tight = spec(target={"instance": "ml.g6e.12xlarge"}, goal={"tpot_ms": 38}, workload={"concurrency": 1},
+    # hf on L40S, best TP: 16-bit 41.6 ms, fp8 and int8 39.1 ms (docs/planner.md's figures)
+    tight = spec(target={"instance": "ml.g6e.12xlarge"}, goal={"tpot_ms": 40}, workload={"concurrency": 1},
                  pin={"engine": "hf"})
     int8 = plan(tight.model_copy(update={"pin": tight.pin.model_copy(update={"dtype": "int8"})}), model=llama, hardware=g6e)
     assert int8.goal_met and int8.dtype == "int8"  # int8 would do
     chosen = plan(tight, model=llama, hardware=g6e)
     assert chosen.goal_met and chosen.dtype == "fp8" and chosen.predicted.tpot_ms <= int8.predicted.tpot_ms
     assert not any(alt.dtype in ("fp16", "bf16") and alt.verdict == "feasible" for alt in chosen.alternatives)
-    relaxed = plan(tight.model_copy(update={"goal": tight.goal.model_copy(update={"tpot_ms": 40})}), model=llama, hardware=g6e)
+    relaxed = plan(tight.model_copy(update={"goal": tight.goal.model_copy(update={"tpot_ms": 45})}), model=llama, hardware=g6e)
     assert relaxed.dtype in ("fp16", "bf16") and relaxed.quantization is None
 
 

@@ -135,6 +135,10 @@ def test_oversized_body_is_413_with_or_without_content_length(server):
 
     reply = httpx.post(server.url + "/invocations", content=chunks())
     assert reply.status_code == 413 and "exceeds the limit of 65536 bytes" in reply.json()["error"]
+    # The limit passed by the body's last part: answered at once (nothing is left to discard; waiting for
+    # more would wait for the client's disconnect).
+    reply = httpx.post(server.url + "/invocations", content=iter([b" " * 60_000, b" " * 10_000]), timeout=10)
+    assert reply.status_code == 413
 
 
 def test_unknown_route_is_json_404(server):
@@ -240,8 +244,9 @@ def test_metrics_expose_the_series(server):
     assert float(generated[0].split()[-1]) >= 3
 
 
-def test_full_queue_answers_503_at_once_then_serves_again(tmp_path):
-    plan = {"batch_size": 1, "job_queue_size": 2, "max_batch_delay_ms": 0}
+@pytest.mark.parametrize("scheduling", ["dynamic", "continuous"])
+def test_full_queue_answers_503_at_once_then_serves_again(tmp_path, scheduling):
+    plan = {"batch_size": 1, "job_queue_size": 2, "max_batch_delay_ms": 0, "scheduling": scheduling}
     with serve_fake(tmp_path / "m", plan, {"step_delay_s": 0.05}) as srv:
         async def main():
             async with httpx.AsyncClient(timeout=30) as client:
@@ -274,10 +279,11 @@ def _finished(record, deadline_s: float = 10.0) -> list[dict]:
     return []
 
 
-def test_request_timeout_is_424_and_stops_its_row(tmp_path):
+@pytest.mark.parametrize("scheduling", ["dynamic", "continuous"])
+def test_request_timeout_is_424_and_stops_its_row(tmp_path, scheduling):
     record = tmp_path / "record"
     record.mkdir()
-    with serve_fake(tmp_path / "m", engine_kwargs={"step_delay_s": 0.6, "record_dir": str(record)},
+    with serve_fake(tmp_path / "m", {"scheduling": scheduling}, {"step_delay_s": 0.6, "record_dir": str(record)},
                     request_timeout_s=0.5) as srv:
         start = time.time()
         reply = post(srv, {"inputs": "slow", "parameters": {"max_new_tokens": 20}})

@@ -4,8 +4,8 @@ Serves google/flan-t5-xxl (t5, text2text-generation) with the deepspeed engine i
 tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
-spec sha256 66b9b5ea89e56791b1e75019e5b80363209f496d75385d5bbbf361d08a2ed400
-plan sha256 112596c71f33dc3b17a63842b6da90305ac7ea14c9bdce84a990fec0f7e71fc4
+spec sha256 3968c615910fadee39173f3288a6cccb375bb5eb853b7303b4fd68648865ddd5
+plan sha256 f74df683bfec04a8b891a6d3baae25dcb0888fbe57e2efdd0e6a7f9f7bb2896f
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -4,8 +4,8 @@ Serves EleutherAI/gpt-j-6b (gptj, text-generation) with the deepspeed engine in 
 tensor parallel degree 1, dynamic batches of up to 4 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
-spec sha256 ebfdc1f0789f643dced1da026260aa12529ac61b41eafbd150d33d844c41b179
-plan sha256 f6cb1f7c8b00709cdbb0020c5b2f973801b798c7969ddb10cc51107c6d60cb74
+spec sha256 dc7e1e991cd2bc5475e94be22b5a0c9960900f4667b3ab7c62d36b730b2275b6
+plan sha256 e090d7ac476769c22e7d200a2bc2f1c344e76d3da35fa4a92ac11889aacd496c
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -6,8 +6,8 @@ tensor parallel degree 2, dynamic batches of up to 4 requests
 No compiled Neuron graphs are packed: transformers-neuronx cannot serialize compiled GPTJForSampling graphs, so they are compiled when the container starts
 (predicted load time including the compile: 378.9 s).
 
-spec sha256 66120dfdf401f5140a8fab6c8d5d00fff05df4370da0ef5584092b1c17492b8a
-plan sha256 7b73891abdb8135512f23f038df23578fce6da26516deebe9e461c915bd08841
+spec sha256 841c358efdab6a35e906971d5101300b168ce98162b82776b2a52135b9c98ee3
+plan sha256 25b292f5b34ab71538de81f4a788ffae485ad445d0027fc90635547910cbf5d2
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

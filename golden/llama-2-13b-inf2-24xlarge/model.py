@@ -5,8 +5,8 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 2048 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 80af49028ba730692095cc81faab15b483505bf7873992bf466051cfb25851c2
-plan sha256 20844edaf0de7875e9f92df286c3f7c1c4f9536ecdc05ff459ea12d7f6fefb27
+spec sha256 9a6ed61e4f08cb16645c7d17545e328a8d7e89837ef6e83c5952f03248ec2b9b
+plan sha256 d7722a74e1c3b562a7306260a29088fd37bd12fb7edb68af4eefb8c6b06e5b12
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

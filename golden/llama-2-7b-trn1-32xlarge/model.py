@@ -5,8 +5,8 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 1536 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 7fab9c9728c7e76df62acb1b01b8e25ed3bb02b5a35f886f6a4cb4fa6aeb583f
-plan sha256 cafae7af9ce17ac396b173fe745bffb76239dee9bb63dbbe61f9e115f1a437cb
+spec sha256 c3fb834bad214ecbe7d13e02ee6dfd9cd9f6dc176cc2c8f2772ee425ebd77c32
+plan sha256 c34d855fe355017f7ec8e578215a5eba091a378ba267a72a471fd5b11d7f71b1
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -14,6 +14,7 @@ from lmc.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_INVALID_INPUT, EXIT
 SUBCOMMANDS = {
     "plan": ("lmc.cli.plan", "plan a deployment from a spec"),
     "build": ("lmc.cli.build", "build the deployable artifact (model.tar.gz)"),
+    "deploy": ("lmc.cli.deploy", "write the deployment files (SageMaker, Kubernetes, KServe) sized from the plan"),
     "runtime": ("lmc.cli.runtime", "serve an artifact (the container entrypoint)"),
 }
 

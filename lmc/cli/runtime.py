@@ -104,6 +104,11 @@ def _run(args: argparse.Namespace) -> int:
     generation_config = _generation_config(args.generation_config)
     artifact = open_artifact(path, check_hashes=False)  # the manifest, every file present, sizes
     try:
+        from lmc.runtime.rendezvous import resolve_role
+
+        role = resolve_role(artifact.plan, os.environ)  # a pipeline-parallel plan: this node's stage
+        if role is not None and not role.is_leader:
+            return _run_stage_node(artifact, role)
         # First, so the engine's imports (seconds) overlap everything else: on CPU hosts the fork server
         # imports them once and every rank is forked from it. It touches nothing from the artifact.
         start_process_server(artifact.plan)
@@ -117,7 +122,8 @@ def _run(args: argparse.Namespace) -> int:
         gate = mp_context(artifact.plan).Event()
         # None: the Runtime reads the model's generation_config.json itself.
         runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body,
-                          worker_gate=gate, sampling_defaults=None if generation_config == "auto" else {})
+                          worker_gate=gate, sampling_defaults=None if generation_config == "auto" else {},
+                          group_factory=_pipeline_groups(artifact, gate, role))
         try:
             runtime.scheduler.start_groups()
             verify_hashes(artifact.model_dir, artifact.manifest)
@@ -128,6 +134,8 @@ def _run(args: argparse.Namespace) -> int:
                      artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,
                      artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"],
                      artifact.plan["job_queue_size"], timeout)
+            if role is not None:
+                log.info("%s: this node serves HTTP and drives generation", role.describe())
             if runtime.sampling_defaults:
                 log.info("OpenAI routes default to the model's generation_config.json: %s",
                          ", ".join(f"{key} {value}" for key, value in runtime.sampling_defaults.items()))
@@ -140,3 +148,28 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         artifact.cleanup()
     return EXIT_INTERRUPTED if cut_short else 0
+
+
+def _pipeline_groups(artifact, gate, role):
+    """The leader's worker group for a pipeline-parallel plan (stage 0 of the pipeline); None otherwise."""
+    if role is None:
+        return None
+    from lmc.runtime.workers import WorkerGroup
+
+    def group_factory(index: int, events) -> WorkerGroup:
+        return WorkerGroup(artifact.model_dir, artifact.plan, index, events, gate=gate, pipeline=role)
+
+    return group_factory
+
+
+def _run_stage_node(artifact, role) -> int:
+    """A pipeline worker node: verify the artifact, then run this node's stage until the leader stops it."""
+    from lmc.runtime.stage_node import run_stage_node
+    from lmc.runtime.startup import verify_hashes
+    from lmc.runtime.workers import start_process_server
+
+    start_process_server(artifact.plan)
+    verify_hashes(artifact.model_dir, artifact.manifest)
+    logging.getLogger("lmc.runtime").info("verified %d files against lmc.json; %s, no HTTP on this node",
+                                          len(artifact.manifest["files"]), role.describe())
+    return run_stage_node(artifact.model_dir, artifact.plan, role)

@@ -8,6 +8,7 @@ staging directory is removed whatever happens: a failed build leaves nothing beh
 Artifact layout (DESIGN.md): serving.properties, model.py, requirements.txt, lmc.json, the
 checkpoint's config.json / generation_config.json / tokenizer files, then
   hf, deepspeed:  shards/tp{N}/rank{r}.safetensors, already in the planned dtype;
+  hf across P instances (pipeline degree P > 1, Llama family): shards/pp{P}-tp{N}/stage{s}-rank{r}.safetensors;
   neuronx:        model.safetensors (cast, whole) and neuron/ (see lmc.emitters.neuron);
   vllm:           no model.py; vLLM's model-rank-{r}-part-{p}.safetensors (load_format=sharded_state)
                   when the build machine can run vLLM for the plan, else model.safetensors (cast, whole)
@@ -68,6 +69,7 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
     profile = loaded.source.base_dir / spec.target.profile if spec.target.profile else None
     _check_output(out, fmt, inputs=[loaded.source.path, profile], checkpoint=result.checkpoint)
 
+    check_pipeline_plan(plan)
     weights_remote = spec.model.uri is not None
     precompile = neuron.graphs_precompiled(plan, weights_remote)
     # The SDK check comes before any weight is read: a build that cannot finish stops at once.
@@ -93,6 +95,8 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
                     _stage_neuron_weights(info, plan, result.model, staging, progress)
                 elif plan.engine == "vllm":
                     vllm_format, vllm_note = _stage_vllm_weights(info, plan, result, staging, say, progress)
+                elif plan.deployment.pipeline_parallel_degree > 1:
+                    _stage_pipeline_weights(info, plan, result.model, staging, say, progress)
                 else:
                     from lmc.emitters.partition import partition_checkpoint
 
@@ -171,6 +175,39 @@ def _copy_checkpoint_files(info: Any, checkpoint: Path, staging: Path) -> None:
         target = staging / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(checkpoint / name, target)
+
+
+def check_pipeline_plan(plan: Plan) -> None:
+    """What lmc can run across instances: the hf engine on a Llama-family model (lmc.runtime.engines.pipeline).
+    Anything else with a pipeline degree > 1 stops the build with one line."""
+    from lmc.layouts import PIPELINE_FAMILIES
+
+    stages = plan.deployment.pipeline_parallel_degree
+    if stages <= 1:
+        return
+    if plan.engine != "hf":
+        raise ArtifactError(f"pipeline parallel degree {stages}: lmc runs plans across instances only on the hf engine "
+                            f"(torch.distributed between the instances), not {plan.engine}"
+                            + ("; vLLM's multi-node mode needs its Ray cluster, which lmc does not start"
+                               if plan.engine == "vllm" else ""))
+    if plan.model.family not in PIPELINE_FAMILIES:
+        raise ArtifactError(f"pipeline parallel degree {stages}: lmc cuts only the {', '.join(PIPELINE_FAMILIES)} "
+                            f"family into stages, not {plan.model.family}; plan for one instance instead")
+    if stages > plan.model.layers:
+        raise ArtifactError(f"pipeline parallel degree {stages} exceeds the model's {plan.model.layers} layers")
+
+
+def _stage_pipeline_weights(info: Any, plan: Plan, model: Any, staging: Path, say: Progress,
+                            progress: Progress | None) -> None:
+    """Per pipeline stage, per TP rank: that stage's layers only (lmc.emitters.partition.partition_pipeline)."""
+    from lmc.emitters.partition import partition_pipeline
+
+    stages = plan.deployment.pipeline_parallel_degree
+    say(f"partitioning weights into {stages} pipeline stages x tensor parallel degree "
+        f"{plan.tensor_parallel_degree} ({plan.dtype})")
+    partition_pipeline(info, family=plan.model.family, dtype=plan.dtype, tp=plan.tensor_parallel_degree,
+                       stages=stages, layers=plan.model.layers, head_dim=model.head_dim, kv_heads=model.kv_heads,
+                       out_dir=staging, progress=progress)
 
 
 def _stage_neuron_weights(info: Any, plan: Plan, model: Any, staging: Path, progress: Progress | None) -> None:

@@ -33,7 +33,7 @@ HARDWARE_DIR = DATA_DIR / "hardware"
 _ACCELERATORS_FILE = HARDWARE_DIR / "accelerators.toml"
 _LOCAL_FILE = HARDWARE_DIR / "local.toml"
 _NOT_FAMILIES = {"accelerators", "local"}
-_SIZE_FIELDS = ("device_memory_bytes", "host_memory_bytes")
+_SIZE_FIELDS = ("device_memory_bytes", "host_memory_bytes", "instance_storage_bytes")
 
 
 # --- models -------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import functools
 from importlib import resources
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lmc.errors import InternalError
 from lmc.planner.facts import EngineFacts, HardwareFacts, ModelFacts
@@ -43,7 +43,7 @@ def engine_facts() -> dict[str, EngineFacts]:
 
 
 class Measurement(BaseModel):
-    """One published measurement of time per output token."""
+    """One published measurement: time per output token, time to first token, or both."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -57,9 +57,17 @@ class Measurement(BaseModel):
     batch_size: int
     input_tokens: int
     output_tokens: int
-    measured_tpot_ms: float
+    measured_tpot_ms: float | None = Field(default=None, gt=0, description="Published time per output token, ms.")
+    measured_ttft_ms: float | None = Field(default=None, gt=0, description="Published time to first token for one input_tokens prompt, ms.")
+    system: str = Field(default="", description="What ran it (gpt-fast, FasterTransformer, TGI 1.0.3, TensorRT-LLM 0.5, ...), when lmc's engine is a stand-in.")
     source: str
     note: str = ""
+
+    @model_validator(mode="after")
+    def _measures_something(self) -> "Measurement":
+        if self.measured_tpot_ms is None and self.measured_ttft_ms is None:
+            raise ValueError(f"{self.name}: neither measured_tpot_ms nor measured_ttft_ms")
+        return self
 
 
 @functools.cache

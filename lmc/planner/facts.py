@@ -49,11 +49,18 @@ class ModelFacts(_Facts):
 
 
 class InterconnectFacts(_Facts):
-    """How the devices of one instance talk to each other."""
+    """A link that ranks all-reduce over: the devices of one instance, or (as `network`) instances.
 
-    name: str = Field(description="NVLink, PCIe gen4, NeuronLink-v2, shared memory, ...")
-    bandwidth_bytes_per_s: float = Field(gt=0, description="Per-device unidirectional bandwidth used by all-reduce.")
-    latency_us: float = Field(ge=0, description="Fixed cost of one all-reduce hop, microseconds.")
+    One all-reduce of n bytes over p ranks costs (docs/planner.md, "All-reduce"):
+    ring: allreduce_base_us + 2(p−1)·latency_us + 2(p−1)/p·n / bandwidth;
+    tree: allreduce_base_us + 2·ceil(log2 p)·latency_us + 2·n / bandwidth.
+    """
+
+    name: str = Field(description="NVLink, PCIe gen4, NeuronLink-v2, shared memory, EFA, ...")
+    bandwidth_bytes_per_s: float = Field(gt=0, description="Per-rank unidirectional bandwidth a collective moves data at (per device inside an instance; per instance for `network`).")
+    latency_us: float = Field(ge=0, description="Latency of one step of a collective on this link, microseconds: a ring all-reduce takes 2(p−1) of them, a tree 2·ceil(log2 p).")
+    allreduce_base_us: float = Field(default=0.0, ge=0, description="Fixed cost of one collective call whatever the rank count (the library's launch and synchronisation), microseconds.")
+    algorithm: Literal["ring", "tree"] = Field(default="ring", description="The all-reduce algorithm the collective library uses on this link (NCCL: ring inside a node, tree across nodes).")
 
 
 class HardwareFacts(_Facts):
@@ -67,9 +74,11 @@ class HardwareFacts(_Facts):
     memory_bandwidth_bytes_per_s: float = Field(gt=0, description="Peak memory bandwidth per device.")
     tflops: dict[DtypeName, Annotated[float, Field(gt=0)]] = Field(description="Dense peak TFLOPS per device, per dtype: one for each of `dtypes`.")
     dtypes: list[DtypeName] = Field(min_length=1, description="Dtypes the hardware computes in natively (no bf16 on T4/V100; fp8 on H100+).")
-    interconnect: InterconnectFacts
+    interconnect: InterconnectFacts = Field(description="How the devices of one instance reach each other (what tensor-parallel all-reduces run over).")
+    network: InterconnectFacts | None = Field(default=None, description="How this instance reaches other instances (EFA, or ENA where there is no EFA): per-instance bandwidth, one way; None where the catalog has no figure.")
     price_per_hour: float | None = Field(default=None, ge=0, description="On-demand USD/hour (us-east-1), None for local.")
     host_memory_bytes: int | None = Field(default=None, gt=0, description="Instance RAM.")
+    instance_storage_bytes: int | None = Field(default=None, gt=0, description="Local NVMe instance storage (where SageMaker puts the model; such instances take no EBS volume); None: EBS only.")
     load_bandwidth_bytes_per_s: float = Field(default=1.0e9, gt=0, description="Storage-to-device read rate assumed for load time.")
     source: str = Field(description="Datasheets and pages the figures come from.")
 
@@ -97,6 +106,9 @@ class EngineEfficiency(_Facts):
     layer_overhead_ms: float = Field(default=0.0, ge=0, description="Fixed cost per transformer layer per step (kernel launches, syncs): why small shards stop speeding up.")
     tp_efficiency: float = Field(gt=0, le=1, description="Bandwidth efficiency kept per doubling of the TP degree.")
     allreduce_efficiency: float = Field(default=0.7, gt=0, le=1, description="Achieved share of interconnect bandwidth in all-reduce.")
+    allreduce_overhead_us: float = Field(default=0.0, ge=0, description="Host-side cost the engine adds to each all-reduce call (eager kernel launch, stream synchronisation), microseconds; ~0 under CUDA graphs.")
+    prefill_overhead_ms: float = Field(default=0.0, ge=0, description="Fixed cost of a prefill beyond the per-pass step and layer overheads (context-encoding graph launch, padding to a compiled bucket), ms.")
+    decode_compute: float | None = Field(default=None, gt=0, le=1, description="Share of peak TFLOPS the decode step's skinny GEMMs reach (batch rows only); None = prefill_compute.")
     runtime_overhead_bytes: int = Field(ge=0, description="Per device: CUDA context / Neuron runtime, allocator slack.")
     comm_buffer_bytes: int = Field(default=0, ge=0, description="Per device when TP>1: NCCL/collective buffers.")
     load_efficiency: float = Field(default=1.0, gt=0, le=1, description="Share of load bandwidth reached when loading weights.")
@@ -121,6 +133,7 @@ class EngineFacts(_Facts):
     tp_kv_heads_rule: Literal["divide", "divide_or_replicate"] = Field(default="divide_or_replicate", description="KV heads split across ranks, or kept whole and replicated when TP exceeds them.")
     shards_lm_head: bool = Field(default=True, description="Whether the LM head is split across TP ranks (else replicated).")
     prepartitioned_loading: bool = Field(description="Can load weights pre-split per TP rank.")
+    pipeline_families: list[Family] = Field(default_factory=list, description="Families the engine can split into pipeline stages across instances (empty = none).")
     aot_compile_families: list[Family] = Field(default_factory=list, description="Families whose graphs can be compiled and serialized ahead of time (Neuron).")
     compile_seconds_per_billion_params: float = Field(default=0, ge=0, description="Graph compile time, when compilation happens at start (Neuron).")
     efficiency: dict[DeviceKind, EngineEfficiency] = Field(description="Efficiency figures per device kind.")

@@ -1,17 +1,18 @@
 """The latency and cost model: physics (bytes over bandwidth, FLOPs over TFLOPS, all-reduces over
-the interconnect) with efficiency figures calibrated on public measurements (engines.toml).
+the interconnect) with efficiency figures calibrated on public measurements (engines.toml;
+docs/planner.md has the formulas, the sources and the errors on the published table).
 
 Decode step (TPOT), per rank:
     memory  = (decode weight bytes + KV bytes of the batch at the average context) / effective bandwidth
               effective bandwidth = peak · decode_bandwidth · tp_efficiency^log2(TP)
-    compute = 2 · active decode parameters / TP · batch / (peak TFLOPS · prefill_compute)
-    comm    = all-reduces per step · (2(TP−1)/TP · batch·hidden·bytes / (link bw · allreduce_efficiency)
-              + link latency)
-    fixed   = step_overhead + layers · layer_overhead
+    compute = 2 · active decode parameters / TP · batch / (peak TFLOPS · decode_compute)
+    comm    = all-reduces per step · (allreduce_us(interconnect, TP, batch·hidden·bytes) + engine overhead)
+              ring: base + 2(TP−1)·step latency + 2(TP−1)/TP · bytes / (link bw · allreduce_efficiency)
+    fixed   = step_overhead + layers · layer_overhead     (does not shrink with TP)
     TPOT    = memory + compute + comm + fixed   (no overlap assumed between memory and compute)
-Prefill (TTFT, one max_input_tokens prompt):
-    max(2 · active parameters · input / TP + causal attention FLOPs, weight bytes / bandwidth)
-    + all-reduces of input·hidden activations + fixed.
+Prefill (TTFT, one max_input_tokens prompt), compute-bound:
+    (2 · active parameters · input / TP + attention FLOPs) / (peak TFLOPS · prefill_compute)
+    + weight bytes / bandwidth + all-reduces of input·hidden activations + fixed + prefill_overhead.
 MoE: compute uses the active parameters (experts_per_token of num_experts); the bandwidth term reads
 the experts the batch touches: E · (1 − (1 − k/E)^batch) of them per layer.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, ModelFacts
+from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, InterconnectFacts, ModelFacts
 from lmc.planner.memory import (
     WEIGHT_ONLY,
     compute_dtype,
@@ -29,6 +30,7 @@ from lmc.planner.memory import (
     decoder_share,
     host_share,
     kv_bytes_per_token,
+    materializes_attention_scores,
     param_split,
     weight_bytes,
 )
@@ -63,17 +65,38 @@ def peak_tflops(hardware: HardwareFacts, dtype: str) -> float:
     return min(hardware.tflops.values()) if hardware.tflops else 1.0
 
 
-def allreduce_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int, message_bytes: float) -> float:
-    """One all-reduce of `message_bytes` across `tp` ranks: ring bandwidth term + fixed latency.
+def allreduce_us(link: InterconnectFacts, ranks: int, message_bytes: float, bandwidth_efficiency: float = 1.0) -> float:
+    """One all-reduce of `message_bytes` across `ranks` over `link`, microseconds.
 
-    The interconnect's latency_us is taken as the fixed cost of one small all-reduce (NCCL's
-    low-latency protocol and Neuron collectives are nearly flat in the rank count within a node).
+    Ring (NCCL inside a node, gloo, Neuron collectives): 2(p−1) steps, each paying the link's
+    latency, and 2(p−1)/p of the message over its bandwidth. Tree (NCCL across nodes): 2·ceil(log2 p)
+    steps (up the tree and down again) and twice the message (NCCL's tree moves data at half the bus
+    bandwidth). Both add the link's fixed per-call cost. One rank: nothing to reduce.
     """
+    if ranks <= 1:
+        return 0.0
+    if link.algorithm == "tree":
+        steps = 2 * math.ceil(math.log2(ranks))
+        volume = 2 * message_bytes
+    else:
+        steps = 2 * (ranks - 1)
+        volume = 2 * (ranks - 1) / ranks * message_bytes
+    transfer = volume / (link.bandwidth_bytes_per_s * bandwidth_efficiency) * 1e6
+    return link.allreduce_base_us + steps * link.latency_us + transfer
+
+
+def send_us(link: InterconnectFacts, message_bytes: float, bandwidth_efficiency: float = 1.0) -> float:
+    """One point-to-point transfer of `message_bytes` over `link` (a pipeline stage boundary), microseconds."""
+    return link.allreduce_base_us + link.latency_us + message_bytes / (link.bandwidth_bytes_per_s * bandwidth_efficiency) * 1e6
+
+
+def allreduce_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int, message_bytes: float) -> float:
+    """One tensor-parallel all-reduce inside an instance as the engine runs it: the link's cost
+    (`allreduce_us` at the engine's achieved bandwidth) plus the engine's own per-call overhead."""
     if tp <= 1:
         return 0.0
-    link = hardware.interconnect
-    bandwidth = 2 * (tp - 1) / tp * message_bytes / (link.bandwidth_bytes_per_s * efficiency.allreduce_efficiency)
-    return bandwidth * 1e3 + link.latency_us * 1e-3
+    link = allreduce_us(hardware.interconnect, tp, message_bytes, efficiency.allreduce_efficiency)
+    return (link + efficiency.allreduce_overhead_us) * 1e-3
 
 
 def allreduces_per_step(model: ModelFacts) -> int:
@@ -143,28 +166,43 @@ def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     memory_ms = (weights + kv) / effective_bandwidth(hardware, efficiency, tp) * 1e3
     flops = 2 * active_decode_parameters(model) / tp * batch
     flops += 4 * batch * context * model.attention_heads * model.head_dim * model.layers / tp
-    compute_ms = flops / (rank_tflops(hardware, act, tp) * 1e12 * efficiency.prefill_compute) * 1e3
+    compute_ms = flops / (rank_tflops(hardware, act, tp) * 1e12 * decode_compute(efficiency)) * 1e3
     message = batch * model.hidden_size * DTYPE_BYTES[act]
     comm_ms = allreduces_per_step(model) * allreduce_ms(hardware, efficiency, tp, message)
-    fixed_ms = efficiency.step_overhead_ms + model.layers * efficiency.layer_overhead_ms
-    return memory_ms + compute_ms + comm_ms + fixed_ms
+    return memory_ms + compute_ms + comm_ms + fixed_ms(efficiency, model.layers)
+
+
+def decode_compute(efficiency: EngineEfficiency) -> float:
+    """Share of peak TFLOPS a decode step's GEMMs reach (prefill_compute unless the engine says otherwise)."""
+    return efficiency.prefill_compute if efficiency.decode_compute is None else efficiency.decode_compute
+
+
+def fixed_ms(efficiency: EngineEfficiency, layers: int) -> float:
+    """What one forward pass pays whatever the TP degree: step overhead + per-layer launches."""
+    return efficiency.step_overhead_ms + layers * efficiency.layer_overhead_ms
 
 
 def ttft_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
             input_tokens: int) -> float:
-    """Time to first token for one prompt of `input_tokens`: the prefill, then its first token."""
+    """Time to first token for one prompt of `input_tokens`: the prefill, then its first token.
+
+    Compute-bound: the prompt's FLOPs at the engine's prefill_compute share of peak, plus one read of
+    the rank's weights (summed, as in decode), the all-reduces of input·hidden activations and the
+    fixed per-pass cost.
+    """
     efficiency = efficiency_for(engine, model, hardware)
     act = compute_dtype(dtype, model, hardware)
     flops = 2 * active_prefill_parameters(model) * input_tokens / tp
-    attention_layers = model.encoder_layers if model.is_encoder_decoder else model.layers
-    flops += 2 * input_tokens * input_tokens * model.attention_heads * model.head_dim * attention_layers / tp
+    blocks = model.encoder_layers if model.is_encoder_decoder else model.layers
+    # Q·K and scores·V: 4·s²·heads·head_dim per block, halved where fused kernels skip the masked half;
+    # engines that materialize the score matrix (Neuron context encoding, eager CPU) compute all of it.
+    causal_share = 1.0 if materializes_attention_scores(engine, hardware) else 0.5
+    flops += 4 * causal_share * input_tokens * input_tokens * model.attention_heads * model.head_dim * blocks / tp
     compute_ms = flops / (rank_tflops(hardware, act, tp) * 1e12 * efficiency.prefill_compute) * 1e3
     memory_ms = weight_bytes(model, engine, dtype, tp, hardware) / effective_bandwidth(hardware, efficiency, tp) * 1e3
     message = input_tokens * model.hidden_size * DTYPE_BYTES[act]
-    blocks = model.encoder_layers if model.is_encoder_decoder else model.layers
     comm_ms = 2 * blocks * allreduce_ms(hardware, efficiency, tp, message)
-    fixed_ms = efficiency.step_overhead_ms + (blocks + model.layers) * efficiency.layer_overhead_ms
-    prefill = max(compute_ms, memory_ms) + comm_ms + fixed_ms
+    prefill = compute_ms + memory_ms + comm_ms + fixed_ms(efficiency, blocks) + efficiency.prefill_overhead_ms
     if model.is_encoder_decoder:  # then one decoder step yields the first token
         prefill += tpot_ms(model, hardware, engine, dtype, tp, 1, input_tokens, 1)
     return prefill
@@ -208,6 +246,6 @@ def predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
 
 
 __all__ = [
-    "Timing", "WEIGHT_ONLY", "active_decode_parameters", "allreduce_ms", "efficiency_for", "load_seconds",
-    "predict", "tpot_ms", "ttft_ms",
+    "Timing", "WEIGHT_ONLY", "active_decode_parameters", "allreduce_ms", "allreduce_us", "efficiency_for",
+    "load_seconds", "predict", "send_us", "tpot_ms", "ttft_ms",
 ]

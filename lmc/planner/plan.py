@@ -81,6 +81,8 @@ class Deployment(_Frozen):
     pipeline_parallel_degree: int = Field(default=1, ge=1, description="Pipeline stages (instances per model copy).")
     min_instances: int = Field(ge=1, description="Autoscaling lower bound.")
     max_instances: int = Field(ge=1, description="Autoscaling upper bound.")
+    requests_per_second: float = Field(default=0.0, ge=0, description="Requests per second the planned instances carry (TTFT + max_output_tokens · TPOT each, batch at a time).")
+    cost_per_million_tokens_at_rate: float | None = Field(default=None, ge=0, description="USD per million output tokens at the spec's requests_per_second (None without a rate or a price).")
 
 
 class Decision(_Frozen):

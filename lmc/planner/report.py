@@ -49,8 +49,13 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
     lines.append("")
     lines.append("configuration")
     quant = f" ({plan.quantization})" if plan.quantization else ""
+    stages = plan.deployment.pipeline_parallel_degree
+    pipeline = f"PP {stages} · " if stages > 1 else ""
     lines.append(f"  engine {plan.engine} · dtype {plan.dtype}{quant} · TP {plan.tensor_parallel_degree} · "
-                 f"replicas {plan.replicas} · batch {plan.batch_size}")
+                 f"{pipeline}replicas {plan.replicas} · batch {plan.batch_size}")
+    d = plan.deployment
+    lines.append(f"  instances {d.instances} (autoscaling {d.min_instances}–{d.max_instances}) · "
+                 f"{d.requests_per_second:g} requests/s")
     lines.append(f"  max_batch_delay {plan.max_batch_delay_ms} ms · job_queue_size {plan.job_queue_size} · "
                  f"max_sequence_length {plan.max_sequence_length}")
     if plan.kv_cache is not None:
@@ -61,8 +66,8 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
         v = plan.vllm
         space = f" · VLLM_CPU_KVCACHE_SPACE {v.cpu_kvcache_space_gib}" if v.cpu_kvcache_space_gib else ""
         lines.append(f"  vllm max_num_seqs {v.max_num_seqs} · max_model_len {v.max_model_len} · "
-                     f"max_num_batched_tokens {v.max_num_batched_tokens} · gpu_memory_utilization "
-                     f"{v.gpu_memory_utilization:g}{space}")
+                     f"max_num_batched_tokens {v.max_num_batched_tokens}")
+        lines.append(f"       gpu_memory_utilization {v.gpu_memory_utilization:g}{space}")
     lines.append("")
     lines.append("memory per device")
     for name, value in (("weights", m.weights), ("kv cache", m.kv_cache), ("activations", m.activations),
@@ -82,6 +87,9 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
         mark = f"  {'✓' if p.cost_per_hour <= cap else '✗'} max ${cap:g}/h" if cap is not None else ""
         lines.append(f"  cost        {p.cost_per_hour:10.2f} $/h{mark}")
         lines.append(f"              {p.cost_per_million_tokens:10.4f} $ per million tokens")
+        if plan.deployment.cost_per_million_tokens_at_rate is not None:
+            lines.append(f"              {plan.deployment.cost_per_million_tokens_at_rate:10.4f} $ per million tokens "
+                         "at the workload's rate")
     lines.append(f"  goal met    {'yes' if plan.goal_met else 'NO'}")
     if not plan.goal_met:
         gap = plan.decision("goal")

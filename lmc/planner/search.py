@@ -29,6 +29,7 @@ from lmc.planner.memory import (
     memory_per_device,
 )
 from lmc.planner.plan import Alternative, Decision, Deployment, MemoryPerDevice, Plan, PlanModel, PlanTarget, Predicted
+from lmc.planner.scheduling import choose_scheduling
 from lmc.planner.vllm import (
     VllmLayout,
     kv_cache_section,
@@ -37,6 +38,14 @@ from lmc.planner.vllm import (
     vllm_predict,
     vllm_quantization,
     vllm_section,
+)
+from lmc.planner.scale import (
+    MAX_PIPELINE_DEGREE,
+    pipeline_unsupported,
+    replicas_for_rate,
+    scale_timing,
+    stage_layers,
+    stage_model,
 )
 
 ENGINE_ORDER = ("neuronx", "deepspeed", "hf")  # ties go to the engine built for the hardware
@@ -57,6 +66,10 @@ class Config:
     goal_gap: float  # max(predicted/goal) over the goals; ≤ 1 means met
     over_cost: bool
     vllm: VllmLayout | None = None  # vLLM plans: the KV pool and engine arguments
+    pp: int = 1  # pipeline stages, one instance each
+    over_rate: bool = False  # the request rate (or its peak) needs more instances than target.instances
+    requests_per_second: float = 0.0  # what the planned replicas carry
+    peak_instances: int = 1  # instances the peak rate needs (the autoscaling upper bound)
 
     @property
     def fits(self) -> bool:
@@ -64,11 +77,11 @@ class Config:
 
     @property
     def feasible(self) -> bool:
-        return self.fits and not self.over_cost
+        return self.fits and not self.over_cost and not self.over_rate
 
     @property
     def devices(self) -> int:
-        return self.tp * self.replicas
+        return self.tp * self.replicas * self.pp
 
 
 @dataclass
@@ -89,10 +102,23 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
     check_workload(spec, model)
     check_pins(spec, model, hardware, engines)
     configs, rejections = enumerate_configs(spec, model, hardware, engines)
+    if spec.pin.pipeline_parallel_degree is None and spec.target.instances > 1 and not any(c.fits for c in configs):
+        # Across instances only when no layout fits on one: every stage adds a network hand-over.
+        stages = range(2, min(spec.target.instances, MAX_PIPELINE_DEGREE) + 1)
+        more, more_rejections = enumerate_configs(spec, model, hardware, engines, stages)
+        configs = configs + more
+        rejections = rejections + [r for r in more_rejections if r not in rejections]
     feasible = [c for c in configs if c.feasible]
     if not feasible:
         raise no_feasible_plan(spec, model, hardware, engines, configs, rejections, candidates)
     chosen, goal_met = choose(spec, model, hardware, feasible)
+    if chosen.vllm:  # vLLM schedules continuously and sizes its own pool (planner/vllm.py)
+        scheduling, kv_cache, scheduling_reason = "continuous", kv_cache_section(chosen.vllm), None
+    else:
+        scheduling, kv_cache, scheduling_reason = choose_scheduling(
+            chosen.engine, chosen.dtype, chosen.tp, chosen.batch, spec.workload.concurrency,
+            spec.workload.max_input_tokens + spec.workload.max_output_tokens, model, hardware, chosen.memory,
+            pipeline_stages=chosen.pp)
     plan = Plan(
         lmc_version=lmc_version,
         spec_sha256=spec_sha256,
@@ -111,15 +137,15 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         max_batch_delay_ms=0 if chosen.vllm else batch_delay_ms(spec, chosen.batch),
         job_queue_size=job_queue_size(spec, chosen),
         max_sequence_length=spec.workload.max_input_tokens + spec.workload.max_output_tokens,
-        scheduling="continuous" if chosen.vllm else "dynamic",
-        kv_cache=kv_cache_section(chosen.vllm) if chosen.vllm else None,
+        scheduling=scheduling,
+        kv_cache=kv_cache,
         vllm=vllm_section(chosen.vllm) if chosen.vllm else None,
-        deployment=Deployment(instances=chosen.timing.instances_used, pipeline_parallel_degree=1,
-                              min_instances=chosen.timing.instances_used, max_instances=chosen.timing.instances_used),
+        deployment=deployment(spec, chosen),
         memory_per_device=chosen.memory,
         predicted=predicted(chosen.timing),
         goal_met=goal_met,
-        decisions=decisions(spec, model, hardware, engines, chosen, goal_met, configs, rejections),
+        decisions=[*decisions(spec, model, hardware, engines, chosen, goal_met, configs, rejections),
+                   *([Decision(key="scheduling", value=scheduling, reason=scheduling_reason)] if scheduling_reason else [])],
         alternatives=alternatives(spec, model, hardware, chosen, configs, rejections),
     )
     return plan.with_digest()
@@ -256,10 +282,20 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             options = _all_usable_tps(usable, model, hardware)
             hint = f"try {_fmt_list(options)}" if options else "no TP degree works on this hardware"
             raise SpecValueError("pin.tensor_parallel_degree", tp, f"{reasons[0]}; {hint}")
+    if pin.pipeline_parallel_degree is not None and pin.pipeline_parallel_degree > 1:
+        pp = pin.pipeline_parallel_degree
+        if pp > spec.target.instances:
+            raise SpecValueError("pin.pipeline_parallel_degree", pp,
+                                 f"{pp} stages run on {pp} instances; target.instances = {spec.target.instances}: "
+                                 f"raise target.instances to at least {pp}")
+        reasons = [why for e in usable.values() if (why := pipeline_unsupported(pp, e, model, hardware))]
+        if len(reasons) == len(usable):
+            raise SpecValueError("pin.pipeline_parallel_degree", pp, (reasons[0] if reasons else "no engine")
+                                 + "; use pipeline_parallel_degree = 1")
     if pin.replicas is not None:
         tp = pin.tensor_parallel_degree or 1
         per_instance = max(hardware.devices // tp, 1)
-        available = per_instance * spec.target.instances
+        available = per_instance * (spec.target.instances // (pin.pipeline_parallel_degree or 1))
         if pin.replicas > available:
             raise SpecValueError("pin.replicas", pin.replicas,
                                  f"needs {pin.replicas * tp} devices at TP {tp}; {hardware.name} has "
@@ -286,7 +322,10 @@ def batch_sizes(concurrency: int) -> list[int]:
 
 
 def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[str, EngineFacts],
-                      ) -> tuple[list[Config], list[Rejection]]:
+                      stages: "range | tuple[int, ...] | None" = None) -> tuple[list[Config], list[Rejection]]:
+    """Every configuration with `stages` pipeline degrees (default: the pinned one, else 1)."""
+    if stages is None:
+        stages = (spec.pin.pipeline_parallel_degree or 1,)
     pin, load, budget, goal = spec.pin, spec.workload, spec.budget, spec.goal
     configs: list[Config] = []
     rejections: list[Rejection] = []
@@ -310,34 +349,75 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
             for tp in tp_degrees(engine, hardware):
                 if pin.tensor_parallel_degree is not None and tp != pin.tensor_parallel_degree:
                     continue
-                per_instance = max(hardware.devices // tp, 1)
-                max_replicas = per_instance * spec.target.instances
                 why = tp_unsupported(tp, engine, model)
                 if why:
-                    rejections.append(Rejection(name, dtype, tp, max_replicas, f"TP {tp} {why}", (3,)))
+                    rejections.append(Rejection(name, dtype, tp, max(hardware.devices // tp, 1) * spec.target.instances,
+                                                f"TP {tp} {why}", (3,)))
                     continue
-                if pin.replicas is not None and pin.replicas > max_replicas:
-                    rejections.append(Rejection(name, dtype, tp, max_replicas,
-                                                f"TP {tp} leaves room for {max_replicas} replica(s), not the "
-                                                f"pinned {pin.replicas}", (3,)))
-                    continue
-                sizes = (vllm_batch_sizes(spec, model, hardware, engine, efficiency, dtype, tp) if name == "vllm"
-                         else batch_sizes(load.concurrency))
-                for batch in sizes:
-                    replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / batch))
-                    if name == "vllm":
-                        configs.append(vllm_config(spec, model, hardware, engine, efficiency, dtype, tp, replicas, batch))
-                        continue
-                    memory = memory_per_device(model, hardware, engine, efficiency, dtype, tp, batch,
-                                               load.max_input_tokens, load.max_output_tokens,
-                                               budget.memory_fraction, budget.memory_per_device)
-                    timing = predict(model, hardware, engine, dtype, tp, replicas, batch,
-                                     load.max_input_tokens, load.max_output_tokens)
-                    over_cost = (budget.max_cost_per_hour is not None and timing.cost_per_hour is not None
-                                 and timing.cost_per_hour > budget.max_cost_per_hour)
-                    configs.append(Config(name, dtype, tp, replicas, batch, memory, timing,
-                                          goal_gap(goal, timing), over_cost))
+                for pp in stages:
+                    configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp, rejections)
     return configs, rejections
+
+
+def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
+                   tp: int, pp: int, rejections: list[Rejection]) -> list[Config]:
+    """The configurations of one engine, dtype, TP and pipeline degree, one per batch size."""
+    pin, load, budget, goal = spec.pin, spec.workload, spec.budget, spec.goal
+    per_instance = max(hardware.devices // tp, 1)
+    max_replicas = per_instance * (spec.target.instances // pp)
+    why = pipeline_unsupported(pp, engine, model, hardware)
+    if why is None and pp > spec.target.instances:
+        why = f"{pp} stages need {pp} instances; target.instances = {spec.target.instances}"
+    if why:
+        rejections.append(Rejection(engine.name, dtype, tp, 0, f"PP {pp}: {why}", (3,)))
+        return []
+    if pin.replicas is not None and pin.replicas > max_replicas:
+        rejections.append(Rejection(engine.name, dtype, tp, max_replicas,
+                                    f"TP {tp} leaves room for {max_replicas} replica(s), not the "
+                                    f"pinned {pin.replicas}", (3,)))
+        return []
+    staged = stage_model(model, pp)
+    out = []
+    sizes = (vllm_batch_sizes(spec, model, hardware, engine, efficiency, dtype, tp) if engine.name == "vllm"
+             else batch_sizes(load.concurrency))
+    for batch in sizes:
+        replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / batch))
+        layout = None
+        if engine.name == "vllm":  # vLLM's own memory model: the KV pool is what the budget leaves
+            memory, layout = vllm_memory(staged, hardware, engine, efficiency, dtype, tp, batch, load.max_input_tokens,
+                                         load.max_output_tokens, budget.memory_fraction, budget.memory_per_device)
+        else:
+            memory = memory_per_device(staged, hardware, engine, efficiency, dtype, tp, batch,
+                                       load.max_input_tokens, load.max_output_tokens,
+                                       budget.memory_fraction, budget.memory_per_device)
+        scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout)
+        over_rate = False
+        if load.requests_per_second is not None:
+            needed = replicas_for_rate(load.requests_per_second, batch, scaled.timing, load.max_output_tokens)
+            over_rate = pin.replicas is not None and needed > pin.replicas
+            if needed > replicas and pin.replicas is None:
+                replicas = needed
+                scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout)
+            over_rate = over_rate or scaled.peak_instances > spec.target.instances
+        timing = scaled.timing
+        over_cost = (budget.max_cost_per_hour is not None and timing.cost_per_hour is not None
+                     and timing.cost_per_hour > budget.max_cost_per_hour)
+        out.append(Config(engine.name, dtype, tp, replicas, batch, memory, timing, goal_gap(goal, timing), over_cost,
+                          vllm=layout, pp=pp, over_rate=over_rate, requests_per_second=scaled.requests_per_second,
+                          peak_instances=scaled.peak_instances))
+    return out
+
+
+def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout: VllmLayout | None = None):
+    load = spec.workload
+    if layout is not None:
+        base = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, load.max_input_tokens,
+                            load.max_output_tokens, load.concurrency)
+    else:
+        base = predict(model, hardware, engine, dtype, tp, replicas, batch, load.max_input_tokens,
+                       load.max_output_tokens)
+    return scale_timing(base, model, hardware, engine, dtype, tp, pp, replicas, batch, load.max_input_tokens,
+                        load.max_output_tokens, load.peak_requests_per_second)
 
 
 def vllm_batch_sizes(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
@@ -352,20 +432,6 @@ def vllm_batch_sizes(spec, model: ModelFacts, hardware: HardwareFacts, engine: E
     if 1 <= holds < load.concurrency and holds not in sizes:
         sizes = sorted(sizes + [holds])
     return sizes
-
-
-def vllm_config(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
-                tp: int, replicas: int, max_num_seqs: int) -> Config:
-    """A vLLM configuration: `max_num_seqs` sequences per replica, the KV pool vLLM leaves for them."""
-    load, budget = spec.workload, spec.budget
-    memory, layout = vllm_memory(model, hardware, engine, efficiency, dtype, tp, max_num_seqs, load.max_input_tokens,
-                                 load.max_output_tokens, budget.memory_fraction, budget.memory_per_device)
-    timing = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, load.max_input_tokens,
-                          load.max_output_tokens, load.concurrency)
-    over_cost = (budget.max_cost_per_hour is not None and timing.cost_per_hour is not None
-                 and timing.cost_per_hour > budget.max_cost_per_hour)
-    return Config("vllm", dtype, tp, replicas, max_num_seqs, memory, timing, goal_gap(spec.goal, timing), over_cost,
-                  vllm=layout)
 
 
 def goal_gap(goal, timing: Timing) -> float:
@@ -444,6 +510,19 @@ def batch_delay_ms(spec, batch: int) -> int:
     if spec.goal.ttft_ms is not None:
         delay = min(delay, int(spec.goal.ttft_ms * 0.1))
     return max(delay, 1)
+
+
+def deployment(spec, chosen: Config) -> Deployment:
+    """Instances, stages and autoscaling bounds: the steady count, and what the peak rate needs."""
+    instances = chosen.timing.instances_used
+    rate = spec.workload.requests_per_second
+    at_rate = None
+    if rate is not None and chosen.timing.cost_per_hour is not None:
+        at_rate = round(chosen.timing.cost_per_hour / (rate * spec.workload.max_output_tokens * 3600) * 1e6, 4)
+    return Deployment(instances=instances, pipeline_parallel_degree=chosen.pp, min_instances=instances,
+                      max_instances=max(chosen.peak_instances, instances),
+                      requests_per_second=round(chosen.requests_per_second, 3),
+                      cost_per_million_tokens_at_rate=at_rate)
 
 
 def job_queue_size(spec, config: Config) -> int:
@@ -551,6 +630,7 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
                            if chosen.replicas * chosen.batch < load.concurrency else "")
                         + f"; {chosen.devices} device(s) on "
                         f"{t.instances_used} instance(s) of {hardware.devices}"))
+    out += scale_decisions(spec, model, hardware, chosen)
     out.append(Decision(key="batch_size", value=chosen.batch,
                         reason=f"{t.throughput_tokens_per_s:.1f} tokens/s at TPOT {t.tpot_ms:.2f} ms "
                                f"(optimize = {goal.optimize})"))
@@ -587,6 +667,32 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
     out.append(Decision(key="goal", value=goal_met, reason=summary))
     if chosen.vllm is not None:
         out = vllm_decisions(out, spec, model, hardware, chosen.vllm, chosen.memory, chosen.replicas)
+    return out
+
+
+def scale_decisions(spec, model: ModelFacts, hardware: HardwareFacts, chosen: Config) -> list[Decision]:
+    """Why the plan spans the stages and instances it does, and its autoscaling bounds."""
+    out = []
+    t, load, pp = chosen.timing, spec.workload, chosen.pp
+    if pp > 1 or spec.pin.pipeline_parallel_degree is not None:
+        network = hardware.network
+        why = ("pinned by the spec" if spec.pin.pipeline_parallel_degree is not None else
+               f"no layout fits one {hardware.name} ({hardware.devices} devices)")
+        hop = f"; each stage hands its hidden states to the next over {network.name}" if network and pp > 1 else ""
+        out.append(Decision(key="pipeline_parallel_degree", value=pp,
+                            reason=f"{why}: {pp} stage(s) of up to {stage_layers(model, pp)} of {model.layers} "
+                                   f"layers, one instance each, TP {chosen.tp} within it{hop}"))
+    per_instance = max(hardware.devices // chosen.tp, 1)
+    reason = (f"{chosen.replicas} replica(s) × {pp} stage(s), {per_instance} replica(s) per instance; they carry "
+              f"{chosen.requests_per_second:.2f} requests/s (batch {chosen.batch} / (TTFT + {load.max_output_tokens} "
+              f"× TPOT) each)")
+    if load.requests_per_second is not None:
+        reason += f" for the {load.requests_per_second:g} requests/s of the workload"
+        if load.peak_requests_per_second is not None:
+            reason += (f"; the peak {load.peak_requests_per_second:g} requests/s needs {chosen.peak_instances} "
+                       f"(the autoscaling upper bound)")
+    reason += f"; at most {spec.target.instances} (target.instances)"
+    out.append(Decision(key="instances", value=t.instances_used, reason=reason))
     return out
 
 
@@ -628,7 +734,8 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
 def _describe(spec, c: Config) -> str:
     t = c.timing
     cost = f", ${t.cost_per_million_tokens:.2f}/M tokens" if t.cost_per_million_tokens is not None else ""
-    return (f"batch {c.batch}: TPOT {t.tpot_ms:.2f} ms, TTFT {t.ttft_ms:.0f} ms, "
+    stages = f"{c.pp} pipeline stages, " if c.pp > 1 else ""
+    return (f"{stages}batch {c.batch}: TPOT {t.tpot_ms:.2f} ms, TTFT {t.ttft_ms:.0f} ms, "
             f"{t.throughput_tokens_per_s:.0f} tokens/s{cost}, {c.devices} device(s)")
 
 
@@ -650,6 +757,19 @@ def no_feasible_plan(spec, model: ModelFacts, hardware: HardwareFacts, engines: 
         closest = max(configs, key=lambda c: (c.memory.headroom, -c.batch))
         details.append(f"closest: {closest.engine} {closest.dtype} TP {closest.tp} batch {closest.batch} needs "
                        f"{_gib(closest.memory.total)} per device > {_gib(closest.memory.capacity)}")
+    elif configs and not any(c.fits and not c.over_rate for c in configs):  # the rate needs more instances
+        load = spec.workload
+        best = min((c for c in configs if c.fits), key=lambda c: (c.peak_instances, c.timing.instances_used))
+        peak = (f" (peak {load.peak_requests_per_second:g} requests/s)" if load.peak_requests_per_second is not None
+                else "")
+        message = (f"requests_per_second = {load.requests_per_second:g}{peak} needs {best.peak_instances} instances of "
+                   f"{hardware.name} at best; target.instances = {spec.target.instances} allows "
+                   f"{spec.target.instances}")
+        per_replica = best.requests_per_second / best.replicas
+        details.append(f"best: {best.engine} {best.dtype} TP {best.tp}" + (f" PP {best.pp}" if best.pp > 1 else "")
+                       + f" batch {best.batch}: {per_replica:.3f} requests/s per replica (TTFT "
+                       f"{best.timing.ttft_ms:.0f} ms + {load.max_output_tokens} × TPOT {best.timing.tpot_ms:.1f} ms "
+                       f"per request); raise target.instances to {best.peak_instances} or lower the rate")
     elif configs:  # only the cost cap stands in the way: say what the cheapest fitting one costs
         cheapest = min((c for c in configs if c.fits), key=lambda c: c.timing.cost_per_hour or 0)
         price = cheapest.timing.cost_per_hour or 0
@@ -661,7 +781,7 @@ def no_feasible_plan(spec, model: ModelFacts, hardware: HardwareFacts, engines: 
         reasons = sorted({r.reason for r in rejections})
         message = f"no engine can serve {model.id} on {hardware.name}: " + "; ".join(reasons[:3])
     details += nearest_options(spec, model, hardware, engines, candidates)
-    if len(details) <= 1:
+    if len(details) <= 1 and not message.startswith("requests_per_second"):
         details.append("no nearby option fits: a larger instance type or a smaller model is needed")
     return NoFeasiblePlanError(message, details)
 
@@ -698,6 +818,9 @@ def nearest_options(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         c = _fits_somewhere(roomy, model, hardware, engines)
         if c is not None:
             options.append(f"budget.memory_fraction = 0.95: {c.engine} {c.dtype} TP {c.tp} fits")
+    across = _pipeline_option(spec, model, hardware, engines)
+    if across is not None:
+        options.append(across)
     if candidates is None:
         candidates = _catalog_candidates(hardware)
     found = 0
@@ -716,6 +839,23 @@ def nearest_options(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         if found == 3:
             break
     return options
+
+
+def _pipeline_option(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[str, EngineFacts]) -> str | None:
+    """The fewest instances beyond target.instances that pipeline stages would fit across."""
+    if spec.pin.pipeline_parallel_degree is not None or hardware.network is None:
+        return None
+    if not any(model.family in e.pipeline_families for e in engines.values()):
+        return None
+    for pp in range(spec.target.instances + 1, MAX_PIPELINE_DEGREE + 1):
+        wider = spec.model_copy(update={"target": spec.target.model_copy(update={"instances": pp})})
+        configs, _ = enumerate_configs(wider, model, hardware, engines, (pp,))
+        feasible = [c for c in configs if c.feasible]
+        if feasible:
+            c = choose(wider, model, hardware, feasible)[0]
+            return (f"target.instances = {pp}: {c.engine} {c.dtype} in {pp} pipeline stages × TP {c.tp} fits "
+                    f"({_gib(c.memory.total)} of {_gib(c.memory.capacity)} per device), TPOT {c.timing.tpot_ms:.1f} ms")
+    return None
 
 
 def _catalog_candidates(hardware: HardwareFacts) -> list[HardwareFacts]:

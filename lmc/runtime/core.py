@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult
@@ -134,16 +134,18 @@ class Runtime:
             if request.headers.get("expect", "").lower() != "100-continue":
                 await _discard(request, min(int(declared), DISCARD_BYTES))
             raise RequestFailed(413, f"request body is {declared} bytes; the limit is {self.max_body_bytes}")
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > self.max_body_bytes:
+        chunks, size, more = [], 0, True
+        while more:  # the ASGI messages themselves: whether more body follows decides the discard
+            message = await request.receive()
+            if message["type"] != "http.request":
+                raise RequestFailed(CLIENT_CLOSED, "the client disconnected while sending the body")
+            chunk, more = message.get("body", b""), message.get("more_body", False)
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                if more:  # (after the last part, the next message is the client's disconnect: never wait for it)
                     await _discard(request, DISCARD_BYTES)
-                    raise RequestFailed(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise RequestFailed(CLIENT_CLOSED, "the client disconnected while sending the body") from None
+                raise RequestFailed(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+            chunks.append(chunk)
         try:
             body = json.loads(b"".join(chunks))
             # Lone UTF-16 surrogates ("\ud800") are valid JSON escapes but not text: refuse them here,

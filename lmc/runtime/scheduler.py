@@ -1,8 +1,15 @@
 """lmc's own backend (see jobs.Backend): jobs in one bounded queue, handed to worker groups, events back.
 
-A dispatcher coroutine per worker group pulls batches from the shared queue when its group is ready
-and idle; the group's supervisor thread (workers.py) reports tokens and results, which hop onto the
-event loop and into each job's events.
+A dispatcher coroutine per worker group pulls work from the shared queue; the group's supervisor thread
+(workers.py) reports tokens and results, which hop onto the event loop and into each job's events.
+The plan's `scheduling` says how work is handed out:
+
+  dynamic     a batch (up to batch_size jobs, or what came within max_batch_delay) goes to an idle
+              group and runs to its longest request; the next batch waits for it.
+  continuous  each job goes to its group on its own as soon as the group has a sequence slot
+              (kv_cache.max_concurrent_sequences) and KV blocks for its prompt + max_new_tokens
+              (kv_cache.blocks of kv_cache.block_size positions); it joins the running rows at the
+              group's next decode step and its result comes back the step it finishes.
 """
 
 from __future__ import annotations
@@ -32,14 +39,27 @@ class Scheduler:
         self.plan = plan
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
-        self.batcher: AsyncBatcher[Job] = AsyncBatcher(BatchQueue(
-            int(plan["job_queue_size"]), int(plan["batch_size"]), int(plan["max_batch_delay_ms"]) / 1000.0))
+        self.continuous = plan.get("scheduling") == "continuous"
+        kv = plan.get("kv_cache") or {}
+        # A continuous plan runs up to batch_size sequences per group (vLLM's max_num_seqs), fewer when its
+        # KV pool holds fewer; without a pool (an older plan), batch_size and no block limit.
+        self.max_sequences = min(int(plan["batch_size"]), int(kv.get("max_concurrent_sequences") or plan["batch_size"]))
+        self.block_size = int(kv.get("block_size") or 16)
+        self.blocks = int(kv.get("blocks") or 0)
+        if self.continuous:  # jobs leave the queue at once, as many as there are free slots
+            queue = BatchQueue(int(plan["job_queue_size"]), self.max_sequences, 0.0)
+        else:
+            queue = BatchQueue(int(plan["job_queue_size"]), int(plan["batch_size"]), int(plan["max_batch_delay_ms"]) / 1000.0)
+        self.batcher: AsyncBatcher[Job] = AsyncBatcher(queue)
         self.group_count = groups_per_instance(plan)
         self.groups = [group_factory(index, self) for index in range(self.group_count)]
         self._ready = [asyncio.Event() for _ in self.groups]
         self._batches: dict[int, dict[str, Job]] = {}
         self._batch_done: dict[int, asyncio.Future] = {}
         self._batch_ids = itertools.count(1)
+        self._running: list[dict[int, int]] = [{} for _ in self.groups]  # per group: batch id -> KV blocks held
+        self._owner: dict[int, int] = {}  # batch id -> group
+        self._room = [asyncio.Event() for _ in self.groups]  # set when a group's running work shrinks
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._early: list[tuple] = []  # events that arrived before the event loop ran
@@ -49,6 +69,11 @@ class Scheduler:
         self.on_fatal_hook: Callable[[], None] | None = None
         # Read when /metrics is scraped, so they can never be stale.
         metrics.queue_depth.set_function(self.queued)
+        metrics.waiting.set_function(self.queued)
+        metrics.running.set_function(lambda: sum(len(jobs) for jobs in self._batches.values()))
+        metrics.kv_blocks_used.set_function(lambda: sum(sum(held.values()) for held in self._running))
+        metrics.kv_blocks_free.set_function(
+            lambda: sum(max(0, self.blocks - sum(held.values())) for held in self._running) if self.blocks else 0)
         metrics.groups_ready.set_function(lambda: sum(event.is_set() for event in self._ready))
 
     @property
@@ -73,7 +98,8 @@ class Scheduler:
             self._loop.call_soon(fn, *args)
         self.start_groups()
         for index in range(len(self.groups)):
-            self._tasks.append(asyncio.create_task(self._dispatch(index), name=f"lmc-dispatch-{index}"))
+            dispatch = self._dispatch_continuous if self.continuous else self._dispatch
+            self._tasks.append(asyncio.create_task(dispatch(index), name=f"lmc-dispatch-{index}"))
 
     def stop_groups(self) -> None:
         """Stop the workers without an event loop (start-up failed before serving)."""
@@ -114,37 +140,100 @@ class Scheduler:
     # -- dispatch: one coroutine per group
 
     async def _dispatch(self, index: int) -> None:
-        group = self.groups[index]
+        """Dynamic batching: the next batch goes to group `index` once it has finished the last one."""
+        while True:
+            jobs = await self._take(index, None)
+            if jobs and self._send(index, jobs, 0):
+                self.metrics.batch_size.observe(len(jobs))
+                await self._batch_done[jobs[0].batch[1]]
+            elif jobs:
+                self.batcher.requeue(jobs)
+                await asyncio.sleep(0)
+
+    async def _take(self, index: int, limit: int | None) -> list[Job]:
+        """Jobs for group `index` once it is ready (none when it went down meanwhile: they are requeued)."""
+        await self._ready[index].wait()
+        jobs = [job for job in await self.batcher.next_batch(limit) if not job.finished]
+        if jobs and not self._ready[index].is_set():  # went down while we waited for work
+            self.batcher.requeue(jobs)
+            await asyncio.sleep(0)
+            return []
+        return jobs
+
+    async def _dispatch_continuous(self, index: int) -> None:
+        """Continuous batching: jobs go to group `index` one by one while it has a sequence slot and the
+        KV blocks each needs (see the module doc); each is a batch of one, answered when it finishes."""
+        room = self._room[index]
         while True:
             await self._ready[index].wait()
-            jobs = await self.batcher.next_batch()
-            jobs = [job for job in jobs if not job.finished]
+            room.clear()
+            free = self.max_sequences - len(self._running[index])
+            if free <= 0:
+                await room.wait()
+                continue
+            jobs = await self._take(index, free)
             if not jobs:
                 continue
-            if not self._ready[index].is_set():  # went down while we waited for work
-                self.batcher.requeue(jobs)
-                await asyncio.sleep(0)
-                continue
-            batch_id = next(self._batch_ids)
-            self._batches[batch_id] = {job.id: job for job in jobs}
-            done = self._loop.create_future()
-            self._batch_done[batch_id] = done
-            try:
-                group.submit(batch_id, [job.request for job in jobs], [job.id for job in jobs if job.stream])
-            except RuntimeError:  # it went down; its on_down is still on its way to this loop
-                del self._batches[batch_id], self._batch_done[batch_id]
-                self.batcher.requeue(jobs)
-                self._set_ready(index, False)  # wait for on_ready instead of spinning on the same batch
-                await asyncio.sleep(0)
-                continue
+            held = sum(self._running[index].values())
+            fits = []
             for job in jobs:
-                job.batch = (index, batch_id)
-            self.metrics.batch_size.observe(len(jobs))
-            try:
-                await asyncio.wait_for(asyncio.shield(done), self.request_timeout_s + _HUNG_GRACE_S)
-            except asyncio.TimeoutError:
-                group.kill(f"batch {batch_id} ran {self.request_timeout_s + _HUNG_GRACE_S:g}s")
-                await done  # the supervisor fails it once the processes are gone
+                need = self._blocks_for(job)
+                # One that needs more than the whole pool still runs alone (the pool is the plan's estimate).
+                if self.blocks and held + need > self.blocks and (self._running[index] or fits):
+                    break
+                fits.append((job, need))
+                held += need
+            self.batcher.requeue(jobs[len(fits):])
+            for sent, (job, need) in enumerate(fits):
+                if not self._send(index, [job], need):
+                    self.batcher.requeue([job for job, _ in fits[sent:]])
+                    break
+            if len(fits) < len(jobs) and self._running[index]:
+                await room.wait()  # the head of the queue waits for blocks
+
+    def _blocks_for(self, job: Job) -> int:
+        return -(-(job.prompt_tokens + job.request.params.max_new_tokens) // self.block_size)
+
+    def _send(self, index: int, jobs: list[Job], blocks: int) -> bool:
+        """Hand `jobs` to group `index` as one batch (False when the group is down: requeue them)."""
+        batch_id = next(self._batch_ids)
+        try:
+            self.groups[index].submit(batch_id, [job.request for job in jobs], [job.id for job in jobs if job.stream])
+        except RuntimeError:  # it went down; its on_down is still on its way to this loop
+            self._set_ready(index, False)  # wait for on_ready instead of spinning on the same jobs
+            return False
+        self._batches[batch_id] = {job.id: job for job in jobs}
+        self._running[index][batch_id] = blocks
+        self._owner[batch_id] = index
+        self._observe_queue_time(jobs)
+        for job in jobs:
+            job.batch = (index, batch_id)
+        done = self._loop.create_future()
+        self._batch_done[batch_id] = done
+        self._tasks.append(asyncio.create_task(self._watch(index, batch_id, done)))
+        return True
+
+    async def _watch(self, index: int, batch_id: int, done: asyncio.Future) -> None:
+        """Restart group `index` when batch `batch_id` runs far past the request timeout (a hung group)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(done), self.request_timeout_s + _HUNG_GRACE_S)
+        except asyncio.TimeoutError:  # the supervisor fails the batch once the processes are gone
+            self.groups[index].kill(f"batch {batch_id} ran {self.request_timeout_s + _HUNG_GRACE_S:g}s")
+        finally:
+            task = asyncio.current_task()
+            if task in self._tasks:
+                self._tasks.remove(task)
+
+    def _observe_queue_time(self, jobs: list[Job]) -> None:
+        now = time.monotonic()
+        for job in jobs:
+            self.metrics.queue_time.observe(now - job.enqueued_at)
+
+    def _release(self, batch_id: int) -> None:
+        index = self._owner.pop(batch_id, None)
+        if index is not None:
+            self._running[index].pop(batch_id, None)
+            self._room[index].set()
 
     # -- events from supervisor threads
 
@@ -179,6 +268,10 @@ class Scheduler:
 
     def on_failure(self, group: int, batch_id: int, message: str) -> None:
         self._call(self._failure, batch_id, message)
+
+    def on_steps(self, group: int, rows: list[int]) -> None:
+        for count in rows:  # (prometheus_client is thread-safe)
+            self.metrics.tokens_per_step.observe(count)
 
     def _fatal(self, error: Exception) -> None:
         if self.fatal is None:
@@ -223,6 +316,7 @@ class Scheduler:
         self._finish_batch(batch_id)
 
     def _finish_batch(self, batch_id: int) -> None:
+        self._release(batch_id)
         done = self._batch_done.pop(batch_id, None)
         if done is not None and not done.done():
             done.set_result(None)

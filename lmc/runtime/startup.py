@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from lmc.errors import ArtifactError
-from lmc.layouts import shard_path
+from lmc.layouts import pipeline_degree, shard_path
 from lmc.manifest import MANIFEST_NAME, sha256_file, verify_artifact
 
 log = logging.getLogger("lmc.runtime")
@@ -151,6 +151,10 @@ def verify_for_rank(model_dir: Path, rank: int, world_size: int) -> dict[str, An
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in (rank, world_size)) or not 0 <= rank < world_size:
         raise ArtifactError(f"rank {rank!r} of world size {world_size!r}: not a rank of that world")
     manifest = verify_artifact(model_dir, check_hashes=False)
+    stages = pipeline_degree(manifest["plan"])
+    if stages > 1:
+        raise ArtifactError(f"{model_dir}: planned for {stages} instances (pipeline parallel degree {stages}): serve it "
+                            "with `lmc runtime` on each instance (a LeaderWorkerSet), not in DJL Serving")
     tp = manifest["plan"].get("tensor_parallel_degree")
     others = {shard_path(tp, other) for other in range(tp) if other != rank} if world_size > 1 and isinstance(tp, int) else set()
     verify_hashes(model_dir, dict(manifest, files={rel: entry for rel, entry in manifest["files"].items() if rel not in others}),

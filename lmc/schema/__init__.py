@@ -3,6 +3,7 @@
 from lmc.schema.loader import LoadedSpec, SpecSource, load_spec, parse_spec, spec_sha256
 from lmc.schema.spec import (
     BudgetSpec,
+    DeploySpec,
     Dtype,
     Engine,
     GoalSpec,
@@ -15,7 +16,7 @@ from lmc.schema.spec import (
 from lmc.schema.units import format_bytes, parse_size
 
 __all__ = [
-    "BudgetSpec", "Dtype", "Engine", "GoalSpec", "LoadedSpec", "ModelSpec", "PinSpec", "Spec",
+    "BudgetSpec", "DeploySpec", "Dtype", "Engine", "GoalSpec", "LoadedSpec", "ModelSpec", "PinSpec", "Spec",
     "SpecSource", "TargetSpec", "WorkloadSpec", "format_bytes", "load_spec", "parse_size",
     "parse_spec", "spec_sha256",
 ]

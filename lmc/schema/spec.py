@@ -43,7 +43,7 @@ class TargetSpec(_Strict):
     instance: str | None = Field(default=None, min_length=1, description='A catalog instance (ml.g5.12xlarge, g5.12xlarge) or "local".')
     accelerator: str | None = Field(default=None, min_length=1, description="A catalog accelerator (a10g, a100-40gb, ...), with `devices`.")
     devices: int | None = Field(default=None, ge=1, le=1024, description="How many accelerators, with `accelerator`.")
-    instances: int = Field(default=1, ge=1, le=1024, description="How many instances the plan may use for replicas.")
+    instances: int = Field(default=1, ge=1, le=1024, description="The most instances the plan may use (replicas, pipeline stages, autoscaling).")
     profile: str | None = Field(default=None, min_length=1, description="A measured hardware profile (catalog-entry format), relative to the spec file.")
 
     @model_validator(mode="after")
@@ -81,6 +81,18 @@ class WorkloadSpec(_Strict):
     max_input_tokens: int = Field(default=1024, ge=1, le=1_048_576, description="Longest prompt, tokens.")
     max_output_tokens: int = Field(default=256, ge=1, le=1_048_576, description="Longest generation, tokens.")
     concurrency: int = Field(default=1, ge=1, le=100_000, description="Concurrent requests to serve.")
+    requests_per_second: float | None = Field(default=None, gt=0, le=1_000_000, description="Steady request rate to carry; sizes the instance count.")
+    peak_requests_per_second: float | None = Field(default=None, gt=0, le=1_000_000, description="Peak request rate; sizes the autoscaling upper bound (needs requests_per_second).")
+
+    @model_validator(mode="after")
+    def _peak_above_rate(self) -> "WorkloadSpec":
+        if self.peak_requests_per_second is not None:
+            if self.requests_per_second is None:
+                raise ValueError("`peak_requests_per_second` needs `requests_per_second` (the steady rate)")
+            if self.peak_requests_per_second < self.requests_per_second:
+                raise ValueError(f"`peak_requests_per_second` ({self.peak_requests_per_second:g}) is below "
+                                 f"`requests_per_second` ({self.requests_per_second:g}); the peak is the higher rate")
+        return self
 
 
 class PinSpec(_Strict):
@@ -90,6 +102,19 @@ class PinSpec(_Strict):
     dtype: Dtype | None = Field(default=None, description="Weight dtype; int8 is weight-only quantization.")
     tensor_parallel_degree: int | None = Field(default=None, ge=1, le=1024, description="Devices per replica.")
     replicas: int | None = Field(default=None, ge=1, le=100_000, description="Model copies across the instances.")
+    pipeline_parallel_degree: int | None = Field(default=None, ge=1, le=64, description="Pipeline stages, one instance each, per model copy.")
+
+
+class DeploySpec(_Strict):
+    """Account-specific values for `lmc deploy`; where unset, the files carry marked placeholders."""
+
+    name: str | None = Field(default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
+                             description="Name of the model, endpoint and Kubernetes resources (lower case, digits, -).")
+    image: str | None = Field(default=None, min_length=1, max_length=255, description="Container image URI that runs `lmc runtime`.")
+    role_arn: str | None = Field(default=None, min_length=20, max_length=2048, pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/.+$",
+                                 description="SageMaker execution role ARN.")
+    model_data: str | None = Field(default=None, min_length=1, max_length=1024, pattern=r"^(s3|https)://.+",
+                                   description="Where the built artifact lives (s3://bucket/prefix/model.tar.gz).")
 
 
 class Spec(_Strict):
@@ -101,3 +126,4 @@ class Spec(_Strict):
     goal: GoalSpec = GoalSpec()
     workload: WorkloadSpec = WorkloadSpec()
     pin: PinSpec = PinSpec()
+    deploy: DeploySpec = DeploySpec()

@@ -1,0 +1,427 @@
+"""Deployment files from a plan: SageMaker request bodies, Kubernetes manifests, a KServe InferenceService.
+
+Pure: a Plan, its hardware facts and the deployment's account values in; {relative path: bytes}
+out. The numbers come from the plan and lmc.planner.sizing (which says where each came from); this
+module lays them out in each API's shape. Where the spec and flags leave an account value unset
+(image, role, model data), the files carry a placeholder that contains REPLACE_ME and still has
+the value's shape, and `placeholders` names them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from lmc.errors import NoFeasiblePlanError
+from lmc.emitters import yaml_text
+from lmc.planner.facts import HardwareFacts
+from lmc.planner.plan import Plan
+from lmc.planner.sizing import GB, GIB, Sizing, replicas_per_instance, size_deployment
+
+TARGETS = ("sagemaker", "kubernetes", "kserve")
+PLACEHOLDER = "REPLACE_ME"
+PORT = 8080
+RENDEZVOUS_PORT = 29500  # lmc runtime's torch.distributed store on the leader (LMC_RENDEZVOUS_PORT's default)
+MODEL_DIR = "/opt/ml/model"
+KSERVE_MODEL_DIR = "/mnt/models"  # where KServe's storage initializer puts STORAGE_URI
+VARIANT = "AllTraffic"
+PROBE_PERIOD_S = 10
+SCALE_IN_COOLDOWN_S = 600
+DOWNLOADER_IMAGE = "public.ecr.aws/aws-cli/aws-cli:latest"
+NEURON_CORES_PER_DEVICE = 2  # Inferentia2 and Trainium: two NeuronCores per device (aws.amazon.com/neuron)
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+
+
+@dataclass(frozen=True)
+class Account:
+    """Account-specific values: from the spec's [deploy] section or flags; None where neither gives one."""
+
+    name: str
+    image: str | None = None
+    role_arn: str | None = None
+    model_data: str | None = None
+
+    def placeholders(self, target: str) -> list[str]:
+        """The values `target`'s files carry as placeholders, as `[deploy]` keys."""
+        keys = ("image", "role_arn", "model_data") if target == "sagemaker" else ("image", "model_data")
+        return [key for key in keys if getattr(self, key) is None]
+
+    @property
+    def image_or_placeholder(self) -> str:
+        return self.image or f"{PLACEHOLDER}.dkr.ecr.region.amazonaws.com/lmc-runtime:{PLACEHOLDER}"
+
+    @property
+    def role_or_placeholder(self) -> str:
+        return self.role_arn or f"arn:aws:iam::000000000000:role/{PLACEHOLDER}-sagemaker-execution-role"
+
+    @property
+    def model_data_or_placeholder(self) -> str:
+        return self.model_data or f"s3://{PLACEHOLDER.lower().replace('_', '-')}-bucket/lmc/{self.name}/model/"
+
+    @property
+    def compressed(self) -> bool:
+        """A model.tar.gz (downloaded, then extracted), else an uncompressed S3 prefix (`lmc build --format dir`)."""
+        return self.model_data_or_placeholder.endswith(".tar.gz")
+
+
+def resource_name(text: str) -> str:
+    """A DNS-1123 label from `text` (lower case, digits, '-'; at most 63), for names of every kind."""
+    name = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:63].strip("-")
+    return name or "lmc-model"
+
+
+def render_deployment(target: str, plan: Plan, hardware: HardwareFacts, account: Account) -> dict[str, bytes]:
+    """The files for `target`, README.md included. Raises NoFeasiblePlanError when the target cannot
+    run the plan (a pipeline across instances on SageMaker, a timeout past the platform's limit)."""
+    if target == "sagemaker":
+        check_sagemaker(plan, hardware)
+        sizing = size_deployment(plan, hardware, compressed=account.compressed, server_timeout_s=server_timeout(plan))
+        files = sagemaker_files(plan, hardware, account, sizing)
+    elif target == "kubernetes":
+        sizing = size_deployment(plan, hardware, compressed=account.compressed, server_timeout_s=server_timeout(plan), timeout_limit=None)
+        files = kubernetes_files(plan, hardware, account, sizing)
+    elif target == "kserve":
+        check_single_node(plan, "KServe", "KServe's multi-node serving is Ray-based (vLLM); lmc's pipeline "
+                                          "stages rendezvous through LeaderWorkerSet")
+        sizing = size_deployment(plan, hardware, compressed=account.compressed, server_timeout_s=server_timeout(plan), timeout_limit=None)
+        files = kserve_files(plan, hardware, account, sizing)
+    else:
+        raise ValueError(f"unknown deploy target {target!r}")
+    files[f"{target}/README.md"] = readme(target, plan, hardware, account, sizing, files).encode()
+    return dict(sorted(files.items()))
+
+
+def server_timeout(plan: Plan) -> int:
+    from lmc.emitters.render import loading_timeout_seconds
+
+    return loading_timeout_seconds(plan.predicted.load_seconds)
+
+
+def check_single_node(plan: Plan, platform: str, why: str) -> None:
+    pp = plan.deployment.pipeline_parallel_degree
+    if pp > 1:
+        raise NoFeasiblePlanError(
+            f"{platform} cannot run this plan: it splits each model copy into {pp} pipeline stages on {pp} "
+            f"instances, and {why}", ["use --target kubernetes (a LeaderWorkerSet of the stages)"])
+
+
+def check_sagemaker(plan: Plan, hardware: HardwareFacts) -> None:
+    check_single_node(plan, "SageMaker", "each endpoint instance serves a whole model copy on its own")
+    if not hardware.name.startswith("ml."):
+        raise NoFeasiblePlanError(
+            f"SageMaker cannot run this plan: an endpoint needs an ml.* instance type; this plan targets {hardware.name}",
+            ["name a catalog instance in target.instance (ml.g5.12xlarge, ...), or use --target kubernetes"])
+
+
+# --- SageMaker ----------------------------------------------------------------------------------------
+
+def sagemaker_files(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing) -> dict[str, bytes]:
+    name, d = account.name, plan.deployment
+    resource_id = f"endpoint/{name}/variant/{VARIANT}"
+    if account.compressed:
+        container = {"Image": account.image_or_placeholder, "ModelDataUrl": account.model_data_or_placeholder}
+    else:
+        container = {"Image": account.image_or_placeholder,
+                     "ModelDataSource": {"S3DataSource": {"S3Uri": account.model_data_or_placeholder,
+                                                          "S3DataType": "S3Prefix", "CompressionType": "None"}}}
+    container["Environment"] = container_environment(plan)
+    variant = {
+        "VariantName": VARIANT,
+        "ModelName": name,
+        "InstanceType": hardware.name,
+        "InitialInstanceCount": d.instances,
+    }
+    if sizing.ebs_volume_gb is not None:
+        variant["VolumeSizeInGB"] = sizing.ebs_volume_gb.value
+    variant["ModelDataDownloadTimeoutInSeconds"] = sizing.download_timeout_s.value
+    variant["ContainerStartupHealthCheckTimeoutInSeconds"] = sizing.startup_timeout_s.value
+    scale_out = int(min(sizing.download_timeout_s.value + sizing.startup_timeout_s.value, 3600))
+    bodies = {
+        "create-model.json": {"ModelName": name, "ExecutionRoleArn": account.role_or_placeholder,
+                              "PrimaryContainer": container},
+        "create-endpoint-config.json": {"EndpointConfigName": name, "ProductionVariants": [variant]},
+        "create-endpoint.json": {"EndpointName": name, "EndpointConfigName": name},
+        "register-scalable-target.json": {
+            "ServiceNamespace": "sagemaker", "ResourceId": resource_id,
+            "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
+            "MinCapacity": d.min_instances, "MaxCapacity": d.max_instances},
+        "put-scaling-policy.json": {
+            "PolicyName": f"{name}-invocations-per-instance", "ServiceNamespace": "sagemaker",
+            "ResourceId": resource_id, "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
+            "PolicyType": "TargetTrackingScaling",
+            "TargetTrackingScalingPolicyConfiguration": {
+                "TargetValue": sizing.invocations_per_instance_per_minute.value,
+                "PredefinedMetricSpecification": {"PredefinedMetricType": "SageMakerVariantInvocationsPerInstance"},
+                "ScaleInCooldown": SCALE_IN_COOLDOWN_S,
+                "ScaleOutCooldown": scale_out}},
+    }
+    return {f"sagemaker/{file}": (json.dumps(body, indent=2) + "\n").encode() for file, body in bodies.items()}
+
+
+def container_environment(plan: Plan) -> dict[str, str]:
+    """The container's environment: the LMI container reads serving.properties from the artifact, so
+    only what binds the deployment to its plan and the model server's start-up patience."""
+    return {
+        "LMC_PLAN_SHA256": plan.plan_sha256,
+        # LMI reads OPTION_* variables as option.* properties: the same model-loading timeout as the
+        # artifact's serving.properties, so a container that reads only the environment waits as long.
+        "OPTION_MODEL_LOADING_TIMEOUT": str(server_timeout(plan)),
+    }
+
+
+# --- Kubernetes ---------------------------------------------------------------------------------------
+
+def device_resources(plan: Plan, hardware: HardwareFacts, sizing: Sizing) -> dict[str, str]:
+    devices = int(sizing.devices_per_instance.value)
+    if hardware.kind == "gpu":
+        return {"nvidia.com/gpu": str(devices)}
+    if hardware.kind == "neuron":
+        return {"aws.amazon.com/neuron": str(math.ceil(devices / NEURON_CORES_PER_DEVICE))}
+    return {}
+
+
+def _quantity(n: int) -> str:
+    """A Kubernetes quantity in Gi (rounded up)."""
+    return f"{max(math.ceil(n / GIB), 1)}Gi"
+
+
+def _probes(sizing: Sizing) -> dict:
+    startup_failures = math.ceil(sizing.startup_timeout_s.value / PROBE_PERIOD_S)
+    ping = {"path": "/ping", "port": PORT}
+    return {
+        "startupProbe": {"httpGet": ping, "periodSeconds": PROBE_PERIOD_S, "failureThreshold": startup_failures,
+                         "timeoutSeconds": 5},
+        "readinessProbe": {"httpGet": ping, "periodSeconds": PROBE_PERIOD_S, "failureThreshold": 3,
+                           "timeoutSeconds": 5},
+        "livenessProbe": {"httpGet": ping, "periodSeconds": 30, "failureThreshold": 5, "timeoutSeconds": 10},
+    }
+
+
+def _pod_spec(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing, *, serves: bool,
+              model_dir: str = MODEL_DIR, download: bool = True) -> dict:
+    resources = device_resources(plan, hardware, sizing)
+    limits = dict(resources)
+    requests = {**resources, "ephemeral-storage": _quantity(int(sizing.storage_bytes.value))}
+    if hardware.kind == "cpu":  # the ranks share the host's memory: what the plan puts in it
+        requests["memory"] = _quantity(plan.memory_per_device.total * plan.tensor_parallel_degree
+                                       * replicas_per_instance(plan))
+    container = {
+        "name": "lmc-runtime",
+        "image": account.image_or_placeholder,
+        "command": ["lmc", "runtime"],
+        "args": ["--model-dir", model_dir, "--port", str(PORT)],
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "env": [{"name": "LMC_PLAN_SHA256", "value": plan.plan_sha256}],
+        "resources": {"requests": requests, **({"limits": limits} if limits else {})},
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    if not serves:
+        container.pop("ports")
+    else:
+        container.update(_probes(sizing))
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity(int(sizing.shm_bytes.value))}}]
+    spec: dict = {}
+    if download:
+        container["volumeMounts"].append({"name": "model", "mountPath": model_dir, "readOnly": True})
+        volumes.append({"name": "model", "emptyDir": {"sizeLimit": _quantity(int(sizing.storage_bytes.value))}})
+        spec["initContainers"] = [download_container(account, model_dir)]
+    spec["containers"] = [container]
+    spec["volumes"] = volumes
+    spec["terminationGracePeriodSeconds"] = 120
+    if hardware.name.startswith("ml."):
+        spec["nodeSelector"] = {"node.kubernetes.io/instance-type": hardware.name[3:]}
+    if hardware.kind == "gpu":
+        spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    elif hardware.kind == "neuron":
+        spec["tolerations"] = [{"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"}]
+    return spec
+
+
+def _leader_spec(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing) -> dict:
+    """The leader serves HTTP and hosts the group's torch.distributed store (named, for network policies)."""
+    spec = _pod_spec(plan, hardware, account, sizing, serves=True)
+    spec["containers"][0]["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+    return spec
+
+
+def download_container(account: Account, model_dir: str) -> dict:
+    """Fetches the artifact before the runtime starts (credentials: the pod's service account)."""
+    source = account.model_data_or_placeholder
+    if account.compressed:
+        command = f"aws s3 cp '{source}' - | tar -xz -C '{model_dir}'"
+    else:
+        command = f"aws s3 sync '{source}' '{model_dir}'"
+    return {"name": "fetch-model", "image": DOWNLOADER_IMAGE, "command": ["/bin/sh", "-c", command],
+            "volumeMounts": [{"name": "model", "mountPath": model_dir}]}
+
+
+def _labels(account: Account) -> dict[str, str]:
+    return {"app.kubernetes.io/name": account.name, "app.kubernetes.io/managed-by": "lmc"}
+
+
+def _annotations(plan: Plan) -> dict[str, str]:
+    """The plan the pods serve: a new plan changes the pod template, so the pods roll."""
+    return {"lmc/plan-sha256": plan.plan_sha256}
+
+
+def kubernetes_files(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing) -> dict[str, bytes]:
+    name, d = account.name, plan.deployment
+    labels = _labels(account)
+    selector = {"app.kubernetes.io/name": name}
+    if d.pipeline_parallel_degree > 1:
+        template = {"metadata": {"labels": labels, "annotations": _annotations(plan)}}
+        workload = {
+            "apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {
+                "replicas": d.instances // d.pipeline_parallel_degree,
+                "startupPolicy": "LeaderCreated",
+                "rolloutStrategy": {"type": "RollingUpdate",
+                                    "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
+                "leaderWorkerTemplate": {
+                    "size": d.pipeline_parallel_degree,
+                    "restartPolicy": "RecreateGroupOnPodRestart",
+                    "leaderTemplate": {**template, "spec": _leader_spec(plan, hardware, account, sizing)},
+                    "workerTemplate": {**template, "spec": _pod_spec(plan, hardware, account, sizing, serves=False)},
+                },
+            },
+        }
+        service_selector = {LWS_NAME_LABEL: name, LWS_INDEX_LABEL: "0"}
+        workload_file = "kubernetes/leaderworkerset.yaml"
+    else:
+        workload = {
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {
+                "replicas": d.instances,
+                "selector": {"matchLabels": selector},
+                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
+                "template": {"metadata": {"labels": labels, "annotations": _annotations(plan)},
+                             "spec": _pod_spec(plan, hardware, account, sizing, serves=True)},
+            },
+        }
+        service_selector = selector
+        workload_file = "kubernetes/deployment.yaml"
+    service = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"selector": service_selector, "ports": [{"name": "http", "port": PORT, "targetPort": PORT,
+                                                           "protocol": "TCP"}]},
+    }
+    return {workload_file: yaml_text.dump(workload).encode(),
+            "kubernetes/service.yaml": yaml_text.dump(service).encode()}
+
+
+# --- KServe -------------------------------------------------------------------------------------------
+
+def kserve_files(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing) -> dict[str, bytes]:
+    d = plan.deployment
+    pod = _pod_spec(plan, hardware, account, sizing, serves=True, model_dir=KSERVE_MODEL_DIR, download=False)
+    container = pod["containers"][0]
+    container["name"] = "kserve-container"  # the name KServe's storage initializer mounts /mnt/models into
+    container["env"].append({"name": "STORAGE_URI", "value": account.model_data_or_placeholder})
+    # Raw deployment mode scales with an HPA on CPU or memory, which do not follow accelerator load:
+    # the replicas are fixed at the plan's instances (the README gives the peak bound for KEDA).
+    predictor = {"minReplicas": d.instances, "maxReplicas": d.instances, **pod}
+    isvc = {
+        "apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
+        "metadata": {"name": account.name, "labels": _labels(account),
+                     "annotations": {"serving.kserve.io/deploymentMode": "RawDeployment", **_annotations(plan)}},
+        "spec": {"predictor": predictor},
+    }
+    return {"kserve/inferenceservice.yaml": yaml_text.dump(isvc).encode()}
+
+
+# --- README -------------------------------------------------------------------------------------------
+
+def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing,
+           files: dict[str, bytes]) -> str:
+    d, p = plan.deployment, plan.predicted
+    lines = [f"# {account.name}: {target} deployment of {plan.model.id}", "",
+             f"Written by `lmc deploy --target {target}` from plan {plan.plan_sha256[:12]} (spec "
+             f"{plan.spec_sha256[:12]}). Do not edit: change the spec and run `lmc deploy` again.", "",
+             "## Files", ""]
+    lines += [f"- `{path.split('/', 1)[1]}`{_describe_file(path)}" for path in sorted(files)]
+    lines += ["", "## Where each number comes from", "",
+              f"- instance type {hardware.name}, {d.instances} instance(s): the plan ({plan.engine} {plan.dtype}, "
+              f"TP {plan.tensor_parallel_degree}"
+              + (f" × PP {d.pipeline_parallel_degree}" if d.pipeline_parallel_degree > 1 else "")
+              + f", {plan.replicas} replica(s)); `lmc plan --explain` says why",
+              f"- autoscaling {d.min_instances}–{d.max_instances} instance(s): plan.deployment (the workload's "
+              "requests_per_second and peak_requests_per_second, or the instances the plan uses)",
+              f"- artifact {sizing.artifact_bytes.value / GB:.1f} GB: {sizing.artifact_bytes.reason}",
+              f"- storage per instance {sizing.storage_bytes.value / GB:.1f} GB: {sizing.storage_bytes.reason}"]
+    if sizing.ebs_volume_gb is not None:
+        lines.append(f"- VolumeSizeInGB {sizing.ebs_volume_gb.value}: {sizing.ebs_volume_gb.reason}")
+    elif hardware.instance_storage_bytes is not None:
+        lines.append(f"- no VolumeSizeInGB: {hardware.name} has {hardware.instance_storage_bytes / GB:.0f} GB of NVMe "
+                     "instance storage, where SageMaker puts the model (it takes no EBS volume there)")
+    download = (f"timeout {sizing.download_timeout_s.value} s: {sizing.download_timeout_s.reason}"
+                if target == "sagemaker" else "fetched before the runtime starts, with no timeout")
+    lines += [f"- download {sizing.download_seconds.value:g} s predicted: {sizing.download_seconds.reason}; "
+              f"{download}",
+              f"- load {sizing.load_seconds.value:g} s predicted: {sizing.load_seconds.reason}; start-up timeout "
+              f"{sizing.startup_timeout_s.value} s: {sizing.startup_timeout_s.reason}"]
+    if target == "kserve" and d.max_instances > d.instances:
+        lines.append(f"- replicas fixed at {d.instances}: KServe's raw-deployment autoscaler (an HPA) scales on CPU or "
+                     f"memory, which do not follow accelerator load; the peak needs {d.max_instances} (scale on "
+                     "request rate with KEDA, or use --target sagemaker)")
+    if target != "sagemaker":
+        lines += [f"- startup probe: every {PROBE_PERIOD_S} s, {math.ceil(sizing.startup_timeout_s.value / PROBE_PERIOD_S)} "
+                  "failures allowed = the start-up timeout; readiness and liveness on `/ping`",
+                  f"- devices per pod {sizing.devices_per_instance.value}: {sizing.devices_per_instance.reason}",
+                  f"- /dev/shm {sizing.shm_bytes.value / GIB:.0f} GiB: {sizing.shm_bytes.reason}"]
+    else:
+        lines.append(f"- scaling target {sizing.invocations_per_instance_per_minute.value:g} invocations per "
+                     f"instance per minute: {sizing.invocations_per_instance_per_minute.reason}")
+    lines += [f"- predicted: TTFT {p.ttft_ms:g} ms, TPOT {p.tpot_ms:g} ms, {d.requests_per_second:g} requests/s"
+              + (f", ${p.cost_per_hour:g}/h, ${p.cost_per_million_tokens:g} per million output tokens"
+                 if p.cost_per_hour is not None and p.cost_per_million_tokens is not None else "")]
+    missing = account.placeholders(target)
+    lines += ["", "## Before you apply", ""]
+    if missing:
+        lines.append("These values are placeholders containing " + PLACEHOLDER + ": set them in the spec's "
+                     "[deploy] section (or the flags) and run `lmc deploy` again: "
+                     + ", ".join(f"`{key}`" for key in missing) + ".")
+    else:
+        lines.append("Every account value came from the spec or the flags.")
+    data = "an S3 prefix: `lmc build SPEC --format dir`, then `aws s3 sync model/ PREFIX`"
+    if account.compressed:
+        data = "a model.tar.gz: `lmc build SPEC`, then `aws s3 cp model.tar.gz URI`"
+    lines.append(f"The model data is {data}.")
+    lines += ["", *_apply_steps(target, d.pipeline_parallel_degree)]
+    return "\n".join(lines) + "\n"
+
+
+def _describe_file(path: str) -> str:
+    name = path.rsplit("/", 1)[1]
+    if name.endswith(".json"):
+        words = name[:-5].split("-")
+        return ": the request body of " + "".join(w.capitalize() for w in words)
+    return {"deployment.yaml": ": a Deployment, one pod per instance",
+            "leaderworkerset.yaml": ": a LeaderWorkerSet, one group of pipeline stages per model copy",
+            "service.yaml": ": a Service in front of the serving pods",
+            "inferenceservice.yaml": ": a KServe InferenceService (raw deployment)"}.get(name, "")
+
+
+def _apply_steps(target: str, pp: int) -> list[str]:
+    if target == "sagemaker":
+        return ["Apply, in this order:", "",
+                "    aws sagemaker create-model --cli-input-json file://create-model.json",
+                "    aws sagemaker create-endpoint-config --cli-input-json file://create-endpoint-config.json",
+                "    aws sagemaker create-endpoint --cli-input-json file://create-endpoint.json",
+                "    aws application-autoscaling register-scalable-target --cli-input-json file://register-scalable-target.json",
+                "    aws application-autoscaling put-scaling-policy --cli-input-json file://put-scaling-policy.json"]
+    if target == "kubernetes":
+        steps = ["Apply with `kubectl apply -f .`; the pods need read access to the model data (their service "
+                 "account), nodes of the instance type in nodeSelector, and node ephemeral storage that holds the "
+                 "model volume (on NVMe instances, the kubelet's root on the instance store)."]
+        if pp > 1:
+            steps.append("LeaderWorkerSet must be installed (https://github.com/kubernetes-sigs/lws); each group's "
+                         "pods join through LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX.")
+        return steps
+    return ["Apply with `kubectl apply -f inferenceservice.yaml` on a cluster with KServe (raw deployment mode); "
+            "its storage initializer fetches STORAGE_URI into /mnt/models."]

@@ -1,0 +1,399 @@
+"""`lmc deploy`: golden files per spec and target, validated offline against the platforms' own schemas.
+
+SageMaker and Application Auto Scaling bodies: botocore's service model (its ParamValidator, plus the
+string patterns and enums it leaves unchecked). Deployment and Service: the Kubernetes OpenAPI
+schemas bundled in kubernetes-validate. LeaderWorkerSet and KServe InferenceService: their published
+CRD schemas, kept in tests/data/crds (README there: source, tag, commit, sha256).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import re
+from contextlib import redirect_stderr, redirect_stdout
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from golden import GOLDEN_DIR, golden_file
+from lmc.cli.main import main
+from lmc.emitters.deploy import TARGETS, Account, render_deployment, resource_name
+from lmc.errors import NoFeasiblePlanError
+from lmc.pipeline import plan_from_spec
+from lmc.schema import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = sorted((ROOT / "specs").glob("*.toml"))
+CPU_SPEC = ROOT / "specs" / "tiny-llama-cpu.toml"
+CRDS = Path(__file__).parent / "data" / "crds"
+K8S_VERSION = "1.33.0"
+SAGEMAKER_OPERATIONS = {
+    "create-model.json": ("sagemaker", "CreateModel"),
+    "create-endpoint-config.json": ("sagemaker", "CreateEndpointConfig"),
+    "create-endpoint.json": ("sagemaker", "CreateEndpoint"),
+    "register-scalable-target.json": ("application-autoscaling", "RegisterScalableTarget"),
+    "put-scaling-policy.json": ("application-autoscaling", "PutScalingPolicy"),
+}
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Can not relate snapshot")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_checkpoint():
+    from lmc.testing.checkpoints import make_checkpoint
+
+    return make_checkpoint("llama", ROOT / "specs" / "models" / "tiny-llama", seed=0)
+
+
+@cache
+def planned(spec: Path):
+    try:
+        return plan_from_spec(load_spec(spec))
+    except NoFeasiblePlanError:
+        return None
+
+
+def refusal(spec: Path, target: str) -> str | None:
+    """Why `target` cannot run the spec's plan (None: it can). The refusals are by design (README)."""
+    result = planned(spec)
+    try:
+        render_deployment(target, result.plan, result.hardware, Account(name=resource_name(spec.stem)))
+    except NoFeasiblePlanError as exc:
+        return str(exc)
+    return None
+
+
+def deploy_files(spec: Path, target: str) -> dict[str, bytes]:
+    result = planned(spec)
+    return render_deployment(target, result.plan, result.hardware, Account(name=resource_name(spec.stem)))
+
+
+CASES = [(spec, target) for spec in SPECS for target in TARGETS]
+
+
+# --- validators ----------------------------------------------------------------------------------------
+
+@cache
+def _service_model(service: str):
+    import botocore.session
+
+    return botocore.session.get_session().get_service_model(service)
+
+
+def _shape_errors(shape, value, where: str) -> list[str]:
+    """What botocore's ParamValidator leaves out: string patterns and enums, recursively."""
+    errors = []
+    if shape.type_name == "structure" and isinstance(value, dict):
+        for key, item in value.items():
+            if key in shape.members:
+                errors += _shape_errors(shape.members[key], item, f"{where}.{key}")
+    elif shape.type_name == "list" and isinstance(value, list):
+        for i, item in enumerate(value):
+            errors += _shape_errors(shape.member, item, f"{where}[{i}]")
+    elif shape.type_name == "map" and isinstance(value, dict):
+        for key, item in value.items():
+            errors += _shape_errors(shape.key, key, f"{where} key")
+            errors += _shape_errors(shape.value, item, f"{where}.{key}")
+    elif shape.type_name == "string" and isinstance(value, str):
+        pattern = _python_pattern(shape.metadata.get("pattern"))
+        if pattern and not pattern.search(value):
+            errors.append(f"{where} = {value!r} does not match {pattern.pattern}")
+        if shape.enum and value not in shape.enum:
+            errors.append(f"{where} = {value!r} is not one of the enum")
+    return errors
+
+
+@cache
+def _python_pattern(pattern: str | None):
+    """botocore's pattern as a Python regex; None where it uses Java-only syntax (\\p{...} classes)."""
+    if not pattern:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error:
+        return None
+
+
+def validate_aws(file: str, body: dict) -> list[str]:
+    from botocore.validate import ParamValidator
+
+    service, operation = SAGEMAKER_OPERATIONS[file]
+    shape = _service_model(service).operation_model(operation).input_shape
+    report = ParamValidator().validate(body, shape)
+    errors = [report.generate_report()] if report.has_errors() else []
+    return errors + _shape_errors(shape, body, operation)
+
+
+@cache
+def _crd_schema(filename: str, kind: str) -> dict:
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load(gzip.decompress((CRDS / filename).read_bytes()), Loader=loader)
+    assert crd["spec"]["names"]["kind"] == kind
+    version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
+    return version["schema"]["openAPIV3Schema"]
+
+
+CRD_FILES = {"LeaderWorkerSet": "leaderworkerset.x-k8s.io_leaderworkersets.yaml.gz",
+             "InferenceService": "serving.kserve.io_inferenceservices.yaml.gz"}
+
+
+def validate_manifest(document: dict) -> list[str]:
+    kind = document["kind"]
+    if kind in CRD_FILES:
+        import jsonschema
+
+        schema = _crd_schema(CRD_FILES[kind], kind)
+        validator = jsonschema.Draft7Validator(schema)
+        errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(document)]
+        return errors + _unknown_fields(schema, document, kind)
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(document, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        return [f"{kind}: {exc.message} at {'/'.join(map(str, exc.path))}"]
+    return []
+
+
+def _unknown_fields(schema: dict, value, where: str) -> list[str]:
+    """CRD schemas rarely say additionalProperties: false; the API server prunes unknown fields
+    silently, so a typo would vanish. Check every key is one the schema knows."""
+    if schema.get("x-kubernetes-preserve-unknown-fields") or not isinstance(value, (dict, list)):
+        return []
+    if isinstance(value, list):
+        return [e for i, item in enumerate(value) for e in _unknown_fields(schema.get("items", {}), item, f"{where}[{i}]")]
+    properties = schema.get("properties")
+    if properties is None:
+        extra = schema.get("additionalProperties")
+        return [e for k, v in value.items() for e in _unknown_fields(extra, v, f"{where}.{k}")] if isinstance(extra, dict) else []
+    errors = []
+    for key, item in value.items():
+        if key not in properties:
+            if where.count(".") <= 0 and key in ("apiVersion", "kind", "metadata"):
+                continue
+            errors.append(f"{where}.{key}: not in the schema")
+        else:
+            errors += _unknown_fields(properties[key], item, f"{where}.{key}")
+    return errors
+
+
+def documents(text: str) -> list[dict]:
+    import yaml
+
+    return [d for d in yaml.safe_load_all(text) if d is not None]
+
+
+# --- goldens and validity, per spec and target ---------------------------------------------------------
+
+@pytest.mark.parametrize(("spec", "target"), CASES, ids=[f"{s.stem}-{t}" for s, t in CASES])
+def test_deploy_files_are_golden_and_valid(spec: Path, target: str, snapshot):
+    if planned(spec) is None:
+        pytest.skip("no feasible plan (see plan.txt)")
+    why = refusal(spec, target)
+    if why is not None:
+        pytest.skip(f"refused by design: {why}")
+    files = deploy_files(spec, target)
+    assert files == deploy_files(spec, target), "rendering must be deterministic"
+    errors = []
+    for path, body in files.items():
+        text = body.decode()
+        assert text == snapshot(extension_class=golden_file(f"{spec.stem}/deploy/{target}", path.split("/", 1)[1]))
+        if path.endswith(".json"):
+            errors += [f"{path}: {e}" for e in validate_aws(path.split("/", 1)[1], json.loads(text))]
+        elif path.endswith(".yaml"):
+            for document in documents(text):
+                errors += [f"{path}: {e}" for e in validate_manifest(document)]
+    assert errors == []
+
+
+def test_only_the_documented_refusals():
+    """Every plannable spec deploys to every target, except a pipeline across instances on SageMaker and
+    KServe, and the local CPU on SageMaker (which has no such instance type)."""
+    refused = {(s.stem, t): refusal(s, t) for s, t in CASES if planned(s) is not None and refusal(s, t) is not None}
+    expected = set()
+    for spec in SPECS:
+        result = planned(spec)
+        if result is None:
+            continue
+        if result.plan.deployment.pipeline_parallel_degree > 1:
+            expected |= {(spec.stem, "sagemaker"), (spec.stem, "kserve")}
+        if not result.plan.target.instance.startswith("ml."):
+            expected.add((spec.stem, "sagemaker"))
+    assert set(refused) == expected
+    assert ("llama-3-1-405b-p4d-24xlarge", "kubernetes") not in refused and ("tiny-llama-cpu", "sagemaker") in refused
+    assert "4 pipeline stages on 4 instances" in refused[("llama-3-1-405b-p4d-24xlarge", "sagemaker")]
+    assert "an endpoint needs an ml.* instance type" in refused[("tiny-llama-cpu", "sagemaker")]
+
+
+def test_no_unused_deploy_goldens():
+    expected = set()
+    for spec, target in CASES:
+        if planned(spec) is not None and refusal(spec, target) is None:
+            expected |= {f"{spec.stem}/deploy/{path}" for path in deploy_files(spec, target)}
+    present = {str(p.relative_to(GOLDEN_DIR)) for p in GOLDEN_DIR.glob("*/deploy/**/*") if p.is_file()}
+    assert present - expected == set(), "deploy goldens no check produces: delete them"
+    assert expected - present == set(), "deploy goldens missing: run `pytest --snapshot-update`"
+
+
+# --- what the numbers must guarantee -------------------------------------------------------------------
+
+BLOOM = ROOT / "specs" / "bloom-176b-p4d-24xlarge.toml"
+
+
+def test_bloom_timeouts_outlast_the_load_and_the_storage_holds_the_artifact():
+    result = planned(BLOOM)
+    load = result.plan.predicted.load_seconds
+    config = json.loads((GOLDEN_DIR / BLOOM.stem / "deploy/sagemaker/create-endpoint-config.json").read_text())
+    variant = config["ProductionVariants"][0]
+    assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] > load
+    assert variant["ModelDataDownloadTimeoutInSeconds"] > load
+    model = json.loads((GOLDEN_DIR / BLOOM.stem / "deploy/sagemaker/create-model.json").read_text())
+    server_timeout = int(model["PrimaryContainer"]["Environment"]["OPTION_MODEL_LOADING_TIMEOUT"])
+    assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] > server_timeout > load
+    artifact = result.plan.memory_per_device.weights * result.plan.tensor_parallel_degree
+    assert artifact > 200e9  # the int8 BLOOM-176B: the figure is the real size, not a stub
+    # p4d has NVMe instance storage (SageMaker takes no EBS volume there): it must hold the artifact.
+    assert "VolumeSizeInGB" not in variant
+    assert result.hardware.instance_storage_bytes >= artifact
+    # Kubernetes: the model volume and the startup probe.
+    deployment = documents((GOLDEN_DIR / BLOOM.stem / "deploy/kubernetes/deployment.yaml").read_text())[0]
+    pod = deployment["spec"]["template"]["spec"]
+    model_volume = next(v for v in pod["volumes"] if v["name"] == "model")
+    assert _gib(model_volume["emptyDir"]["sizeLimit"]) >= artifact
+    probe = pod["containers"][0]["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] > server_timeout
+
+
+def _gib(quantity: str) -> int:
+    assert quantity.endswith("Gi")
+    return int(quantity[:-2]) * 2**30
+
+
+@pytest.mark.parametrize("stem", ["gpt4all-j-inf2-8xlarge", "gpt-j-6b-deepspeed-p3-2xlarge"])
+def test_ebs_volume_holds_the_artifact_where_the_instance_has_no_nvme(stem):
+    result = planned(ROOT / "specs" / f"{stem}.toml")
+    assert result.hardware.instance_storage_bytes is None
+    variant = json.loads(deploy_files(ROOT / "specs" / f"{stem}.toml", "sagemaker")
+                         ["sagemaker/create-endpoint-config.json"])["ProductionVariants"][0]
+    artifact = result.plan.memory_per_device.weights * result.plan.tensor_parallel_degree
+    assert variant["VolumeSizeInGB"] * 1e9 >= artifact * 1.1
+
+
+def test_405b_runs_as_a_leaderworkerset_of_its_stages():
+    spec = ROOT / "specs" / "llama-3-1-405b-p4d-24xlarge.toml"
+    plan = planned(spec).plan
+    assert plan.deployment.pipeline_parallel_degree >= 2
+    lws = documents(deploy_files(spec, "kubernetes")["kubernetes/leaderworkerset.yaml"].decode())[0]
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == plan.deployment.pipeline_parallel_degree
+    assert lws["spec"]["replicas"] * plan.deployment.pipeline_parallel_degree == plan.deployment.instances
+    service = documents(deploy_files(spec, "kubernetes")["kubernetes/service.yaml"].decode())[0]
+    assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
+    worker = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+    assert leader["resources"]["limits"]["nvidia.com/gpu"] == "8" and "readinessProbe" in leader
+    assert "readinessProbe" not in worker
+
+
+def test_a_validator_catches_a_wrong_body():
+    """The validators are not vacuous: a misspelt field, a wrong type and a bad enum are reported."""
+    body = json.loads(deploy_files(BLOOM, "sagemaker")["sagemaker/create-endpoint-config.json"])
+    body["ProductionVariants"][0]["InitialInstanceCount"] = "1"
+    body["ProductionVariants"][0]["InstanceType"] = "ml.p4d.25xlarge"
+    assert len(validate_aws("create-endpoint-config.json", body)) == 2
+    deployment = documents(deploy_files(BLOOM, "kubernetes")["kubernetes/deployment.yaml"].decode())[0]
+    deployment["spec"]["template"]["spec"]["containers"][0]["startupprobe"] = {}
+    assert validate_manifest(deployment) != []
+    lws = documents(deploy_files(ROOT / "specs" / "llama-3-1-405b-p4d-24xlarge.toml", "kubernetes")
+                    ["kubernetes/leaderworkerset.yaml"].decode())[0]
+    lws["spec"]["leaderWorkerTemplate"]["size"] = "4"
+    assert validate_manifest(lws) != []
+    isvc = documents(deploy_files(BLOOM, "kserve")["kserve/inferenceservice.yaml"].decode())[0]
+    isvc["spec"]["predictor"]["minReplica"] = 1
+    assert validate_manifest(isvc) == ["InferenceService.spec.predictor.minReplica: not in the schema"]
+
+
+# --- the CLI -----------------------------------------------------------------------------------------
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_writes_the_files_and_names_the_placeholders(tmp_path):
+    code, out, err = _run(["deploy", str(BLOOM), "--target", "sagemaker", "-o", str(tmp_path)])
+    assert code == 0
+    written = sorted(p.name for p in (tmp_path / "sagemaker").iterdir())
+    assert written == ["README.md", "create-endpoint-config.json", "create-endpoint.json", "create-model.json",
+                       "put-scaling-policy.json", "register-scalable-target.json"]
+    assert "image ([deploy] image or --image), role_arn ([deploy] role_arn or --role), model_data" in err
+    assert "REPLACE_ME" in (tmp_path / "sagemaker" / "create-model.json").read_text()
+    code, out, err = _run(["deploy", str(BLOOM), "--target", "sagemaker", "-o", str(tmp_path),
+                           "--image", "123456789012.dkr.ecr.us-east-1.amazonaws.com/lmc:1",
+                           "--role", "arn:aws:iam::123456789012:role/sm", "--model-data", "s3://b/bloom/model.tar.gz"])
+    assert (code, err) == (0, "")
+    texts = [p.read_text() for p in (tmp_path / "sagemaker").iterdir()]
+    assert not any("REPLACE_ME" in t for t in texts)
+    model = json.loads((tmp_path / "sagemaker" / "create-model.json").read_text())
+    assert model["PrimaryContainer"]["ModelDataUrl"] == "s3://b/bloom/model.tar.gz"
+    assert validate_aws("create-model.json", model) == []
+
+
+def test_cli_refuses_a_bad_role_and_a_foreign_directory(tmp_path):
+    code, _, err = _run(["deploy", str(BLOOM), "--target", "sagemaker", "-o", str(tmp_path), "--role", "arn:aws:iam::role/admin-no-account"])
+    assert code == 2 and err.startswith("lmc: error: --role: String should match pattern")
+    (tmp_path / "kserve").mkdir()
+    (tmp_path / "kserve" / "notes.txt").write_text("mine")
+    code, _, err = _run(["deploy", str(BLOOM), "--target", "kserve", "-o", str(tmp_path)])
+    assert code == 2 and "holds files lmc deploy did not write" in err
+    assert (tmp_path / "kserve" / "notes.txt").read_text() == "mine"
+
+
+def test_cli_impossible_rate_exits_3_with_the_reason(tmp_path):
+    spec = tmp_path / "rate.toml"
+    spec.write_text('[model]\nid = "meta-llama/Llama-3.1-8B"\n[target]\ninstance = "ml.g5.12xlarge"\ninstances = 3\n'
+                    '[workload]\nconcurrency = 4\nrequests_per_second = 200\n')
+    code, _, err = _run(["deploy", str(spec), "--target", "sagemaker", "-o", str(tmp_path / "out")])
+    assert code == 3
+    first = err.splitlines()[0]
+    assert first.startswith("lmc: no feasible plan: requests_per_second = 200 needs ")
+    assert first.endswith("target.instances = 3 allows 3")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_pipeline_plan_on_sagemaker_exits_3(tmp_path):
+    spec = ROOT / "specs" / "llama-3-1-405b-p4d-24xlarge.toml"
+    code, _, err = _run(["deploy", str(spec), "--target", "sagemaker", "-o", str(tmp_path)])
+    assert code == 3
+    assert "use --target kubernetes (a LeaderWorkerSet of the stages)" in err
+
+
+def test_crd_files_are_the_upstream_bytes_listed_in_their_readme():
+    import hashlib
+
+    rows = [line.split("|") for line in (CRDS / "README.md").read_text().splitlines() if line.startswith("| ") and ".gz" in line]
+    assert {row[1].strip() for row in rows} == set(CRD_FILES.values())
+    for row in rows:
+        digest = hashlib.sha256(gzip.decompress((CRDS / row[1].strip()).read_bytes())).hexdigest()
+        assert digest == row[5].strip()
+
+
+def test_cli_takes_the_account_values_from_the_spec(tmp_path):
+    spec = tmp_path / "mine.toml"
+    spec.write_text(BLOOM.read_text() + '\n[deploy]\nname = "bloom-prod"\n'
+                    'image = "123456789012.dkr.ecr.us-west-2.amazonaws.com/lmc:0.1.0"\n'
+                    'role_arn = "arn:aws:iam::123456789012:role/sagemaker"\nmodel_data = "s3://models/bloom/"\n')
+    code, _, err = _run(["deploy", str(spec), "--target", "kubernetes", "-o", str(tmp_path / "out")])
+    assert (code, err) == (0, "")
+    deployment = documents((tmp_path / "out" / "kubernetes" / "deployment.yaml").read_text())[0]
+    assert deployment["metadata"]["name"] == "bloom-prod"
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == "123456789012.dkr.ecr.us-west-2.amazonaws.com/lmc:0.1.0"
+    assert pod["initContainers"][0]["command"][-1] == "aws s3 sync 's3://models/bloom/' '/opt/ml/model'"
+    assert validate_manifest(deployment) == []

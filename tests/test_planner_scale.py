@@ -1,0 +1,144 @@
+"""Scale: pipeline stages across instances, the instance count for a rate, autoscaling bounds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lmc.errors import NoFeasiblePlanError, SpecValueError
+from lmc.planner import catalog, plan_deployment
+from lmc.planner.engines import engine_facts
+from lmc.planner.latency import predict
+from lmc.planner.memory import param_split
+from lmc.planner.scale import hop_ms, request_seconds, stage_model
+from lmc.schema.spec import Spec
+
+P4D = catalog.hardware_facts("ml.p4d.24xlarge")
+G5 = catalog.hardware_facts("ml.g5.12xlarge")
+LLAMA_405B = catalog.model_facts("meta-llama/Llama-3.1-405B")
+LLAMA_8B = catalog.model_facts("meta-llama/Llama-3.1-8B")
+
+
+def spec(**sections) -> Spec:
+    body = {"model": {"id": "x"}, "target": {"instance": "ml.p4d.24xlarge"}}
+    body.update(sections)
+    return Spec.model_validate(body)
+
+
+def plan(s, model, hardware):
+    return plan_deployment(s, model, hardware, spec_sha256="0" * 64, lmc_version="0.1.0")
+
+
+def test_stage_model_holds_its_share_of_the_blocks_and_one_vocabulary_matrix():
+    whole = param_split(LLAMA_405B)
+    stage = stage_model(LLAMA_405B, 4)
+    assert stage.layers == 32  # ceil(126 / 4)
+    split = param_split(stage)
+    assert split.lm_head == 0 and split.embedding == whole.embedding
+    assert split.sharded == pytest.approx(whole.sharded * 32 / 126, rel=1e-9)
+    assert stage_model(LLAMA_405B, 1) is LLAMA_405B
+
+
+def test_405b_bf16_spans_instances_with_a_stated_pipeline_degree():
+    s = spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 4})
+    p = plan(s, LLAMA_405B, P4D)
+    pp = p.deployment.pipeline_parallel_degree
+    assert pp >= 2 and p.dtype == "bf16"
+    assert p.deployment.instances == pp * p.replicas
+    assert p.memory_per_device.headroom >= 0
+    # one instance holds a quarter of 811 GB at most: the plan could not have fitted on one
+    assert LLAMA_405B.parameters * 2 > P4D.devices * P4D.device_memory_bytes
+    assert p.decision("pipeline_parallel_degree").reason.startswith("no layout fits one ml.p4d.24xlarge")
+    # The hand-overs over EFA are in the predicted TPOT: the single-instance figure plus (pp - 1) hops.
+    engine = engine_facts()[p.engine]
+    one = predict(LLAMA_405B, P4D, engine, p.dtype, p.tensor_parallel_degree, 1, p.batch_size, 1024, 256)
+    hop = hop_ms(P4D.network, p.batch_size * LLAMA_405B.hidden_size * 2)
+    assert p.predicted.tpot_ms == pytest.approx(one.tpot_ms + (pp - 1) * hop, abs=0.01)
+    assert p.predicted.cost_per_hour == pytest.approx(P4D.price_per_hour * p.deployment.instances)
+
+
+def test_without_room_for_stages_the_405b_has_no_plan_and_is_told_how_many_instances_would_do():
+    with pytest.raises(NoFeasiblePlanError) as err:
+        plan(spec(), LLAMA_405B, P4D)
+    across = [line for line in err.value.details if line.startswith("target.instances = ")]
+    assert len(across) == 1 and across[0].startswith("target.instances = 2: hf int8 in 2 pipeline stages × TP 8 fits")
+    # and that option is what planning with two instances gives
+    two = plan(spec(target={"instance": "ml.p4d.24xlarge", "instances": 2}), LLAMA_405B, P4D)
+    assert (two.deployment.pipeline_parallel_degree, two.dtype) == (2, "int8")
+
+
+def test_a_model_that_fits_one_instance_stays_on_one_unless_pinned():
+    s = spec(target={"instance": "ml.p4d.24xlarge", "instances": 2})
+    assert plan(s, LLAMA_8B, P4D).deployment.pipeline_parallel_degree == 1
+    pinned = spec(target={"instance": "ml.p4d.24xlarge", "instances": 2},
+                  pin={"engine": "hf", "pipeline_parallel_degree": 2})
+    p = plan(pinned, LLAMA_8B, P4D)
+    assert (p.deployment.pipeline_parallel_degree, p.deployment.instances) == (2, 2)
+    assert p.decision("pipeline_parallel_degree").reason.startswith("pinned by the spec")
+
+
+def test_pipeline_pin_beyond_the_instances_or_the_engine():
+    with pytest.raises(SpecValueError) as err:
+        plan(spec(pin={"pipeline_parallel_degree": 2}), LLAMA_8B, P4D)
+    assert str(err.value) == ("pin.pipeline_parallel_degree = 2: 2 stages run on 2 instances; target.instances = 1: "
+                              "raise target.instances to at least 2")
+    with pytest.raises(SpecValueError, match="deepspeed cannot split llama into pipeline stages"):
+        plan(spec(target={"instance": "ml.p4d.24xlarge", "instances": 2},
+                  pin={"engine": "deepspeed", "pipeline_parallel_degree": 2}), LLAMA_8B, P4D)
+
+
+def test_the_rate_sets_the_instance_count_and_the_peak_the_upper_bound():
+    s = spec(target={"instance": "ml.g5.12xlarge", "instances": 40},
+             workload={"concurrency": 4, "requests_per_second": 2.0, "peak_requests_per_second": 6.0})
+    p = plan(s, LLAMA_8B, G5)
+    d, t = p.deployment, p.predicted
+    per_instance = 4 // p.tensor_parallel_degree
+    per_replica = p.batch_size / ((t.ttft_ms + 256 * t.tpot_ms) / 1e3)
+    assert d.instances == math.ceil(math.ceil(2.0 / per_replica - 1e-9) / per_instance)
+    assert d.min_instances == d.instances
+    assert d.max_instances == math.ceil(math.ceil(6.0 / per_replica - 1e-9) / per_instance)
+    assert d.max_instances > d.min_instances
+    assert d.requests_per_second >= 2.0
+    assert d.cost_per_million_tokens_at_rate == pytest.approx(t.cost_per_hour / (2.0 * 256 * 3600) * 1e6, rel=1e-3)
+
+
+def test_an_impossible_rate_has_no_plan_and_says_why():
+    s = spec(target={"instance": "ml.g5.12xlarge", "instances": 2},
+             workload={"concurrency": 4, "requests_per_second": 500.0})
+    with pytest.raises(NoFeasiblePlanError) as err:
+        plan(s, LLAMA_8B, G5)
+    assert str(err.value).startswith("requests_per_second = 500 needs ")
+    assert str(err.value).endswith("instances of ml.g5.12xlarge at best; target.instances = 2 allows 2")
+    assert "raise target.instances to" in err.value.details[0]
+
+
+def test_request_seconds_is_the_prefill_and_every_token():
+    from lmc.planner.latency import Timing
+
+    timing = Timing(ttft_ms=500.0, tpot_ms=20.0, throughput_tokens_per_s=0, load_seconds=0, cost_per_hour=None,
+                    cost_per_million_tokens=None, instances_used=1)
+    assert request_seconds(timing, 100) == pytest.approx(2.5)
+
+
+def test_peak_below_the_rate_is_a_spec_error():
+    with pytest.raises(ValueError, match="the peak is the higher rate"):
+        spec(workload={"requests_per_second": 5.0, "peak_requests_per_second": 2.0})
+
+
+def test_one_stage_keeps_the_engines_own_prediction():
+    """With one stage the engine's figures stand as predicted (vLLM's throughput pays its prefills,
+    which batch / TPOT would not); only the rate's bounds are added."""
+    from lmc.planner.latency import Timing
+    from lmc.planner.scale import scale_timing
+
+    engine = engine_facts()["hf"]
+    timing = Timing(ttft_ms=100.0, tpot_ms=10.0, throughput_tokens_per_s=123.0, load_seconds=50.0,
+                    cost_per_hour=7.09, cost_per_million_tokens=16.0, instances_used=1)
+    scaled = scale_timing(timing, LLAMA_8B, G5, engine, "bf16", 4, 1, 1, 4, 1024, 100, peak_rate=2.0)
+    assert scaled.timing is timing
+    assert scaled.requests_per_second == pytest.approx(4 / 1.1)
+    assert scaled.peak_instances == 1  # 2 requests/s need 1 replica of 3.6
+    across = scale_timing(timing, LLAMA_8B, G5, engine, "bf16", 4, 2, 1, 4, 1024, 100)
+    assert across.timing.throughput_tokens_per_s == pytest.approx(4 / across.timing.tpot_ms * 1e3)
+    assert across.timing.instances_used == 2 and across.timing.load_seconds == 25.0
