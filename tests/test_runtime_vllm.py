@@ -49,7 +49,8 @@ def test_engine_arguments_carry_the_planned_sizes(tmp_path):
     assert (args["max_num_seqs"], args["max_model_len"], args["max_num_batched_tokens"], args["block_size"]) == (4, 96, 2048, 128)
     assert args["dtype"] == "bfloat16" and "quantization" not in args
     assert args["served_model_name"] == "lmc/tiny"
-    assert "gpu_memory_utilization" not in args  # CPU: the pool comes from VLLM_CPU_KVCACHE_SPACE
+    assert "gpu_memory_utilization" not in args  # CPU: the pool is planned in whole GiB
+    assert args["kv_cache_memory_bytes"] == 2 * GIB  # as serving.properties' option.kv_cache_memory_bytes
     assert args["generation_config"] == "vllm"  # lmc applies generation_config.json itself
     assert "load_format" not in args  # the checkpoint itself
     assert args["enforce_eager"] is True  # CPU: no inductor compile at start (see engine_arguments)
@@ -63,7 +64,7 @@ def test_engine_arguments_on_a_gpu_plan(tmp_path):
     assert args["gpu_memory_utilization"] == 0.5
     assert args["load_format"] == "sharded_state"  # vLLM's files are in the artifact
     assert args["enforce_eager"] is False  # GPUs: vLLM's compile and CUDA graphs
-    assert engine_environment(plan) == {}
+    assert engine_environment(plan) == {} and "kv_cache_memory_bytes" not in args
 
 
 def test_engine_arguments_refuse_a_dtype_vllm_does_not_serve(tmp_path):

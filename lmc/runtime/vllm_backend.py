@@ -93,6 +93,8 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         args["dtype"] = VLLM_DTYPES[dtype]
     else:
         raise VllmUnavailable(f"plan dtype {dtype!r}: the vllm engine serves fp32, fp16, bf16 or fp8")
+    if _is_cpu(plan):  # the pool as serving.properties sets it (option.kv_cache_memory_bytes); see engine_environment
+        args["kv_cache_memory_bytes"] = cpu_kv_cache_gib(plan) * GIB
     if not _is_cpu(plan) and section.get("gpu_memory_utilization"):
         args["gpu_memory_utilization"] = float(section["gpu_memory_utilization"])
     if _has_sharded_state(Path(model_dir)):
@@ -107,13 +109,19 @@ def engine_environment(plan: dict[str, Any], environ: dict[str, str] | None = No
     environ = os.environ if environ is None else environ
     if not _is_cpu(plan):
         return {}
-    section = plan.get("vllm") or {}
-    space = section.get("cpu_kvcache_space_gib")
+    # vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE override kv_cache_memory_bytes: a host's own value must
+    # not replace the planned pool, so the variable is set to the plan's too.
+    return {"VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_cache_gib(plan)),
+            "VLLM_CPU_OMP_THREADS_BIND": environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
+
+
+def cpu_kv_cache_gib(plan: dict[str, Any]) -> int:
+    """The planned KV pool per rank of a CPU plan, in whole GiB (plan.vllm.cpu_kvcache_space_gib)."""
+    space = (plan.get("vllm") or {}).get("cpu_kvcache_space_gib")
     if not space:  # a plan from before the field: the planned pool, rounded up to whole GiB
         pool = int((plan.get("memory_per_device") or {}).get("kv_cache") or 0)
         space = max(1, math.ceil(pool / GIB))
-    return {"VLLM_CPU_KVCACHE_SPACE": str(int(space)),
-            "VLLM_CPU_OMP_THREADS_BIND": environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
+    return int(space)
 
 
 def sampling_arguments(params: GenerationParams, stream: bool) -> dict[str, Any]:
