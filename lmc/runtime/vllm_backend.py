@@ -457,7 +457,7 @@ def _start_async_llm(arguments: dict[str, Any], environment: dict[str, str]):
     inherit it). Blocks until the engine core is up."""
     for key, value in environment.items():
         if os.environ.get(key) != value:
-            log.info("%s=%s (from the plan)", key, value)
+            log.info("%s=%s (set for vLLM)", key, value)
         os.environ[key] = value
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs
