@@ -49,13 +49,13 @@ replicas = 1
 """
 
 
-def build_real(root: Path) -> Path:
+def build_real(root: Path, spec_text: str = SPEC, **checkpoint_overrides) -> Path:
     from lmc.cli.main import main
     from lmc.testing.checkpoints import make_checkpoint
 
-    checkpoint = make_checkpoint("llama", root / "ckpt")
+    checkpoint = make_checkpoint("llama", root / "ckpt", **checkpoint_overrides)
     spec = root / "spec.toml"
-    spec.write_text(SPEC.format(path=checkpoint.as_posix()))
+    spec.write_text(spec_text.format(path=checkpoint.as_posix()))
     out = root / "artifact"
     if main(["build", str(spec), "--format", "dir", "-o", str(out)]) != 0:
         raise RuntimeError("lmc build failed")

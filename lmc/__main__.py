@@ -1,3 +1,5 @@
 from lmc.cli.main import main
 
-raise SystemExit(main())
+# Guarded: engines that spawn processes (vLLM's engine core) import the main module again in them.
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -135,6 +135,10 @@ def test_oversized_body_is_413_with_or_without_content_length(server):
 
     reply = httpx.post(server.url + "/invocations", content=chunks())
     assert reply.status_code == 413 and "exceeds the limit of 65536 bytes" in reply.json()["error"]
+    # The limit passed by the body's last part: answered at once (nothing is left to discard; waiting for
+    # more would wait for the client's disconnect).
+    reply = httpx.post(server.url + "/invocations", content=iter([b" " * 60_000, b" " * 10_000]), timeout=10)
+    assert reply.status_code == 413
 
 
 def test_unknown_route_is_json_404(server):
@@ -240,8 +244,9 @@ def test_metrics_expose_the_series(server):
     assert float(generated[0].split()[-1]) >= 3
 
 
-def test_full_queue_answers_503_at_once_then_serves_again(tmp_path):
-    plan = {"batch_size": 1, "job_queue_size": 2, "max_batch_delay_ms": 0}
+@pytest.mark.parametrize("scheduling", ["dynamic", "continuous"])
+def test_full_queue_answers_503_at_once_then_serves_again(tmp_path, scheduling):
+    plan = {"batch_size": 1, "job_queue_size": 2, "max_batch_delay_ms": 0, "scheduling": scheduling}
     with serve_fake(tmp_path / "m", plan, {"step_delay_s": 0.05}) as srv:
         async def main():
             async with httpx.AsyncClient(timeout=30) as client:
@@ -274,10 +279,11 @@ def _finished(record, deadline_s: float = 10.0) -> list[dict]:
     return []
 
 
-def test_request_timeout_is_424_and_stops_its_row(tmp_path):
+@pytest.mark.parametrize("scheduling", ["dynamic", "continuous"])
+def test_request_timeout_is_424_and_stops_its_row(tmp_path, scheduling):
     record = tmp_path / "record"
     record.mkdir()
-    with serve_fake(tmp_path / "m", engine_kwargs={"step_delay_s": 0.6, "record_dir": str(record)},
+    with serve_fake(tmp_path / "m", {"scheduling": scheduling}, {"step_delay_s": 0.6, "record_dir": str(record)},
                     request_timeout_s=0.5) as srv:
         start = time.time()
         reply = post(srv, {"inputs": "slow", "parameters": {"max_new_tokens": 20}})
@@ -471,3 +477,42 @@ def test_a_group_that_dies_while_the_server_drains_comes_back_for_the_queued_req
         assert {i: replies[i].json() for i in (1, 2)} == {
             i: {"generated_text": expected_text(f"queued {i}", 20)} for i in (1, 2)}
         assert len(_rank_pids(record, 0)) == 2  # the restart served them
+
+
+def test_the_default_body_limit_is_sagemakers_6_mb_and_every_client_reads_its_413(tmp_path):
+    """An 8 MiB body gets a 413 that urllib, requests and curl each actually read (the server keeps reading
+    and discarding the body instead of closing under a client still sending: a reset, before); 5 MB passes."""
+    import subprocess
+    import urllib.error
+    import urllib.request
+
+    import requests
+
+    from lmc.runtime.core import DEFAULT_MAX_BODY_BYTES
+
+    assert DEFAULT_MAX_BODY_BYTES == 6_000_000
+    big = b'{"inputs": "hi"}' + b" " * (8 * 1024 * 1024)  # valid JSON, 8 MiB: only its size is wrong
+    with serve_fake(tmp_path / "m") as srv:
+        url = srv.url + "/invocations"
+        statuses = {}
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, data=big, headers={"content-type": "application/json"}),
+                                   timeout=60)
+        except urllib.error.HTTPError as exc:
+            statuses["urllib"] = (exc.code, json.loads(exc.read())["code"])
+        reply = requests.post(url, data=big, timeout=60)
+        statuses["requests"] = (reply.status_code, reply.json()["code"])
+        body_file = tmp_path / "big.json"
+        body_file.write_bytes(big)
+        curl = subprocess.run(["curl", "-sS", "-o", "-", "-w", "\n%{http_code}", "--data-binary", f"@{body_file}",
+                               "-H", "content-type: application/json", url], capture_output=True, timeout=60)
+        answer, code = curl.stdout.rsplit(b"\n", 1)
+        statuses["curl"] = (int(code), json.loads(answer)["code"])
+        assert statuses == {"urllib": (413, 413), "requests": (413, 413), "curl": (413, 413)}, (statuses, curl.stderr)
+        # Chunked (no length): the same answer once the limit is passed.
+        reply = requests.post(url, data=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]), timeout=60)
+        assert reply.status_code == 413 and "exceeds the limit of 6000000 bytes" in reply.json()["error"]
+        five_mb = b'{"inputs": "hi", "parameters": {"max_new_tokens": 3}}' + b" " * 5_000_000
+        reply = requests.post(url, data=five_mb, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["generated_text"] == expected_text("hi", 3)

@@ -33,10 +33,11 @@ def _pid_of(record, rank, exclude=()):
     return live[0]
 
 
-def test_killing_a_rank_fails_its_request_and_the_group_comes_back(tmp_path):
+@pytest.mark.parametrize("scheduling", ["dynamic", "continuous"])
+def test_killing_a_rank_fails_its_request_and_the_group_comes_back(tmp_path, scheduling):
     record = tmp_path / "record"
     record.mkdir()
-    plan = fake_plan(tensor_parallel_degree=2, max_batch_delay_ms=0)
+    plan = fake_plan(tensor_parallel_degree=2, max_batch_delay_ms=0, scheduling=scheduling)
     with _serve(tmp_path, plan, {"step_delay_s": 0.1, "record_dir": str(record)}) as srv:
         srv.wait_ready(60)
         ok = httpx.post(srv.url + "/invocations", json={"inputs": "warm up", "parameters": {"max_new_tokens": 2}})

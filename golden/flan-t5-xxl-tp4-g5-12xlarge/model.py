@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
 spec sha256 3968c615910fadee39173f3288a6cccb375bb5eb853b7303b4fd68648865ddd5
-plan sha256 5bcba24cda271a65130fe5635675936f770ef9a4fb5bab5bd58834b4312e50d6
+plan sha256 f74df683bfec04a8b891a6d3baae25dcb0888fbe57e2efdd0e6a7f9f7bb2896f
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

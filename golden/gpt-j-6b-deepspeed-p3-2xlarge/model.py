@@ -5,7 +5,7 @@ tensor parallel degree 1, dynamic batches of up to 4 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 dc7e1e991cd2bc5475e94be22b5a0c9960900f4667b3ab7c62d36b730b2275b6
-plan sha256 beb8c91fe2a3413b4f8f9b82476816eb35a15f32739b0adb57cf1e53bd906408
+plan sha256 e090d7ac476769c22e7d200a2bc2f1c344e76d3da35fa4a92ac11889aacd496c
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -7,7 +7,7 @@ No compiled Neuron graphs are packed: transformers-neuronx cannot serialize comp
 (predicted load time including the compile: 378.9 s).
 
 spec sha256 841c358efdab6a35e906971d5101300b168ce98162b82776b2a52135b9c98ee3
-plan sha256 3bf8282c1d2fab96484dcbfd20804745ca1c49c0d0932c98b1079b3f31f4cd32
+plan sha256 25b292f5b34ab71538de81f4a788ffae485ad445d0027fc90635547910cbf5d2
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 4 requests
 (waiting at most 10 ms), sequences of up to 2560 tokens, on cuda.
 
 spec sha256 aca9d2101b434cb53ca4fb27c67bd479b0e91e87ac3d2952328ca431b44c8dc3
-plan sha256 94bdf19261eafe1d4e90431f885d9dd82bd8ca204d40922804dd8b53d8e07dae
+plan sha256 c5bc0027f12b5f400130440fd64a6932f1c0434f7993dab6bab75b67b49bc569
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

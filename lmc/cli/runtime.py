@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                         help="per-request timeout (default $LMC_REQUEST_TIMEOUT_S, else derived from the plan)")
     parser.add_argument("--max-body-bytes", type=int, default=None,
-                        help="largest request body accepted (default $LMC_MAX_BODY_BYTES or 1 MiB)")
+                        help="largest request body accepted (default $LMC_MAX_BODY_BYTES or 6 MB, SageMaker's payload limit)")
     parser.add_argument("--generation-config", choices=("auto", "none"), default=None,
                         help="auto: the model's generation_config.json sets the OpenAI routes' sampling defaults "
                              "(temperature, top_p, top_k, repetition_penalty, chat max_tokens), as in vLLM; "

@@ -136,6 +136,7 @@ def context(plan: Plan, spec: Spec, vllm_weights: str | None = None) -> dict[str
         "instances": instances,
         "batch_size": plan.batch_size,
         "max_batch_delay_ms": plan.max_batch_delay_ms,
+        "scheduling": plan.scheduling,
         "job_queue_size": plan.job_queue_size,
         "max_sequence_length": plan.max_sequence_length,
         "device": device_of(plan),

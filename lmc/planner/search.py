@@ -29,6 +29,7 @@ from lmc.planner.memory import (
     memory_per_device,
 )
 from lmc.planner.plan import Alternative, Decision, Deployment, MemoryPerDevice, Plan, PlanModel, PlanTarget, Predicted
+from lmc.planner.scheduling import choose_scheduling
 from lmc.planner.vllm import (
     VllmLayout,
     kv_cache_section,
@@ -111,6 +112,13 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
     if not feasible:
         raise no_feasible_plan(spec, model, hardware, engines, configs, rejections, candidates)
     chosen, goal_met = choose(spec, model, hardware, feasible)
+    if chosen.vllm:  # vLLM schedules continuously and sizes its own pool (planner/vllm.py)
+        scheduling, kv_cache, scheduling_reason = "continuous", kv_cache_section(chosen.vllm), None
+    else:
+        scheduling, kv_cache, scheduling_reason = choose_scheduling(
+            chosen.engine, chosen.dtype, chosen.tp, chosen.batch, spec.workload.concurrency,
+            spec.workload.max_input_tokens + spec.workload.max_output_tokens, model, hardware, chosen.memory,
+            pipeline_stages=chosen.pp)
     plan = Plan(
         lmc_version=lmc_version,
         spec_sha256=spec_sha256,
@@ -129,14 +137,15 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         max_batch_delay_ms=0 if chosen.vllm else batch_delay_ms(spec, chosen.batch),
         job_queue_size=job_queue_size(spec, chosen),
         max_sequence_length=spec.workload.max_input_tokens + spec.workload.max_output_tokens,
-        scheduling="continuous" if chosen.vllm else "dynamic",
-        kv_cache=kv_cache_section(chosen.vllm) if chosen.vllm else None,
+        scheduling=scheduling,
+        kv_cache=kv_cache,
         vllm=vllm_section(chosen.vllm) if chosen.vllm else None,
         deployment=deployment(spec, chosen),
         memory_per_device=chosen.memory,
         predicted=predicted(chosen.timing),
         goal_met=goal_met,
-        decisions=decisions(spec, model, hardware, engines, chosen, goal_met, configs, rejections),
+        decisions=[*decisions(spec, model, hardware, engines, chosen, goal_met, configs, rejections),
+                   *([Decision(key="scheduling", value=scheduling, reason=scheduling_reason)] if scheduling_reason else [])],
         alternatives=alternatives(spec, model, hardware, chosen, configs, rejections),
     )
     return plan.with_digest()

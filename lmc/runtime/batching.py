@@ -59,12 +59,13 @@ class BatchQueue(Generic[T]):
         these jobs were admitted already)."""
         self._jobs.extendleft(reversed(jobs))
 
-    def take(self, now: float) -> list[T] | None:
-        """The next batch if one is ready at `now`, else None."""
+    def take(self, now: float, limit: int | None = None) -> list[T] | None:
+        """The next batch if one is ready at `now`, else None; at most `limit` jobs when given."""
         if not self._jobs:
             return None
         if len(self._jobs) >= self.batch_size or now - self._jobs[0].enqueued_at >= self.delay_s:
-            return [self._jobs.popleft() for _ in range(min(self.batch_size, len(self._jobs)))]
+            size = min(self.batch_size, len(self._jobs), self.batch_size if limit is None else max(1, limit))
+            return [self._jobs.popleft() for _ in range(size)]
         return None
 
     def seconds_until_ready(self, now: float) -> float | None:
@@ -100,10 +101,10 @@ class AsyncBatcher(Generic[T]):
         self.queue.requeue(jobs)
         self._changed.set()
 
-    async def next_batch(self) -> list[T]:
+    async def next_batch(self, limit: int | None = None) -> list[T]:
         while True:
             now = self._clock()
-            batch = self.queue.take(now)
+            batch = self.queue.take(now, limit)
             if batch:
                 if len(self.queue):
                     self._changed.set()  # let another idle dispatcher look at what is left

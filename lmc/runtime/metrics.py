@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+_STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -27,6 +28,17 @@ class Metrics:
         self.prompt_tokens = Counter("lmc_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.requests = Counter("lmc_requests", "HTTP requests answered, by endpoint and status code.",
                                 ["endpoint", "status"], registry=r)
+        # The scheduler (continuous batching fills all of them; dynamic batching the request counts and times).
+        self.running = Gauge("lmc_scheduler_running_requests", "Requests a worker group is generating.", registry=r)
+        self.waiting = Gauge("lmc_scheduler_waiting_requests", "Requests queued for a worker group.", registry=r)
+        self.tokens_per_step = Histogram("lmc_scheduler_tokens_per_step", "Rows decoded in one decode step "
+                                         "(continuous batching).", buckets=_STEP_BUCKETS, registry=r)
+        self.kv_blocks_used = Gauge("lmc_kv_cache_blocks_used", "KV-cache blocks reserved by the running requests "
+                                    "(continuous batching: prompt + max_new_tokens each).", registry=r)
+        self.kv_blocks_free = Gauge("lmc_kv_cache_blocks_free", "KV-cache blocks of the planned pool not reserved.",
+                                    registry=r)
+        self.queue_time = Histogram("lmc_queue_time_seconds", "Time from admission to a worker group taking the request.",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
         self.restarts = Counter("lmc_worker_group_restarts", "Worker groups restarted after a process died.", registry=r)
 
     def render(self) -> bytes:

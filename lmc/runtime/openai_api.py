@@ -19,16 +19,15 @@ import time
 import uuid
 from itertools import accumulate
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from lmc.runtime.core import Runtime
+from lmc.runtime.jobs import CLIENT_CLOSED, Job, RequestFailed
 from lmc.runtime.requests import parse_parameters
-
-if TYPE_CHECKING:
-    from lmc.runtime.server import Job, Runtime
 
 # Keys clients commonly send that do not change generation here; anything else unknown is a 400.
 # (echo, suffix, best_of and response_format are checked in _check_body: only no-op values pass; n and
@@ -132,7 +131,7 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
 Entry = tuple[int, float, tuple[tuple[int, float], ...]]
 
 
-def _choice_logprobs(runtime: "Runtime", result, chat: bool) -> dict[str, Any] | None:
+def _choice_logprobs(runtime: Runtime, result, chat: bool) -> dict[str, Any] | None:
     """OpenAI's logprobs object for one whole choice, from the engine's per-token entries."""
     if result.logprobs is None:
         return None
@@ -220,8 +219,6 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _handle(request: Request, chat: bool) -> Response:
-    from lmc.runtime.server import RequestFailed
-
     runtime: Runtime = request.app.state.runtime
     endpoint = "chat_completions" if chat else "completions"
     started = time.monotonic()
@@ -293,14 +290,12 @@ async def _handle(request: Request, chat: bool) -> Response:
                          "usage": _usage(prompt_tokens, completion_tokens)})
 
 
-def _make_jobs(runtime: "Runtime", prompts: list[str], counts: list[int], params, n: int, stream: bool,
-               label: str) -> list["Job"]:
+def _make_jobs(runtime: Runtime, prompts: list[str], counts: list[int], params, n: int, stream: bool,
+               label: str) -> list[Job]:
     """`n` jobs per prompt, in OpenAI's choice order (prompt by prompt). With a seed, copy i samples with
     seed + i: one seed for all would give n identical answers. Each prompt is tokenized once (`counts`),
     not once per copy."""
-    from lmc.runtime.server import RequestFailed
-
-    capacity = runtime.scheduler.batcher.queue.capacity
+    capacity = runtime.scheduler.capacity
     if n * len(prompts) > capacity:
         raise RequestFailed(400, f"n = {n} for {len(prompts)} prompt(s) is {n * len(prompts)} answers; the request "
                                  f"queue holds {capacity}")
@@ -309,13 +304,11 @@ def _make_jobs(runtime: "Runtime", prompts: list[str], counts: list[int], params
     return [copy[k] for k in range(len(prompts)) for copy in copies]
 
 
-async def _stream(runtime: "Runtime", jobs: list["Job"], chat: bool, ident: str, created: int, model: str,
+async def _stream(runtime: Runtime, jobs: list[Job], chat: bool, ident: str, created: int, model: str,
                   include_usage: bool, started: float) -> AsyncIterator[bytes]:
     """SSE chunks for the `n` choices of one prompt (`jobs`, choice i = jobs[i]), as their pieces come:
     each chunk one choice's text (and, with logprobs, its tokens'), its finish chunk when it ends, then
     usage (when asked) and [DONE] after the last."""
-    from lmc.runtime.server import CLIENT_CLOSED, RequestFailed
-
     kind_name = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(index: int, piece: str | None, finish: str | None, role: bool = False,
@@ -362,7 +355,7 @@ async def _stream(runtime: "Runtime", jobs: list["Job"], chat: bool, ident: str,
         runtime.record("chat_completions" if chat else "completions", status, started)
 
 
-async def _events(runtime: "Runtime", jobs: list["Job"]) -> AsyncIterator[tuple[int, str, Any]]:
+async def _events(runtime: Runtime, jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
     """(job index, kind, payload) for the events of `jobs` in the order they come (Runtime.events each),
     until every job is done; the first failure is raised and the other jobs are given up."""
     if len(jobs) == 1:
@@ -371,7 +364,7 @@ async def _events(runtime: "Runtime", jobs: list["Job"]) -> AsyncIterator[tuple[
         return
     merged: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, job: "Job") -> None:
+    async def pump(index: int, job: Job) -> None:
         try:
             async for kind, payload in runtime.events(job):
                 await merged.put((index, kind, payload))

@@ -309,6 +309,12 @@ class TextTools:
         encodings = self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [len(encoding.ids) for encoding in encodings]
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of `text` (what count_tokens counts), for engines that take ids (vLLM)."""
+        if self._tokenizer is None:
+            raise ValueError("this artifact has no tokenizer.json: its prompts cannot be tokenized")
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The prompt for a chat: the model's template with add_generation_prompt. Raises ValueError."""
         if self._template is None:

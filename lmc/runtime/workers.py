@@ -125,6 +125,7 @@ class WorkerSpec:
     # A pipeline-parallel plan: this node's stage (lmc.runtime.rendezvous.PipelineRole). `rank` and
     # `world_size` stay the TP rank and degree within the stage.
     pipeline: Any = None
+    scheduling: str = "dynamic"  # the plan's: "continuous" runs _serve_continuous where the engine can
 
 
 def worker_spec(model_dir: Path, plan: dict[str, Any], group: int, rank: int, backend: str, port: int,
@@ -139,7 +140,8 @@ def worker_spec(model_dir: Path, plan: dict[str, Any], group: int, rank: int, ba
                  "RANK": str(pipeline.global_rank(rank)), "WORLD_SIZE": str(pipeline.world_size)}
     env = {**where, **device_env(plan, group, rank), **(extra_env or {})}
     return WorkerSpec(str(model_dir), group, rank, tp, backend, env, engine=str(plan.get("engine", "")),
-                      family=str((plan.get("model") or {}).get("family", "")), pipeline=pipeline)
+                      family=str((plan.get("model") or {}).get("family", "")), pipeline=pipeline,
+                      scheduling=str(plan.get("scheduling") or "dynamic"))
 
 
 def load_model_module(model_dir: Path):
@@ -184,7 +186,8 @@ def _warm_imports(engine: str, family: str) -> None:
 
 def mp_context(plan: dict[str, Any]):
     """The multiprocessing context `plan`'s worker processes (and the objects they share) come from."""
-    return _FORKSERVER if device_kind(plan) == "cpu" else _SPAWN
+    # vLLM starts its own processes (spawned); lmc starts none for it: no fork server to warm.
+    return _FORKSERVER if device_kind(plan) == "cpu" and plan.get("engine") != "vllm" else _SPAWN
 
 
 def preload_modules(plan: dict[str, Any]) -> list[str]:
@@ -314,7 +317,11 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None, lifeline: 
     if spec.pipeline is not None and not spec.pipeline.is_leader:
         engine.serve_stage()  # until stage 0 says stop
     else:
-        _serve_loop(engine, spec, conn, control)
+        # Continuous batching needs the engine's running batch: a pipeline's stages decode batches whole.
+        if spec.scheduling == "continuous" and spec.pipeline is None and _runs_continuous(engine):
+            _serve_continuous(engine, spec, conn, control)
+        else:
+            _serve_loop(engine, spec, conn, control)
         if spec.pipeline is not None:
             engine.shutdown()
     if spec.world_size > 1 or spec.pipeline is not None:
@@ -397,6 +404,125 @@ def _serve_loop(engine, spec: WorkerSpec, conn: Connection | None, control) -> N
             inbox.append(("stop",))
 
 
+def _runs_continuous(engine) -> bool:
+    """Whether `engine` can batch continuously (else the dynamic loop serves: the front end's one-request
+    batches then run one after another, slower but right). Every rank decides alike: same engine, same model."""
+    try:
+        engine.running_batch()
+    except (AttributeError, LmcError) as exc:
+        log.warning("continuous batching planned, but this engine cannot: %s; batching dynamically", exc)
+        return False
+    return True
+
+
+# Rank 0 reports the rows decoded at each step (the /metrics tokens-per-step histogram) this often.
+STEP_REPORT_S = 0.5
+
+
+def _serve_continuous(engine, spec: WorkerSpec, conn: Connection | None, control) -> None:
+    """Iteration-level scheduling: the batches the front end sends (one request each, as it dispatches
+    them) join the running rows before the next decode step, and each request's result goes back the
+    step it finishes. Rank 0 reads the pipe between steps and broadcasts what joins to the other ranks,
+    so every rank makes the same joins at the same step; cancellations reach rank 0's probe, whose
+    choice the token broadcast carries to every rank. A model failure fails every request running."""
+    inbox: deque = deque()
+    batches: dict[int, tuple[list[str], dict[str, Any], frozenset]] = {}  # id: (request ids, results, streamed)
+    owner: dict[str, int] = {}  # request id: its batch
+    cancelled: set[str] = set()
+    seen: set[str] = set()
+
+    def on_token(request_id: str, piece: Piece | str) -> None:
+        batch_id = owner.get(request_id)
+        if batch_id is None or request_id in cancelled:
+            return
+        # Streaming requests get every piece; the others only their first (for TTFT).
+        if request_id in batches[batch_id][2] or request_id not in seen:
+            seen.add(request_id)
+            if not _send(conn, ("token", batch_id, request_id, piece if isinstance(piece, Piece) else Piece(piece))):
+                cancelled.add(request_id)
+
+    def probe() -> set[str]:
+        return cancelled
+
+    running = engine.running_batch(on_token if spec.rank == 0 else None)
+    reported = time.monotonic()
+    while True:
+        if not len(running):
+            messages = [_next_message(spec, conn, control, inbox)]
+        else:
+            messages = _joining(spec, conn, control, inbox, cancelled)
+        for message in messages:
+            if message[0] == "stop":
+                return
+            if message[0] != "batch":
+                continue
+            _, batch_id, requests, forward = message
+            try:
+                running.join(list(requests))
+            except Exception as exc:  # a prompt that does not fit: this batch fails, the others go on
+                if spec.rank == 0:
+                    _send(conn, ("error", batch_id, f"model failure: {type(exc).__name__}: {exc}"))
+                continue
+            batches[batch_id] = ([r.id for r in requests], {}, frozenset(forward))
+            owner.update((r.id, batch_id) for r in requests)
+        try:
+            finished = running.step(probe if spec.rank == 0 else None)
+        except Exception as exc:  # a model failure: every running request is answered 424, the group goes on
+            log.exception("rank %d: decode step failed", spec.rank)
+            for batch_id in batches:
+                if spec.rank == 0:
+                    _send(conn, ("error", batch_id, f"model failure: {type(exc).__name__}: {exc}"))
+            batches.clear(), owner.clear(), cancelled.clear(), seen.clear()
+            running = engine.running_batch(on_token if spec.rank == 0 else None)
+            continue
+        for row in finished:
+            request_id = row.request.id
+            batch_id = owner.pop(request_id)
+            cancelled.discard(request_id)
+            seen.discard(request_id)
+            ids, results, _ = batches[batch_id]
+            results[request_id] = running.result(row)
+            if len(results) == len(ids):
+                del batches[batch_id]
+                if spec.rank == 0 and not _send(conn, ("result", batch_id, [results[i] for i in ids])):
+                    return
+        if spec.rank != 0:
+            running.decoded.clear()
+        elif (time.monotonic() - reported >= STEP_REPORT_S or not len(running)) and running.decoded:
+            _send(conn, ("steps", running.decoded))
+            running.decoded, reported = [], time.monotonic()
+
+
+def _joining(spec: WorkerSpec, conn: Connection | None, control, inbox: deque, cancelled: set[str]) -> list[tuple]:
+    """Between two steps: the messages that came (rank 0 reads them without waiting; cancellations go into
+    `cancelled`), the same list on every rank."""
+    messages: list[tuple] = []
+    if spec.rank == 0:
+        assert conn is not None
+        messages = list(inbox)
+        inbox.clear()
+        try:
+            while conn.poll(0):
+                message = conn.recv()
+                if message[0] == "cancel":
+                    cancelled.add(message[2])
+                elif message[0] != "noop":
+                    messages.append(message)
+        except (EOFError, OSError):  # the front end is gone
+            messages.append(("stop",))
+    if spec.world_size > 1:
+        import torch
+        import torch.distributed as dist
+
+        count = torch.tensor([len(messages)], dtype=torch.long)
+        dist.broadcast(count, src=0, group=control)
+        if int(count[0]):
+            box = [messages]
+            dist.broadcast_object_list(box, src=0, group=control)
+            messages = box[0]
+    return messages
+
+
 def _read_cancellations(conn: Connection, batch_id: int, cancelled: set[str], inbox: deque) -> bool:
     """Rank 0, during a batch: take the front end's messages that have come. Cancellations of this batch's
     requests go into `cancelled`; anything else waits in `inbox`. True when the whole batch is to stop:
@@ -454,6 +580,7 @@ class GroupEvents(Protocol):
     def on_failure(self, group: int, batch_id: int, message: str) -> None: ...
     def on_down(self, group: int, reason: str) -> None: ...
     def on_restart(self, group: int) -> None: ...
+    def on_steps(self, group: int, rows: list[int]) -> None: ...
     def on_fatal(self, group: int, error: ModelLoadError) -> None: ...
 
 
@@ -489,7 +616,7 @@ class WorkerGroup:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._generation = 0
         self._stopping = threading.Event()
-        self._in_flight: int | None = None
+        self._in_flight: set[int] = set()  # batches rank 0 holds (several at once with continuous batching)
         self._thread: threading.Thread | None = None
         self.fatal: ModelLoadError | None = None  # set when a rank cannot load the model for good
         self._load_failures = 0  # attempts in a row whose load raised (see LOAD_RAISED_EXIT)
@@ -510,14 +637,14 @@ class WorkerGroup:
         with self._state_lock:
             if not self.ready or self._conn is None:
                 raise RuntimeError(f"worker group {self.group} is not ready")
-            self._in_flight = batch_id
+            self._in_flight.add(batch_id)
             self._outbox.put((self._generation, ("batch", batch_id, requests, stream_ids)))
 
     def cancel(self, batch_id: int, request_id: str) -> None:
         """Tell rank 0 that `request_id` of the running batch `batch_id` is no longer wanted: it stops
         decoding that row before its next step. Nothing when that batch is over. Never blocks."""
         with self._state_lock:
-            if self._conn is not None and self._in_flight == batch_id:
+            if self._conn is not None and batch_id in self._in_flight:
                 self._outbox.put((self._generation, ("cancel", batch_id, request_id)))
 
     def _send_loop(self) -> None:
@@ -654,11 +781,13 @@ class WorkerGroup:
         elif kind == "token":
             self.events.on_token(self.group, message[1], message[2], message[3])
         elif kind == "result":
-            self._in_flight = None
+            self._in_flight.discard(message[1])
             self.events.on_result(self.group, message[1], message[2])
         elif kind == "error":
-            self._in_flight = None
+            self._in_flight.discard(message[1])
             self.events.on_failure(self.group, message[1], message[2])
+        elif kind == "steps":
+            self.events.on_steps(self.group, message[1])
         elif kind == "load_failed":
             log.error("worker group %d failed to load the model: %s", self.group, message[1])
             self._load_failure = message[1]  # rank 0's reason, for the line that gives up
@@ -668,7 +797,7 @@ class WorkerGroup:
     def _down(self, reason: str) -> None:
         with self._state_lock:
             self.ready = False
-            in_flight, self._in_flight = self._in_flight, None
+            in_flight, self._in_flight = self._in_flight, set()
             self._generation += 1  # what is still queued for this incarnation is dropped
             conn, self._conn = self._conn, None
         self._reap(2.0 if self._stopping.is_set() else 0.0)
@@ -676,8 +805,8 @@ class WorkerGroup:
         if conn is not None:
             with self._pipe_lock:  # after a send in progress fails (every rank is gone by now) or ends
                 conn.close()
-        if in_flight is not None:
-            self.events.on_failure(self.group, in_flight, f"worker group {self.group} failed: {reason}")
+        for batch_id in sorted(in_flight):
+            self.events.on_failure(self.group, batch_id, f"worker group {self.group} failed: {reason}")
         self.events.on_down(self.group, reason)
 
     def _close_lifeline(self) -> None:

@@ -22,6 +22,7 @@ from typing import Callable, Collection
 import torch
 import torch.distributed as dist
 
+from lmc.errors import InternalError
 from lmc.runtime.engines.base import (CancelProbe, GenerationParams, GenerationRequest, GenerationResult, Piece,
                                       TokenCallback)
 
@@ -31,6 +32,9 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first new one (TGI uses 
 _FAILED = -1  # broadcast instead of tokens when rank 0 could not choose them
 _CANCELLED = -2  # broadcast instead of a row's token when its answer is no longer wanted
 _MIN_TEMPERATURE = 1e-5  # below this, dividing the logits overflows: greedy, which it tends to anyway
+# A prompt joining a running batch is prefilled this many positions at a time, one chunk between two
+# decode steps, so a long prompt delays the rows already decoding by one chunk's time per step, not its whole.
+PREFILL_CHUNK_TOKENS = 256
 
 
 @dataclass
@@ -170,35 +174,20 @@ class DecodeLoop:
 
     def _decode(self, rows: list[_Row], on_token: TokenCallback | None, cancel_probe: CancelProbe | None = None
                 ) -> None:
-        """Prefill `rows` and decode them until each has finished (in place)."""
-        stream = on_token if self.rank == 0 or self.every_rank_answers else None
+        """Prefill `rows` and decode them until each has finished (in place): a RunningBatch that no
+        row joins after the first."""
+        batch = RunningBatch(self, on_token)
         with torch.inference_mode():
-            keep = None  # see `compact`
-            if self.prefill is not None:
-                logits, advance = self.prefill([row.prompt_ids for row in rows], self.pad_id)
-            elif self.encoder_decoder:
-                logits, advance, keep = self._prefill_seq2seq(rows)
-            else:
-                logits, advance, keep = self._prefill_causal(rows)
-            if not self.compact:
-                keep = None
-            while True:
-                if self.rank == 0 and cancel_probe is not None:
-                    names = _ask(cancel_probe)
-                    for row in rows:
-                        row.cancelled = row.cancelled or row.request.id in names
-                tokens = self._next_tokens(logits, rows)
-                for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
-                    if row.finish is None:
-                        self._append(row, token, stream, logits[i] if stream is not None else None)
-                if all(row.finish is not None for row in rows):
-                    break
-                if keep is not None and any(row.finish is not None for row in rows):
-                    # Every rank alike: finishing follows the broadcast tokens and the text every rank decodes.
-                    live = [i for i, row in enumerate(rows) if row.finish is None]
-                    keep(torch.tensor(live, dtype=torch.long, device=self.device))
-                    rows, tokens = [rows[i] for i in live], tokens[live]
-                logits = advance(tokens)
+            batch.start(rows)
+            while batch.rows:
+                batch.step(cancel_probe)
+
+    def running_batch(self, on_token: TokenCallback | None = None) -> "RunningBatch":
+        """An empty batch for iteration-level scheduling (continuous batching): rows join it between
+        decode steps (RunningBatch.join) and leave as they finish. Causal transformers models only."""
+        if self.prefill is not None or self.encoder_decoder or not self.compact:
+            raise InternalError("continuous batching needs a causal transformers model with a transformers KV cache")
+        return RunningBatch(self, on_token)
 
     def _row(self, request: GenerationRequest) -> _Row:
         ids = self.encode(request.prompt, request.params.add_special_tokens)
@@ -215,41 +204,6 @@ class DecodeLoop:
             seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
             row.generator = torch.Generator(device=self.device).manual_seed(seed)
         return row
-
-    def _prefill_causal(self, rows: list[_Row]):
-        from transformers import DynamicCache
-
-        width = max(len(row.prompt_ids) for row in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, width - len(row.prompt_ids):] = torch.tensor(row.prompt_ids)
-            mask[i, width - len(row.prompt_ids):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        cache = DynamicCache(config=self.model.config)
-        state = {"mask": mask, "positions": positions}
-
-        def forward(input_ids):
-            kwargs = {"input_ids": input_ids, "attention_mask": state["mask"], "past_key_values": cache,
-                      "use_cache": True}
-            if self.pass_positions:
-                kwargs["position_ids"] = state["positions"]
-            if self.pass_logits_to_keep:
-                kwargs["logits_to_keep"] = 1
-            return self.model(**kwargs).logits[:, -1, :].float()
-
-        def advance(tokens: torch.Tensor) -> torch.Tensor:
-            ones = torch.ones((len(tokens), 1), dtype=state["mask"].dtype, device=self.device)
-            state["mask"] = torch.cat([state["mask"], ones], dim=-1)
-            state["positions"] = state["positions"][:, -1:] + 1
-            return forward(tokens[:, None])
-
-        def keep(indices: torch.Tensor) -> None:
-            cache.batch_select_indices(indices)
-            state["mask"], state["positions"] = state["mask"][indices], state["positions"][indices]
-
-        return forward(ids), advance, keep
 
     def _prefill_seq2seq(self, rows: list[_Row]):
         from transformers import DynamicCache, EncoderDecoderCache
@@ -397,6 +351,208 @@ class DecodeLoop:
                                 generated_tokens=len(row.generated), finish_reason=row.finish or "length",
                                 token_ids=list(row.generated),
                                 logprobs=list(row.logprobs) if row.params.logprobs is not None else None)
+
+
+class RunningBatch:
+    """The rows decoding together on one rank, one `step` at a time: the decode loop itself, shared by
+    dynamic batching (DecodeLoop.generate: rows `start` together, none join later) and continuous
+    batching (rows `join` between steps: their prompts are prefilled a chunk per step, then they merge
+    into the running rows' KV cache; a finished row leaves at once, its cache rows with it, and the
+    columns only finished rows needed are cut off). Every rank of a group makes the same calls in the
+    same order; rank 0 chooses the tokens and broadcasts them."""
+
+    def __init__(self, loop: DecodeLoop, on_token: TokenCallback | None):
+        self.loop = loop
+        self.stream = on_token if loop.rank == 0 or loop.every_rank_answers else None
+        self.rows: list[_Row] = []
+        self.logits: torch.Tensor | None = None  # [rows, vocab]: each row's next-token logits
+        self.advance: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.keep: Callable[[torch.Tensor], None] | None = None
+        self.state: _CausalState | None = None  # continuous batching: the running rows' cache
+        # Joined, waiting for or in their prefill: rows that join before their group's prefill starts
+        # share it (one forward for all); the state is made when it starts.
+        self.pending: list[tuple[list[_Row], _CausalState | None]] = []
+        self.steps = 0
+        self.decoded: list[int] = []  # rows decoded at each step since the last read (for the metrics)
+
+    def __len__(self) -> int:
+        return len(self.rows) + sum(len(rows) for rows, _ in self.pending)
+
+    def result(self, row: _Row) -> GenerationResult:
+        return self.loop._result(row)
+
+    def kv_tokens(self) -> int:
+        """Positions held in the KV cache per row, padding included (the running rows' width)."""
+        return 0 if self.state is None else int(self.state.mask.shape[1])
+
+    # -- dynamic: one set of rows
+
+    def start(self, rows: list[_Row]) -> None:
+        loop = self.loop
+        self.rows = list(rows)
+        if loop.prefill is not None:
+            self.logits, self.advance = loop.prefill([row.prompt_ids for row in rows], loop.pad_id)
+        elif loop.encoder_decoder:
+            self.logits, self.advance, self.keep = loop._prefill_seq2seq(rows)
+        else:
+            state = _CausalState(loop, rows)
+            while self.logits is None:
+                self.logits = state.prefill(None)
+            self.advance, self.keep = state.advance, state.keep
+        if not loop.compact:
+            self.keep = None
+
+    # -- continuous: rows join between steps
+
+    def join(self, requests: list[GenerationRequest]) -> None:
+        """Queue `requests` to join at the coming steps (their prefill runs a chunk per step). Raises
+        ValueError for a prompt that does not fit (nothing joins then)."""
+        rows = [self.loop._row(request) for request in requests]
+        if self.pending and self.pending[-1][1] is None:
+            self.pending[-1][0].extend(rows)
+        elif rows:
+            self.pending.append((rows, None))
+
+    def _prefill_pending(self) -> None:
+        """One chunk of the first joining group's prefill; when it completes, its rows merge into the
+        running rows (or wait, where this model's cache cannot be merged, until the running rows end)."""
+        rows, state = self.pending[0]
+        if state is None:
+            state = _CausalState(self.loop, rows)
+            self.pending[0] = (rows, state)
+        if self.rows and not state.mergeable:
+            return
+        logits = state.prefill(PREFILL_CHUNK_TOKENS)
+        if logits is None:
+            return
+        self.pending.pop(0)
+        if not self.rows:
+            self.rows, self.logits, self.state = rows, logits, state
+        else:
+            self.state.absorb(state)
+            self.rows += rows
+            self.logits = torch.cat([self.logits, logits])
+        self.advance, self.keep = self.state.advance, self.state.keep
+
+    # -- one step
+
+    def step(self, cancel_probe: CancelProbe | None = None) -> list[_Row]:
+        """Prefill a chunk of joining rows, then choose every running row's next token and run the model
+        one position further for those that go on. Returns the rows that finished in this step."""
+        loop = self.loop
+        if self.pending:
+            self._prefill_pending()
+        if not self.rows:
+            return []
+        if loop.rank == 0 and cancel_probe is not None:
+            names = _ask(cancel_probe)
+            for row in self.rows:
+                row.cancelled = row.cancelled or row.request.id in names
+        running = [row.finish is None for row in self.rows]
+        tokens = loop._next_tokens(self.logits, self.rows)
+        for i, (row, token) in enumerate(zip(self.rows, tokens.tolist())):
+            if row.finish is None:
+                loop._append(row, token, self.stream, self.logits[i] if self.stream is not None else None)
+        finished = [row for row, was in zip(self.rows, running) if was and row.finish is not None]
+        self.steps += 1
+        self.decoded.append(sum(running))
+        if all(row.finish is not None for row in self.rows):
+            self.rows, self.logits, self.state, self.advance, self.keep = [], None, None, None, None
+            return finished
+        if self.keep is not None and finished:
+            # Every rank alike: finishing follows the broadcast tokens and the text every rank decodes.
+            live = [i for i, row in enumerate(self.rows) if row.finish is None]
+            self.keep(torch.tensor(live, dtype=torch.long, device=loop.device))
+            self.rows, tokens = [self.rows[i] for i in live], tokens[live]
+        self.logits = self.advance(tokens)
+        return finished
+
+
+class _CausalState:
+    """A causal LM's rows on one rank: their KV cache (a transformers DynamicCache, rows left-padded to
+    the longest), attention mask and next positions. Rows can be dropped (keep), another state's rows
+    merged in (absorb), and the columns no remaining row needs cut off (in keep)."""
+
+    def __init__(self, loop: DecodeLoop, rows: list[_Row]):
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        self.loop = loop
+        width = max(len(row.prompt_ids) for row in rows)
+        ids = torch.full((len(rows), width), loop.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row.prompt_ids):] = torch.tensor(row.prompt_ids)
+            mask[i, width - len(row.prompt_ids):] = 1
+        self.ids, self.mask = ids.to(loop.device), mask.to(loop.device)
+        self.prompt_positions = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
+        self.positions: torch.Tensor | None = None  # [rows, 1] once prefilled: each row's last position
+        self.done = 0  # prompt columns prefilled so far
+        self.cache = DynamicCache(config=loop.model.config)
+        # Sliding-window layers keep a running count of their own: their rows are not merged or cut.
+        self.mergeable = all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        kwargs = {"input_ids": input_ids, "attention_mask": mask, "past_key_values": self.cache, "use_cache": True}
+        if self.loop.pass_positions:
+            kwargs["position_ids"] = positions
+        if self.loop.pass_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        return self.loop.model(**kwargs).logits[:, -1, :].float()
+
+    def prefill(self, chunk: int | None) -> torch.Tensor | None:
+        """Run the next `chunk` prompt columns (all that are left: None); the rows' next-token logits once
+        the whole prompt has run, else None."""
+        width = self.ids.shape[1]
+        end = width if chunk is None else min(width, self.done + chunk)
+        logits = self._forward(self.ids[:, self.done:end], self.mask[:, :end], self.prompt_positions[:, self.done:end])
+        self.done = end
+        if end < width:
+            return None
+        self.positions = self.prompt_positions[:, -1:]
+        self.ids = self.prompt_positions = None
+        return logits
+
+    def advance(self, tokens: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones((len(tokens), 1), dtype=self.mask.dtype, device=self.mask.device)
+        self.mask = torch.cat([self.mask, ones], dim=-1)
+        self.positions = self.positions + 1
+        return self._forward(tokens[:, None], self.mask, self.positions)
+
+    def keep(self, indices: torch.Tensor) -> None:
+        """Keep only the rows at `indices`, then drop the leading columns that are padding for all of them
+        (the positions only rows that left needed)."""
+        self.cache.batch_select_indices(indices)
+        self.mask, self.positions = self.mask[indices], self.positions[indices]
+        # A pipeline's later stages keep caches of their own (engines/pipeline.py) that only follow
+        # batch_select_indices: their columns must stay as they are.
+        if not self.mergeable or getattr(self.cache, "_lmc_pipeline", False):
+            return
+        used = self.mask.any(0).nonzero()
+        lead = int(used[0]) if len(used) else 0
+        if lead:
+            self.mask = self.mask[:, lead:]
+            for layer in self.cache.layers:
+                if layer.is_initialized:
+                    layer.keys, layer.values = layer.keys[..., lead:, :], layer.values[..., lead:, :]
+
+    def absorb(self, other: "_CausalState") -> None:
+        """Append `other`'s (prefilled) rows after these: both left-padded to the wider one's columns."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+
+        def widen(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - tensor.shape[dim]
+            if not missing:
+                return tensor
+            shape = list(tensor.shape)
+            shape[dim] = missing
+            return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+        self.mask = torch.cat([widen(self.mask, 1), widen(other.mask, 1)])
+        self.positions = torch.cat([self.positions, other.positions])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([widen(mine.keys, -2), widen(theirs.keys, -2)])
+            mine.values = torch.cat([widen(mine.values, -2), widen(theirs.values, -2)])
 
 
 def _ask(cancel_probe: CancelProbe) -> Collection[str]:

@@ -209,6 +209,12 @@ class HFEngine:
             raise InternalError("generate called before load")
         return self.loop.generate(batch, on_token, cancel_probe=cancel_probe)
 
+    def running_batch(self, on_token: TokenCallback | None = None):
+        """Continuous batching (see base.Engine.running_batch): the decode loop's RunningBatch."""
+        if self.loop is None:
+            raise InternalError("running_batch called before load")
+        return self.loop.running_batch(on_token)
+
     def count_tokens(self, text: str) -> int:
         if self.loop is None:
             raise InternalError("count_tokens called before load")

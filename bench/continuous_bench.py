@@ -1,0 +1,162 @@
+"""Continuous against dynamic batching in `lmc runtime`, same model, same run.
+
+Builds the tiny random Llama with `lmc build` (hf engine, fp32, TP=1, this CPU), serves it once with
+dynamic batching (batch_size 16, max_batch_delay 20 ms) and once with continuous batching (16
+sequences), and runs two workloads against each (greedy, ignore_eos so every answer has its length):
+
+  (a) one request of 256 new tokens, then 100 ms later 8 requests of 8 tokens: the short requests'
+      completion time p50. Target: continuous <= 0.3 x dynamic.
+  (b) 32 requests at concurrency 16 (closed loop: each client sends its next request when its last one
+      is answered), new tokens drawn uniformly from 8..128 (a fixed draw): output tokens/s (target:
+      continuous >= 1.5 x dynamic) and TTFT p99 (target: lower). Streamed, so TTFT is the first
+      line's arrival. Also printed, without a target, as "bimodal_*": the same with half the requests
+      8 tokens and half 128, in a fixed shuffled order.
+
+BENCH_HIDDEN=512 runs a wider model (512 wide, 4 layers) instead of the tiny one.
+Both servers run side by side and take turns, each workload 5 times (BENCH_REPEATS); figures are medians.
+Prints `uptime` (the machine is shared: rerun when the load is high) and exits 1 when a target is missed.
+Usage: python bench/continuous_bench.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from batching_bench import SPEC as BATCHING_SPEC, Served, build_real  # noqa: E402
+
+# batching_bench's tiny Llama spec, with room for 256 new tokens and 16 concurrent requests.
+SPEC = BATCHING_SPEC.replace("max_output_tokens = 64", "max_output_tokens = 256").replace("concurrency = 32",
+                                                                                            "concurrency = 16")
+
+
+async def _request(client, url: str, prompt: str, tokens: int) -> tuple[float, float, int]:
+    """(seconds to the first streamed line, seconds to the end, tokens generated)."""
+    start = time.monotonic()
+    first = None
+    body = {"inputs": prompt, "stream": True,
+            "parameters": {"max_new_tokens": tokens, "ignore_eos_token": True, "do_sample": False, "details": True}}
+    lines = []
+    async with client.stream("POST", url + "/invocations", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if line.strip():
+                first = first if first is not None else time.monotonic() - start
+                lines.append(json.loads(line))
+    if "generated_text" not in lines[-1]:
+        raise RuntimeError(f"stream ended without an answer: {lines[-1]}")
+    generated = lines[-1]["details"]["generated_tokens"]
+    if generated != tokens:
+        raise RuntimeError(f"asked for {tokens} tokens, got {generated}")
+    return first, time.monotonic() - start, generated
+
+
+async def short_after_long(url: str) -> float:
+    """(a): p50 completion time of the 8 short requests."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        long = asyncio.create_task(_request(client, url, "a long answer: the quick brown fox", 256))
+        await asyncio.sleep(0.1)
+        shorts = await asyncio.gather(*(_request(client, url, f"short {i}: hello there", 8) for i in range(8)))
+        await long
+    return statistics.median(end for _, end, _ in shorts)
+
+
+async def mixed(url: str, lengths: list[int], concurrency: int) -> tuple[float, float]:
+    """(b): (output tokens/s, TTFT p99) for `lengths` at `concurrency`."""
+    import httpx
+
+    queue = list(enumerate(lengths))
+    results = []
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        async def worker() -> None:
+            while queue:
+                index, tokens = queue.pop(0)
+                results.append(await _request(client, url, f"request {index}: the quick brown fox", tokens))
+
+        start = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.monotonic() - start
+    ttfts = sorted(first for first, _, _ in results)
+    if os.environ.get("BENCH_VERBOSE"):
+        print("  TTFTs:", [round(t, 3) for t in ttfts], "wall", round(wall, 3))
+    p99 = ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))]
+    return sum(tokens for _, _, tokens in results) / wall, p99
+
+
+def run(model_dir: Path, plans: dict[str, dict], lengths: list[int], bimodal: list[int], repeats: int) -> dict:
+    """Both servers up at once, each workload run on one then the other, `repeats` times: a burst of load
+    from elsewhere on the machine hits both alike. Each figure is the median of its repeats."""
+    from contextlib import ExitStack
+
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in plans}
+    with ExitStack() as stack:
+        urls = {name: stack.enter_context(Served(model_dir, plan)).url for name, plan in plans.items()}
+        for url in urls.values():
+            asyncio.run(mixed(url, [4] * 4, 4))  # warm-up
+        for _ in range(repeats):
+            for name, url in urls.items():
+                add = lambda key, value: samples[name].setdefault(key, []).append(value)  # noqa: E731
+                add("short_p50_s", asyncio.run(short_after_long(url)))
+                rate, ttft = asyncio.run(mixed(url, lengths, 16))
+                add("tokens_per_s", rate), add("ttft_p99_s", ttft)
+                rate, ttft = asyncio.run(mixed(url, bimodal, 16))
+                add("bimodal_tokens_per_s", rate), add("bimodal_ttft_p99_s", ttft)
+    return {name: {key: round(statistics.median(values), 4) for key, values in figures.items()}
+            for name, figures in samples.items()}
+
+
+def main() -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from lmc.manifest import read_manifest
+
+    draw = random.Random(14)
+    uniform = [draw.randint(8, 128) for _ in range(32)]
+    bimodal = [8, 128] * 16
+    draw.shuffle(bimodal)
+    print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    with tempfile.TemporaryDirectory(prefix="lmc-continuous-bench-") as tmp:
+        hidden = int(os.environ.get("BENCH_HIDDEN", "0"))  # 0: the tiny model; else a wider one, 4 layers
+        wider = dict(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=4) if hidden else {}
+        model_dir = build_real(Path(tmp), SPEC, **wider)
+        plan = read_manifest(model_dir)["plan"]
+        common = dict(replicas=1, job_queue_size=max(64, plan["job_queue_size"]))
+        dynamic_plan = dict(plan, **common, scheduling="dynamic", batch_size=16, max_batch_delay_ms=20)
+        dynamic_plan.pop("kv_cache", None)
+        continuous_plan = dict(plan, **common, scheduling="continuous", batch_size=16,
+                               kv_cache=plan.get("kv_cache") or {"block_size": 16, "blocks": 16 * 20,
+                                                                  "max_concurrent_sequences": 16})
+        print(f"plan: scheduling {plan.get('scheduling')}, kv_cache {plan.get('kv_cache')}")
+        figures = run(model_dir, {"dynamic": dynamic_plan, "continuous": continuous_plan}, uniform, bimodal,
+                      int(os.environ.get("BENCH_REPEATS", "5")))
+        dynamic, continuous = figures["dynamic"], figures["continuous"]
+        print("dynamic:   ", dynamic)
+        print("continuous:", continuous)
+    print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    ratio_a = continuous["short_p50_s"] / dynamic["short_p50_s"]
+    ratio_b = continuous["tokens_per_s"] / dynamic["tokens_per_s"]
+    checks = {"(a) short p50 ratio <= 0.3": ratio_a <= 0.3, "(b) throughput ratio >= 1.5": ratio_b >= 1.5,
+              "(b) TTFT p99 lower": continuous["ttft_p99_s"] < dynamic["ttft_p99_s"]}
+    print(json.dumps({"dynamic": dynamic, "continuous": continuous, "short_p50_ratio": round(ratio_a, 3),
+                      "throughput_ratio": round(ratio_b, 2), "checks": checks}))
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""Scheduling for the hf and DeepSpeed engines: dynamic or continuous batching, and the KV pool.
+
+Pure: the chosen configuration's facts in, (scheduling, KvCache or None, the decision's reason) out.
+vLLM plans are always continuous and size their own pool (engine "vllm" is not decided here).
+"""
+
+from __future__ import annotations
+
+from lmc.planner.facts import HardwareFacts, ModelFacts
+from lmc.planner.memory import compute_dtype, kv_bytes_per_token
+from lmc.planner.plan import KvCache, MemoryPerDevice
+
+BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
+# DeepSpeed's fused kernels (kernel injection: CUDA, TP 1, these families) keep the KV cache in their own
+# workspace, which lmc cannot split per sequence: such plans batch dynamically. Mirrors
+# lmc.runtime.engines.deepspeed.kernel_injection (the planner does not import the runtime).
+DEEPSPEED_FUSED_FAMILIES = frozenset({"gptj", "gpt_neox", "opt", "bloom", "llama"})
+
+
+def choose_scheduling(engine: str, dtype: str, tp: int, batch: int, concurrency: int, sequence_tokens: int,
+                      model: ModelFacts, hardware: HardwareFacts, memory: MemoryPerDevice, pipeline_stages: int = 1
+                      ) -> tuple[str, KvCache | None, str]:
+    """("dynamic" | "continuous", the KV pool of a continuous plan, why)."""
+    why_not = _continuous_unavailable(engine, tp, model, hardware)
+    if not why_not and pipeline_stages > 1:
+        why_not = (f"{pipeline_stages} pipeline stages hand whole batches from one instance to the next; "
+                   "batches form dynamically")
+    if why_not:
+        return "dynamic", None, why_not
+    if concurrency < 2:
+        return "dynamic", None, ("workload.concurrency = 1: no request can arrive while another decodes, so "
+                                 "joining a running batch would gain nothing; batches form dynamically")
+    pool = kv_pool(dtype, tp, sequence_tokens, model, hardware, memory)
+    return "continuous", pool, (
+        f"{concurrency} concurrent requests: with dynamic batching a request that arrives while a batch decodes "
+        f"waits for its longest answer; continuous batching lets it join at the next decode step (its prompt "
+        f"prefilled between steps) and lets each finished request leave at once, up to {batch} running "
+        f"sequences; the KV pool of {pool.blocks} blocks of {pool.block_size} tokens (the memory left after "
+        f"weights, activations and runtime overhead) holds {pool.max_concurrent_sequences} sequences of "
+        f"{sequence_tokens} tokens")
+
+
+def _continuous_unavailable(engine: str, tp: int, model: ModelFacts, hardware: HardwareFacts) -> str | None:
+    if engine not in ("hf", "deepspeed"):
+        return f"the {engine} engine runs compiled batch sizes; batches form dynamically"
+    if model.is_encoder_decoder:
+        return (f"{model.family} is an encoder-decoder: lmc's decode loop merges running rows only for "
+                "decoder-only models; batches form dynamically")
+    if engine == "deepspeed" and hardware.kind == "gpu" and tp == 1 and model.family in DEEPSPEED_FUSED_FAMILIES:
+        return ("DeepSpeed's fused kernels keep the KV cache in their own workspace, so rows cannot join or "
+                "leave it; batches form dynamically")
+    return None
+
+
+def kv_pool(dtype: str, tp: int, sequence_tokens: int, model: ModelFacts, hardware: HardwareFacts,
+            memory: MemoryPerDevice) -> KvCache:
+    """The per-replica KV pool: the memory per device left after weights, activations and overhead, in
+    blocks of BLOCK_SIZE tokens (KV bytes per device for each), and how many full-length sequences it holds."""
+    per_block = BLOCK_SIZE * kv_bytes_per_token(model, tp, compute_dtype(dtype, model, hardware))
+    free = memory.capacity - memory.weights - memory.activations - memory.runtime_overhead
+    blocks = max(0, free // per_block)
+    per_sequence = -(-sequence_tokens // BLOCK_SIZE)
+    return KvCache(block_size=BLOCK_SIZE, blocks=blocks, max_concurrent_sequences=blocks // per_sequence)

