@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from lmc.errors import ArtifactError, UsageError
+from lmc.measure.host import host_line
 from lmc.measure.loadgen import BenchError
 
 
@@ -212,12 +213,6 @@ def _wait_ready(url: str, server: subprocess.Popen, log: Path, timeout_s: float)
             pass
         time.sleep(0.5)
     raise BenchError(f"lmc runtime was not ready after {timeout_s:.0f} s (log: {log})")
-
-
-def host_line() -> str:
-    from lmc.measure.calibrate import _host_line
-
-    return _host_line()
 
 
 async def run_bench(setup: BenchSetup, served: Served, *, lmc_version: str, measured_at: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from lmc.errors import MissingDependencyError
+from lmc.measure.host import host_line
 
 # The decode and prefill model: Llama-shaped, as wide as the 1-3 B models a CPU serves (narrower
 # matrices reach less of the memory bandwidth: 10 GB/s at 1024 wide against 16 GB/s at 2048 here), and
@@ -513,7 +514,7 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
         decode_tflops=decode_tflops, prefill_overhead_ms=request_ms,
         step_overhead_ms=step, layer_overhead_ms=layer, runtime_overhead_bytes=overhead,
         allreduce_latency_us=latency_us, allreduce_bandwidth=bandwidth, allreduce_backend=backend,
-        load_bandwidth=load, host=_host_line(), notes=notes)
+        load_bandwidth=load, host=host_line(), notes=notes)
 
 
 def _import_torch(device: str):
@@ -547,17 +548,3 @@ def _ram_bytes() -> int:
     from lmc.planner.catalog import _total_ram_bytes
 
     return _total_ram_bytes()
-
-
-def _host_line() -> str:
-    """The CPU model, its cores and the load when measured: figures on a shared host move with it."""
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = ", ".join(f"{value:.2f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
-    return f"{model or 'unknown CPU'}, {os.cpu_count()} cores, load average {load}"
