@@ -35,7 +35,7 @@ engine = "vllm"
 def llama_checkpoint(tmp_path_factory) -> Path:
     from lmc.testing.checkpoints import make_checkpoint
 
-    return make_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")
+    return make_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama", hidden_size=128, intermediate_size=256)  # heads of 32: vLLM CPU kernels
 
 
 def build(tmp_path: Path, checkpoint: Path, capsys, instance: str) -> tuple[Path, str]:

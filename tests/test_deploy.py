@@ -45,6 +45,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*Can not relate snapshot")
 def cpu_checkpoint():
     from lmc.testing.checkpoints import make_checkpoint
 
+    make_checkpoint("llama", ROOT / "specs" / "models" / "tiny-llama-vllm", seed=0, hidden_size=128, intermediate_size=256)
     return make_checkpoint("llama", ROOT / "specs" / "models" / "tiny-llama", seed=0)
 
 

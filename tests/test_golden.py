@@ -34,6 +34,8 @@ def cpu_checkpoint():
     from lmc.testing.checkpoints import make_checkpoint
 
     target = ROOT / "specs" / "models" / "tiny-llama"
+    vllm_width = ROOT / "specs" / "models" / "tiny-llama-vllm"  # heads of 32: vLLM's CPU kernels' smallest
+    make_checkpoint("llama", vllm_width, seed=0, hidden_size=128, intermediate_size=256)
     return make_checkpoint("llama", target, seed=0)
 
 

