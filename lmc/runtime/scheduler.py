@@ -263,6 +263,13 @@ class Scheduler:
     def on_token(self, group: int, batch_id: int, request_id: str, piece: Piece) -> None:
         self._call(self._token, batch_id, request_id, piece)
 
+    def on_tokens(self, group: int, pieces: list[tuple[int, str, Piece]]) -> None:
+        self._call(self._tokens, pieces)  # one hop onto the loop for a whole step's pieces
+
+    def _tokens(self, pieces: list[tuple[int, str, Piece]]) -> None:
+        for batch_id, request_id, piece in pieces:
+            self._token(batch_id, request_id, piece)
+
     def on_result(self, group: int, batch_id: int, results: list) -> None:
         self._call(self._result, batch_id, results)
 

@@ -431,6 +431,8 @@ def _serve_continuous(engine, spec: WorkerSpec, conn: Connection | None, control
     cancelled: set[str] = set()
     seen: set[str] = set()
 
+    pieces: list[tuple[int, str, Piece]] = []  # this step's, sent together after it: one message per step
+
     def on_token(request_id: str, piece: Piece | str) -> None:
         batch_id = owner.get(request_id)
         if batch_id is None or request_id in cancelled:
@@ -438,8 +440,7 @@ def _serve_continuous(engine, spec: WorkerSpec, conn: Connection | None, control
         # Streaming requests get every piece; the others only their first (for TTFT).
         if request_id in batches[batch_id][2] or request_id not in seen:
             seen.add(request_id)
-            if not _send(conn, ("token", batch_id, request_id, piece if isinstance(piece, Piece) else Piece(piece))):
-                cancelled.add(request_id)
+            pieces.append((batch_id, request_id, piece if isinstance(piece, Piece) else Piece(piece)))
 
     def probe() -> set[str]:
         return cancelled
@@ -472,9 +473,13 @@ def _serve_continuous(engine, spec: WorkerSpec, conn: Connection | None, control
             for batch_id in batches:
                 if spec.rank == 0:
                     _send(conn, ("error", batch_id, f"model failure: {type(exc).__name__}: {exc}"))
-            batches.clear(), owner.clear(), cancelled.clear(), seen.clear()
+            batches.clear(), owner.clear(), cancelled.clear(), seen.clear(), pieces.clear()
             running = engine.running_batch(on_token if spec.rank == 0 else None)
             continue
+        if pieces:
+            if not _send(conn, ("tokens", pieces)):
+                cancelled.update(request_id for _, request_id, _ in pieces)  # the front end is gone
+            pieces.clear()
         for row in finished:
             request_id = row.request.id
             batch_id = owner.pop(request_id)
@@ -580,6 +585,7 @@ class GroupEvents(Protocol):
     def on_failure(self, group: int, batch_id: int, message: str) -> None: ...
     def on_down(self, group: int, reason: str) -> None: ...
     def on_restart(self, group: int) -> None: ...
+    def on_tokens(self, group: int, pieces: list[tuple[int, str, Piece]]) -> None: ...
     def on_steps(self, group: int, rows: list[int]) -> None: ...
     def on_fatal(self, group: int, error: ModelLoadError) -> None: ...
 
@@ -786,6 +792,8 @@ class WorkerGroup:
         elif kind == "error":
             self._in_flight.discard(message[1])
             self.events.on_failure(self.group, message[1], message[2])
+        elif kind == "tokens":  # a continuous batch's step: (batch id, request id, piece) each
+            self.events.on_tokens(self.group, message[1])
         elif kind == "steps":
             self.events.on_steps(self.group, message[1])
         elif kind == "load_failed":
