@@ -84,11 +84,12 @@ def run_tp_ranks(target, *args, world_size: int = 2, timeout_s: float = 240) -> 
     results = dict(queue.get(timeout=timeout_s) for _ in processes)
     for process in processes:
         process.join(timeout=60)
-    assert [p.exitcode for p in processes] == [0] * world_size
+    assert [p.exitcode for p in processes] == [0] * world_size, f"rank exit codes {[p.exitcode for p in processes]}"
     return results
 
 
 def _rank_entry(target, rank: int, world_size: int, port: int, args: tuple, queue) -> None:
+    import datetime
     import os
     import sys
 
@@ -110,4 +111,10 @@ def _rank_entry(target, rank: int, world_size: int, port: int, args: tuple, queu
         out = target(rank, opened, *args)
     finally:
         queue.put((rank, out))
+        # Every rank tears gloo down only once all have finished: a rank that destroyed its group while
+        # its peer was still closing a connection exited non-zero now and then on a loaded host.
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+        except RuntimeError:
+            pass  # a peer that failed: its own exit code says so
         dist.destroy_process_group()
