@@ -162,7 +162,10 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
                  concurrency: int) -> Timing:
     """TTFT, TPOT and throughput of continuous batching at the workload's concurrency (module docstring)."""
     running = running_sequences(layout.max_num_seqs, replicas, concurrency)
-    decode = tpot_ms(model, hardware, engine, dtype, tp, running, input_tokens, output_tokens)
+    # Instances, load and price per hour as for any engine; the rest is continuous batching's (its
+    # TPOT is one decode step of `running`, its TTFT one whole prompt: the terms below start from them).
+    base = predict(model, hardware, engine, dtype, tp, replicas, running, input_tokens, output_tokens)
+    decode = base.tpot_ms
     riding = max(decode - tpot_ms(model, hardware, engine, dtype, tp, 1, input_tokens, output_tokens), 0.0)
 
     chunk = max(layout.max_num_batched_tokens - (running - 1), 1)
@@ -175,14 +178,11 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     # Prefills ride in decode steps: running / output_tokens prompts join per step, each costing its
     # prefill beyond a one-token pass. The mean step (throughput) pays them all; the median step
     # (the p50 TPOT the goal names) pays one chunk only when most steps carry one.
-    prefill_extra = max(ttft_ms(model, hardware, engine, dtype, tp, input_tokens)
-                        - ttft_ms(model, hardware, engine, dtype, tp, 1), 0.0)
+    prefill_extra = max(base.ttft_ms - ttft_ms(model, hardware, engine, dtype, tp, 1), 0.0)
     joins = running / output_tokens
     mean_step = decode + joins * prefill_extra
     tpot = decode + (prefill_extra / chunks if joins * chunks >= 0.5 else 0.0)
 
-    # Instances, load and price per hour as for any engine; the rest is continuous batching's.
-    base = predict(model, hardware, engine, dtype, tp, replicas, running, input_tokens, output_tokens)
     throughput = replicas * running / mean_step * 1e3
     cost_million = None if base.cost_per_hour is None else base.cost_per_hour / (throughput * 3600) * 1e6
     return replace(base, ttft_ms=ttft, tpot_ms=tpot, throughput_tokens_per_s=throughput,
