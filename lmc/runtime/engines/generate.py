@@ -372,7 +372,6 @@ class RunningBatch:
         # Joined, waiting for or in their prefill: rows that join before their group's prefill starts
         # share it (one forward for all); the state is made when it starts.
         self.pending: list[tuple[list[_Row], _CausalState | None]] = []
-        self.steps = 0
         self.decoded: list[int] = []  # rows decoded at each step since the last read (for the metrics)
 
     def __len__(self) -> int:
@@ -454,7 +453,6 @@ class RunningBatch:
             if row.finish is None:
                 loop._append(row, token, self.stream, self.logits[i] if self.stream is not None else None)
         finished = [row for row, was in zip(self.rows, running) if was and row.finish is not None]
-        self.steps += 1
         self.decoded.append(sum(running))
         if all(row.finish is not None for row in self.rows):
             self.rows, self.logits, self.state, self.advance, self.keep = [], None, None, None, None
