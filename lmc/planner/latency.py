@@ -240,15 +240,19 @@ def predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     instances = math.ceil(replicas / per_instance)
     throughput = replicas * batch / tpot * 1e3
     load = load_seconds(model, hardware, engine, dtype, tp, min(replicas, per_instance))
-    if hardware.price_per_hour is None:
-        cost_hour = cost_million = None
-    else:
-        cost_hour = hardware.price_per_hour * instances
-        cost_million = cost_hour / (throughput * 3600) * 1e6
+    cost_hour, cost_million = cost_figures(hardware, instances, throughput)
     return Timing(ttft, tpot, throughput, load, cost_hour, cost_million, instances)
 
 
+def cost_figures(hardware: HardwareFacts, instances: int, throughput: float) -> tuple[float | None, float | None]:
+    """USD per hour for `instances`, and per million tokens at `throughput` tokens/s (None, None without a price)."""
+    if hardware.price_per_hour is None:
+        return None, None
+    cost_hour = hardware.price_per_hour * instances
+    return cost_hour, cost_hour / (throughput * 3600) * 1e6
+
+
 __all__ = [
-    "Timing", "WEIGHT_ONLY", "active_decode_parameters", "allreduce_ms", "allreduce_us", "efficiency_for",
-    "load_seconds", "predict", "send_us", "tpot_ms", "ttft_ms",
+    "Timing", "WEIGHT_ONLY", "active_decode_parameters", "allreduce_ms", "allreduce_us", "cost_figures",
+    "efficiency_for", "load_seconds", "predict", "send_us", "tpot_ms", "ttft_ms",
 ]

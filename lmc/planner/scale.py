@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lmc.planner.facts import DTYPE_BYTES, EngineFacts, HardwareFacts, InterconnectFacts, ModelFacts
-from lmc.planner.latency import Timing
+from lmc.planner.latency import Timing, cost_figures
 from lmc.planner.memory import compute_dtype, param_split
 
 MAX_PIPELINE_DEGREE = 16  # stages the search tries on its own; a pin may ask for more (up to the schema's 64)
@@ -119,10 +119,6 @@ def _across_stages(timing: Timing, model: ModelFacts, hardware: HardwareFacts, e
     per_instance = max(hardware.devices // tp, 1)
     instances = instances_for(replicas, per_instance, pp)
     throughput = replicas * batch / tpot * 1e3
-    if hardware.price_per_hour is None:
-        cost_hour = cost_million = None
-    else:
-        cost_hour = hardware.price_per_hour * instances
-        cost_million = cost_hour / (throughput * 3600) * 1e6
+    cost_hour, cost_million = cost_figures(hardware, instances, throughput)
     return replace(timing, ttft_ms=ttft, tpot_ms=tpot, throughput_tokens_per_s=throughput, load_seconds=load,
                    cost_per_hour=cost_hour, cost_per_million_tokens=cost_million, instances_used=instances)

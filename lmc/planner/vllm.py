@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, ModelFacts
-from lmc.planner.latency import Timing, predict, tpot_ms, ttft_ms
+from lmc.planner.latency import Timing, cost_figures, predict, tpot_ms, ttft_ms
 from lmc.planner.memory import (
     capacity_bytes,
     compute_dtype,
@@ -184,7 +184,7 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     tpot = decode + (prefill_extra / chunks if joins * chunks >= 0.5 else 0.0)
 
     throughput = replicas * running / mean_step * 1e3
-    cost_million = None if base.cost_per_hour is None else base.cost_per_hour / (throughput * 3600) * 1e6
+    _, cost_million = cost_figures(hardware, base.instances_used, throughput)
     return replace(base, ttft_ms=ttft, tpot_ms=tpot, throughput_tokens_per_s=throughput,
                    load_seconds=base.load_seconds + engine.efficiency[hardware.kind].start_seconds,
                    cost_per_million_tokens=cost_million)
