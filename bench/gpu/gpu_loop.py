@@ -255,13 +255,11 @@ def max_memory_allocated(model_dir: Path, input_tokens: int, output_tokens: int)
 
 
 def _serve(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    import socket
-
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from lmc.runtime.workers import free_port
+
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     server = subprocess.Popen([sys.executable, "-m", "lmc", "runtime", "serve", str(model_dir), "--port", str(port),
                                "--host", "127.0.0.1"], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,

@@ -140,21 +140,15 @@ class Served:
     tokenizer: Path | None = None  # the served model's tokenizer.json, where known
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def open_target(setup: BenchSetup, quiet: bool = False) -> Iterator[Served]:
     """The URL as given, or the artifact served by `lmc runtime` until the block ends."""
     if setup.is_url:
         yield Served(setup.target, setup.pid, setup.tokenizer)
         return
-    port = _free_port()
+    from lmc.runtime.workers import free_port
+
+    port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="lmc-bench-runtime-", suffix=".log", delete=False)
     command = [sys.executable, "-m", "lmc", "runtime", "serve", setup.target, "--port", str(port), "--host", "127.0.0.1",
                "--request-timeout", str(setup.timeout_s)]

@@ -352,8 +352,10 @@ def allreduce(device: str, timeout_s: float = 60.0) -> tuple[float, float, str]:
     """(latency µs of a 4-byte all-reduce, bus bandwidth bytes/s of a 16 MiB one, backend) between two
     local processes: gloo on CPU, NCCL on two GPUs."""
     backend = "nccl" if device == "cuda" else "gloo"
+    from lmc.runtime.workers import free_port
+
     code = f"from lmc.measure.calibrate import _allreduce_rank; _allreduce_rank({backend!r})"
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", code], env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in range(2)]
@@ -404,14 +406,6 @@ def _allreduce_rank(backend: str) -> None:
     if rank == 0:
         print(json.dumps({"latency_us": small * 1e6, "bandwidth": bandwidth}))
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def storage_read_bandwidth(directory: Path, size_bytes: int = 256 * 2**20) -> float:
