@@ -18,7 +18,7 @@ from lmc.errors import NoFeasiblePlanError
 from lmc.emitters import yaml_text
 from lmc.planner.facts import HardwareFacts
 from lmc.planner.plan import Plan
-from lmc.planner.sizing import GB, GIB, Sizing, replicas_per_instance, size_deployment
+from lmc.planner.sizing import GB, GIB, PLATFORM_MAX_TIMEOUT_S, Sizing, replicas_per_instance, size_deployment
 
 TARGETS = ("sagemaker", "kubernetes", "kserve")
 PLACEHOLDER = "REPLACE_ME"
@@ -76,20 +76,19 @@ def resource_name(text: str) -> str:
 def render_deployment(target: str, plan: Plan, hardware: HardwareFacts, account: Account) -> dict[str, bytes]:
     """The files for `target`, README.md included. Raises NoFeasiblePlanError when the target cannot
     run the plan (a pipeline across instances on SageMaker, a timeout past the platform's limit)."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown deploy target {target!r}")
     if target == "sagemaker":
         check_sagemaker(plan, hardware)
-        sizing = size_deployment(plan, hardware, compressed=account.compressed, server_timeout_s=server_timeout(plan))
-        files = sagemaker_files(plan, hardware, account, sizing)
-    elif target == "kubernetes":
-        sizing = size_deployment(plan, hardware, compressed=account.compressed, server_timeout_s=server_timeout(plan), timeout_limit=None)
-        files = kubernetes_files(plan, hardware, account, sizing)
     elif target == "kserve":
         check_single_node(plan, "KServe", "KServe's multi-node serving is Ray-based (vLLM); lmc's pipeline "
                                           "stages rendezvous through LeaderWorkerSet")
-        sizing = size_deployment(plan, hardware, compressed=account.compressed, server_timeout_s=server_timeout(plan), timeout_limit=None)
-        files = kserve_files(plan, hardware, account, sizing)
-    else:
-        raise ValueError(f"unknown deploy target {target!r}")
+    # Only SageMaker caps the timeouts (Kubernetes has no such limit).
+    limit = PLATFORM_MAX_TIMEOUT_S if target == "sagemaker" else None
+    sizing = size_deployment(plan, hardware, compressed=account.compressed, server_timeout_s=server_timeout(plan),
+                             timeout_limit=limit)
+    emit = {"sagemaker": sagemaker_files, "kubernetes": kubernetes_files, "kserve": kserve_files}[target]
+    files = emit(plan, hardware, account, sizing)
     files[f"{target}/README.md"] = readme(target, plan, hardware, account, sizing, files).encode()
     return dict(sorted(files.items()))
 
@@ -188,8 +187,13 @@ def _quantity(n: int) -> str:
     return f"{max(math.ceil(n / GIB), 1)}Gi"
 
 
+def _startup_failures(sizing: Sizing) -> int:
+    """The startup probe's failureThreshold: as many periods as the start-up timeout."""
+    return math.ceil(sizing.startup_timeout_s.value / PROBE_PERIOD_S)
+
+
 def _probes(sizing: Sizing) -> dict:
-    startup_failures = math.ceil(sizing.startup_timeout_s.value / PROBE_PERIOD_S)
+    startup_failures = _startup_failures(sizing)
     ping = {"path": "/ping", "port": PORT}
     return {
         "startupProbe": {"httpGet": ping, "periodSeconds": PROBE_PERIOD_S, "failureThreshold": startup_failures,
@@ -370,7 +374,7 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
                      f"memory, which do not follow accelerator load; the peak needs {d.max_instances} (scale on "
                      "request rate with KEDA, or use --target sagemaker)")
     if target != "sagemaker":
-        lines += [f"- startup probe: every {PROBE_PERIOD_S} s, {math.ceil(sizing.startup_timeout_s.value / PROBE_PERIOD_S)} "
+        lines += [f"- startup probe: every {PROBE_PERIOD_S} s, {_startup_failures(sizing)} "
                   "failures allowed = the start-up timeout; readiness and liveness on `/ping`",
                   f"- devices per pod {sizing.devices_per_instance.value}: {sizing.devices_per_instance.reason}",
                   f"- /dev/shm {sizing.shm_bytes.value / GIB:.0f} GiB: {sizing.shm_bytes.reason}"]
