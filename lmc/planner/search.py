@@ -754,6 +754,7 @@ def no_feasible_plan(spec, model: ModelFacts, hardware: HardwareFacts, engines: 
     weights = model.parameters * DTYPE_BYTES[dtype]
     total_mem = hardware.device_memory_bytes * hardware.devices
     details: list[str] = []
+    rate_bound = False  # the rate, not memory or price, stands in the way: more instances is the answer
     if configs and not any(c.fits for c in configs):
         message = (f"{model.id} {dtype} needs {weights / 1e9:.1f} GB of weights; {hardware.name} has "
                    f"{hardware.devices} × {_gib(hardware.device_memory_bytes)} = {_gib(total_mem)} "
@@ -762,6 +763,7 @@ def no_feasible_plan(spec, model: ModelFacts, hardware: HardwareFacts, engines: 
         details.append(f"closest: {closest.engine} {closest.dtype} TP {closest.tp} batch {closest.batch} needs "
                        f"{_gib(closest.memory.total)} per device > {_gib(closest.memory.capacity)}")
     elif configs and not any(c.fits and not c.over_rate for c in configs):  # the rate needs more instances
+        rate_bound = True
         load = spec.workload
         best = min((c for c in configs if c.fits), key=lambda c: (c.peak_instances, c.timing.instances_used))
         peak = (f" (peak {load.peak_requests_per_second:g} requests/s)" if load.peak_requests_per_second is not None
@@ -785,7 +787,7 @@ def no_feasible_plan(spec, model: ModelFacts, hardware: HardwareFacts, engines: 
         reasons = sorted({r.reason for r in rejections})
         message = f"no engine can serve {model.id} on {hardware.name}: " + "; ".join(reasons[:3])
     details += nearest_options(spec, model, hardware, engines, candidates)
-    if len(details) <= 1 and not message.startswith("requests_per_second"):
+    if len(details) <= 1 and not rate_bound:
         details.append("no nearby option fits: a larger instance type or a smaller model is needed")
     return NoFeasiblePlanError(message, details)
 
