@@ -29,7 +29,8 @@ from lmc.runtime.engines.base import GenerationParams, GenerationRequest, Genera
 from lmc.runtime.jobs import CLIENT_CLOSED, Backend, Job, RequestFailed
 from lmc.runtime.metrics import Metrics
 from lmc.runtime.requests import check_logit_bias
-from lmc.runtime.startup import TextTools, planned_output_tokens, sampling_defaults as load_sampling_defaults
+from lmc.runtime.startup import (INLINE_TOKENIZE_CHARS, TextTools, planned_output_tokens,
+                                 sampling_defaults as load_sampling_defaults)
 
 log = logging.getLogger("lmc.runtime")
 
@@ -39,8 +40,6 @@ DEFAULT_MAX_BODY_BYTES = 6_000_000
 # a client still sending reads the answer instead of a reset; beyond it the connection is closed.
 DISCARD_BYTES = 64 * 1024 * 1024
 DISCARD_SECONDS = 30.0
-# Prompts longer than this (characters, all of a request's together) are tokenized on a thread.
-INLINE_TOKENIZE_CHARS = 4096
 
 
 def error_response(status: int, message: str) -> JSONResponse:

@@ -242,6 +242,11 @@ def sampling_defaults(model_dir: Path) -> dict[str, Any]:
     return defaults
 
 
+# Prompts longer than this (characters, all of a request's together) are tokenized on a thread, by the
+# front end (core.Runtime.count_prompts) and the vLLM backend alike; shorter ones in place.
+INLINE_TOKENIZE_CHARS = 4096
+
+
 class TextTools:
     """Prompt token counting and chat templating in the front end, from the artifact's tokenizer
     files (the `tokenizers` library and jinja2, not transformers: start-up stays fast).

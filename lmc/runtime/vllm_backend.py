@@ -37,6 +37,7 @@ from typing import Any, Callable
 from lmc.errors import LmcError
 from lmc.runtime.engines.base import GenerationParams, GenerationResult, Piece
 from lmc.runtime.jobs import Job, RequestFailed
+from lmc.runtime.startup import INLINE_TOKENIZE_CHARS
 
 log = logging.getLogger("lmc.runtime")
 
@@ -445,7 +446,7 @@ class VllmScheduler:
 
     async def _prompt_ids(self, prompt: str, add_special_tokens: bool) -> list[int]:
         """The prompt's token ids, as the front end counted them (the same tokenizer files vLLM loads)."""
-        if len(prompt) <= 4096:
+        if len(prompt) <= INLINE_TOKENIZE_CHARS:
             return self.text.encode(prompt, add_special_tokens)
         return await asyncio.to_thread(self.text.encode, prompt, add_special_tokens)
 
