@@ -38,6 +38,7 @@ from lmc.errors import LmcError
 from lmc.runtime.engines.base import GenerationParams, GenerationResult, Piece
 from lmc.runtime.jobs import Job, RequestFailed
 from lmc.runtime.startup import INLINE_TOKENIZE_CHARS
+from lmc.runtime.workers import device_kind
 
 log = logging.getLogger("lmc.runtime")
 
@@ -64,6 +65,7 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
     section = plan.get("vllm") or {}
     kv_cache = plan.get("kv_cache") or {}
     dtype = str(plan["dtype"])
+    cpu = device_kind(plan) == "cpu"
     args: dict[str, Any] = {
         "model": str(model_dir),
         "tokenizer": str(model_dir),
@@ -82,7 +84,7 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
     # few per cent of decode throughput (685 vs 625-657 tokens/s, within this host's noise): eager unless
     # the plan says otherwise. GPUs keep vLLM's default (compiled, with CUDA graphs).
     enforce_eager = section.get("enforce_eager")
-    args["enforce_eager"] = bool(_is_cpu(plan) if enforce_eager is None else enforce_eager)
+    args["enforce_eager"] = bool(cpu if enforce_eager is None else enforce_eager)
     if section.get("max_num_batched_tokens"):
         args["max_num_batched_tokens"] = int(section["max_num_batched_tokens"])
     if kv_cache.get("block_size"):
@@ -94,9 +96,9 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         args["dtype"] = VLLM_DTYPES[dtype]
     else:
         raise VllmUnavailable(f"plan dtype {dtype!r}: the vllm engine serves fp32, fp16, bf16 or fp8")
-    if _is_cpu(plan):  # the pool as serving.properties sets it (option.kv_cache_memory_bytes); see engine_environment
+    if cpu:  # the pool as serving.properties sets it (option.kv_cache_memory_bytes); see engine_environment
         args["kv_cache_memory_bytes"] = cpu_kv_cache_gib(plan) * GIB
-    if not _is_cpu(plan) and section.get("gpu_memory_utilization"):
+    if not cpu and section.get("gpu_memory_utilization"):
         args["gpu_memory_utilization"] = float(section["gpu_memory_utilization"])
     if _has_sharded_state(Path(model_dir)):
         args["load_format"] = "sharded_state"
@@ -108,7 +110,7 @@ def engine_environment(plan: dict[str, Any], environ: dict[str, str] | None = No
     VLLM_CPU_KVCACHE_SPACE, the KV pool per rank in whole GiB as planned, and VLLM_CPU_OMP_THREADS_BIND
     (vLLM's `auto` binding unless the host set one)."""
     environ = os.environ if environ is None else environ
-    if not _is_cpu(plan):
+    if device_kind(plan) != "cpu":
         return {}
     # vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE override kv_cache_memory_bytes: a host's own value must
     # not replace the planned pool, so the variable is set to the plan's too.
@@ -514,11 +516,6 @@ def _vllm_message(exc: BaseException) -> str:
     cause = exc.__cause__ if type(exc).__name__ == "EngineGenerateError" and exc.__cause__ else exc
     text = " ".join(str(cause).split())
     return f"vLLM: {type(cause).__name__}: {text}" if text else f"vLLM: {type(cause).__name__}"
-
-
-def _is_cpu(plan: dict[str, Any]) -> bool:
-    accelerator = str((plan.get("target") or {}).get("accelerator", "cpu")).lower()
-    return accelerator in ("cpu", "local", "")
 
 
 def _has_sharded_state(model_dir: Path) -> bool:
