@@ -19,35 +19,17 @@ torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 
 from _engine_helpers import free_port, hf_greedy, make_checkpoint  # noqa: E402
+from test_runtime_e2e import CPU_PROFILE, SPEC as E2E_SPEC  # noqa: E402
 
 pytestmark = pytest.mark.slow
 # Different lengths in one batch: left padding crosses the stage boundary with the hidden states.
 PROMPTS = ["the quick brown fox jumps over the lazy dog", "hi", "Hello, world! How are you"]
 NEW_TOKENS = [9, 5, 7]  # the second row finishes first: the stages drop its cache rows alike
 
-SPEC = """\
-[model]
-id = "tiny/llama"
-path = "{path}"
-
-[target]
-instance = "local"
-profile = "cpu2.toml"
-instances = {stages}
-
-[workload]
-max_input_tokens = 32
-max_output_tokens = 16
-concurrency = 4
-
-[pin]
-engine = "hf"
-dtype = "fp32"
-tensor_parallel_degree = 1
-pipeline_parallel_degree = {stages}
-replicas = 1
-"""
-CPU_PROFILE = 'base = "local"\ndevices = 2\ndevice_memory_bytes = "8GiB"\n'
+# The end-to-end tests' spec, over `stages` "instances", one pipeline stage each.
+SPEC = E2E_SPEC.replace('profile = "cpu2.toml"\n', 'profile = "cpu2.toml"\ninstances = {stages}\n').replace(
+    "replicas = {replicas}\n", "pipeline_parallel_degree = {stages}\nreplicas = {replicas}\n")
+assert "instances = {stages}" in SPEC and "pipeline_parallel_degree = {stages}" in SPEC
 
 
 def build_pipeline_artifact(root: Path, checkpoint: Path, stages: int) -> Path:
@@ -56,7 +38,7 @@ def build_pipeline_artifact(root: Path, checkpoint: Path, stages: int) -> Path:
 
     (root / "cpu2.toml").write_text(CPU_PROFILE)
     spec = root / "spec.toml"
-    spec.write_text(SPEC.format(path=checkpoint.as_posix(), stages=stages))
+    spec.write_text(SPEC.format(family="llama", path=checkpoint.as_posix(), tp=1, replicas=1, stages=stages))
     out = root / "artifact"
     assert main(["build", str(spec), "--format", "dir", "-o", str(out)]) == 0
     return out
