@@ -6,18 +6,14 @@ vLLM plans are always continuous and size their own pool (engine "vllm" is not d
 
 from __future__ import annotations
 
-from lmc.planner.facts import HardwareFacts, ModelFacts
+from lmc.planner.facts import EngineFacts, HardwareFacts, ModelFacts
 from lmc.planner.memory import compute_dtype, kv_bytes_per_token
 from lmc.planner.plan import KvCache, MemoryPerDevice
 
 BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
-# DeepSpeed's fused kernels (kernel injection: CUDA, TP 1, these families) keep the KV cache in their own
-# workspace, which lmc cannot split per sequence: such plans batch dynamically. Mirrors
-# lmc.runtime.engines.deepspeed.kernel_injection (the planner does not import the runtime).
-DEEPSPEED_FUSED_FAMILIES = frozenset({"gptj", "gpt_neox", "opt", "bloom", "llama"})
 
 
-def choose_scheduling(engine: str, dtype: str, tp: int, batch: int, concurrency: int, sequence_tokens: int,
+def choose_scheduling(engine: EngineFacts, dtype: str, tp: int, batch: int, concurrency: int, sequence_tokens: int,
                       model: ModelFacts, hardware: HardwareFacts, memory: MemoryPerDevice, pipeline_stages: int = 1
                       ) -> tuple[str, KvCache | None, str]:
     """("dynamic" | "continuous", the KV pool of a continuous plan, why)."""
@@ -40,13 +36,15 @@ def choose_scheduling(engine: str, dtype: str, tp: int, batch: int, concurrency:
         f"{sequence_tokens} tokens")
 
 
-def _continuous_unavailable(engine: str, tp: int, model: ModelFacts, hardware: HardwareFacts) -> str | None:
-    if engine not in ("hf", "deepspeed"):
-        return f"the {engine} engine runs compiled batch sizes; batches form dynamically"
+def _continuous_unavailable(engine: EngineFacts, tp: int, model: ModelFacts, hardware: HardwareFacts) -> str | None:
+    if engine.name not in ("hf", "deepspeed"):
+        return f"the {engine.name} engine runs compiled batch sizes; batches form dynamically"
     if model.is_encoder_decoder:
         return (f"{model.family} is an encoder-decoder: lmc's decode loop merges running rows only for "
                 "decoder-only models; batches form dynamically")
-    if engine == "deepspeed" and hardware.kind == "gpu" and tp == 1 and model.family in DEEPSPEED_FUSED_FAMILIES:
+    # DeepSpeed's fused kernels (kernel injection: CUDA, TP 1, as lmc.runtime.engines.deepspeed.kernel_injection
+    # decides) keep the KV cache in their own workspace, which lmc cannot split per sequence.
+    if hardware.kind == "gpu" and tp == 1 and model.family in engine.kernel_injection_families:
         return ("DeepSpeed's fused kernels keep the KV cache in their own workspace, so rows cannot join or "
                 "leave it; batches form dynamically")
     return None

@@ -116,7 +116,7 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         scheduling, kv_cache, scheduling_reason = "continuous", kv_cache_section(chosen.vllm), None
     else:
         scheduling, kv_cache, scheduling_reason = choose_scheduling(
-            chosen.engine, chosen.dtype, chosen.tp, chosen.batch, spec.workload.concurrency,
+            engines[chosen.engine], chosen.dtype, chosen.tp, chosen.batch, spec.workload.concurrency,
             spec.workload.max_input_tokens + spec.workload.max_output_tokens, model, hardware, chosen.memory,
             pipeline_stages=chosen.pp)
     plan = Plan(
