@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             given = DeploySpec.model_validate({**given.model_dump(exclude_none=True), **flags})
         except ValueError as exc:
             error = exc.errors()[0] if hasattr(exc, "errors") else {"loc": ("?",), "msg": str(exc)}
-            raise UsageError(f"--{str(error['loc'][0]).replace('_arn', '').replace('_', '-')}: {error['msg']}") from None
+            raise UsageError(f"{_flag(str(error['loc'][0]))}: {error['msg']}") from None
     account = Account(name=given.name or resource_name(Path(args.spec).stem), image=given.image,
                       role_arn=given.role_arn, model_data=given.model_data)
     files = render_deployment(args.target, result.plan, result.hardware, account)
@@ -64,9 +64,14 @@ def run(args: argparse.Namespace) -> int:
     missing = account.placeholders(args.target)
     if missing:
         print("fill in (placeholders marked REPLACE_ME): " + ", ".join(
-            f"{key} ([deploy] {key} or --{key.replace('_arn', '').replace('_', '-')})" for key in missing),
+            f"{key} ([deploy] {key} or {_flag(key)})" for key in missing),
             file=sys.stderr)
     return 0
+
+
+def _flag(key: str) -> str:
+    """The flag that sets [deploy] `key` (role_arn: --role)."""
+    return "--" + key.replace("_arn", "").replace("_", "-")
 
 
 def _replace_directory(target: Path, files: dict[str, bytes]) -> None:
