@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lmc.measure.compare import render_comparison  # noqa: E402
+from lmc.measure.host import load_average  # noqa: E402
 
 # ~0.8 GB in fp32: 8 layers of 1536 wide (GQA, 12 heads / 4 kv heads), MLP 4096.
 MODEL = ["--set", "hidden_size=1536", "--set", "intermediate_size=4096", "--set", "num_attention_heads=12",
@@ -54,10 +55,6 @@ def lmc(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lmc", *args], env=env, check=True, **kwargs)
 
 
-def load() -> str:
-    return ", ".join(f"{value:.2f}" for value in os.getloadavg())
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/lmc-calibrated-loop"))
@@ -67,7 +64,7 @@ def main() -> int:
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     timings = {}
-    print(f"load average at start: {load()}")
+    print(f"load average at start: {load_average()}")
     if not (args.reuse_profile and (work / "profile.toml").is_file()):
         begin = time.perf_counter()
         lmc("calibrate", "--out", str(work / "profile.toml"))
@@ -104,7 +101,7 @@ def main() -> int:
         if row["figure"] == "peak_worker_memory_bytes" and abs(row["ratio"] - 1) > MEMORY_WITHIN:
             missed.append(f"peak worker memory at concurrency {row['concurrency']}: measured/predicted {row['ratio']:.2f}")
     print("seconds: " + ", ".join(f"{key} {value:.1f}" for key, value in timings.items()))
-    print(f"load average at the end: {load()}")
+    print(f"load average at the end: {load_average()}")
     if missed:
         print("MISSED: " + "; ".join(missed))
         return 1

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from lmc.errors import ArtifactError, UsageError
-from lmc.measure.host import host_line
+from lmc.measure.host import host_line, load_average
 from lmc.measure.loadgen import BenchError
 
 
@@ -237,7 +237,7 @@ async def run_bench(setup: BenchSetup, served: Served, *, lmc_version: str, meas
                 peak = sampler.window_peak() if sampler is not None else None
                 levels.append(level_report(concurrency, samples, wall, peak, setup.output_tokens))
     workers = sampler.overall() if sampler is not None else {}
-    host = f"{host_before}; after: load average {', '.join(f'{v:.2f}' for v in os.getloadavg())}"
+    host = f"{host_before}; after: load average {load_average()}"
     report = bench_report(lmc_version=lmc_version, target=setup.target, plan=setup.plan, measured_at=measured_at,
                           host=host, input_tokens=setup.input_tokens, output_tokens=setup.output_tokens, levels=levels,
                           memory_source=sampler.source if sampler is not None else None, workers=workers)

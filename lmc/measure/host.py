@@ -16,6 +16,10 @@ def host_line() -> str:
                 break
     except OSError:
         pass
-    load = ", ".join(f"{value:.2f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
-    return f"{model or 'unknown CPU'}, {os.cpu_count()} cores, load average {load}"
+    return f"{model or 'unknown CPU'}, {os.cpu_count()} cores, load average {load_average()}"
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as "1.00, 0.50, 0.25" ("?" where the OS has none)."""
+    return ", ".join(f"{value:.2f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
 
