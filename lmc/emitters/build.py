@@ -231,7 +231,7 @@ def _stage_vllm_weights(info: Any, plan: Plan, result: Any, staging: Path, say: 
         say(f"writing vLLM sharded_state for tensor parallel degree {plan.tensor_parallel_degree} (vLLM loads the model)")
         vllm_weights.write_sharded_state(plan, result.checkpoint, staging)
         return "sharded_state", None
-    dtype = "bf16" if plan.dtype == "fp8" else plan.dtype
+    dtype = vllm_weights.packed_dtype(plan)
     note = (f"packed the checkpoint in {dtype} as model.safetensors, not vLLM sharded_state: {why_not}; "
             "vLLM partitions it as it loads (build on a machine with the GPUs for pre-partitioned weights)")
     say(note)

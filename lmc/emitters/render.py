@@ -15,6 +15,7 @@ from typing import Any
 
 from lmc import __version__
 from lmc.emitters import neuron
+from lmc.emitters.vllm_weights import packed_dtype
 from lmc.errors import InternalError, SpecError
 from lmc.planner.plan import Plan
 from lmc.schema import Spec
@@ -155,7 +156,7 @@ def context(plan: Plan, spec: Spec, vllm_weights: str | None = None) -> dict[str
         "kv_cache": plan.kv_cache,
         "vllm_weights": (vllm_weights or vllm_weights_format(plan)) if plan.engine == "vllm" else None,
         "vllm_quantization": "fp8" if plan.engine == "vllm" and plan.dtype == "fp8" else None,
-        "vllm_dtype": ("bf16" if plan.dtype == "fp8" else LMI_DTYPES[plan.dtype]) if plan.engine == "vllm" else None,
+        "vllm_dtype": LMI_DTYPES[packed_dtype(plan)] if plan.engine == "vllm" else None,
     }
 
 

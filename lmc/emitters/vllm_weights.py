@@ -28,6 +28,11 @@ SHARD_MAX_BYTES = 5 * 2**30  # parts of at most 5 GiB, as vLLM's save_sharded_st
 VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}
 
 
+def packed_dtype(plan: Plan) -> str:
+    """The dtype of the weights a vLLM artifact carries: the plan's, 16-bit for fp8 (vLLM quantizes as it loads)."""
+    return "bf16" if plan.dtype == "fp8" else plan.dtype
+
+
 def sharded_state_unavailable(plan: Plan) -> str | None:
     """None when this machine can write vLLM's sharded_state for `plan`; else why not (one line)."""
     if plan.target.accelerator == "cpu":
