@@ -249,7 +249,6 @@ class VllmScheduler:
         self.on_fatal_hook: Callable[[], None] | None = None
         self._ready = asyncio.Event()
         self._jobs: dict[str, tuple[Any, asyncio.Task]] = {}  # request id -> (job, its task)
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._starter: threading.Thread | None = None
         self._started = threading.Event()  # the engine exists (or failed): start() may hand it to the loop
         self._start_error: BaseException | None = None
@@ -287,7 +286,6 @@ class VllmScheduler:
             self._started.set()
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
         self.start_groups()
         self._supervisor = asyncio.create_task(self._supervise(), name="lmc-vllm-supervisor")
 
