@@ -157,16 +157,16 @@ def expected_files(manifest: dict[str, Any]) -> list[str]:
         return names
     names.append("config.json")
     tp = plan.get("tensor_parallel_degree")
-    if vllm and "model.safetensors" not in manifest["files"] and isinstance(tp, int) and 0 < tp <= 1024:
+    if not (isinstance(tp, int) and not isinstance(tp, bool) and 0 < tp <= 1024):
+        tp = None  # no rank files to expect
+    stages = pipeline_degree(plan)
+    if vllm and "model.safetensors" not in manifest["files"] and tp:
         names += [VLLM_SHARDED_STATE.format(rank=rank, part=0) for rank in range(tp)]  # each rank's first part
-    elif vllm:
-        names.append("model.safetensors")  # the checkpoint in the planned dtype
-    elif plan.get("engine") == "neuronx":
-        names.append("model.safetensors")
-    elif isinstance(tp, int) and not isinstance(tp, bool) and 0 < tp <= 1024 and pipeline_degree(plan) > 1:
-        stages = pipeline_degree(plan)
+    elif vllm or plan.get("engine") == "neuronx":
+        names.append("model.safetensors")  # the whole checkpoint, cast
+    elif tp and stages > 1:
         names += [stage_shard_path(stages, tp, stage, rank) for stage in range(stages) for rank in range(tp)]
-    elif isinstance(tp, int) and not isinstance(tp, bool) and 0 < tp <= 1024:
+    elif tp:
         names += [shard_path(tp, rank) for rank in range(tp)]
     return names
 
