@@ -89,11 +89,12 @@ def run_tp_ranks(target, *args, world_size: int = 2, timeout_s: float = 240) -> 
 
 
 def _rank_entry(target, rank: int, world_size: int, port: int, args: tuple, queue) -> None:
-    import datetime
     import os
     import sys
 
     import torch.distributed as dist
+
+    from lmc.runtime.engines.tp import leave_process_group
 
     torch.set_num_threads(1)
     opened: list[str] = []
@@ -111,10 +112,4 @@ def _rank_entry(target, rank: int, world_size: int, port: int, args: tuple, queu
         out = target(rank, opened, *args)
     finally:
         queue.put((rank, out))
-        # Every rank tears gloo down only once all have finished: a rank that destroyed its group while
-        # its peer was still closing a connection exited non-zero now and then on a loaded host.
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
-        except RuntimeError:
-            pass  # a peer that failed: its own exit code says so
-        dist.destroy_process_group()
+        leave_process_group()

@@ -39,10 +39,9 @@ def _artifact(checkpoint: Path, out: Path) -> Path:
 def _process(index: int, port: int, artifact: str, queue) -> None:
     import sys
 
-    import torch.distributed as dist
-
     from lmc.runtime.engines.base import GenerationParams, GenerationRequest
     from lmc.runtime.engines.pipeline import create_pipeline_engine, init_stage_groups
+    from lmc.runtime.engines.tp import leave_process_group
     from lmc.runtime.rendezvous import PipelineRole
 
     torch.set_num_threads(1)
@@ -68,7 +67,7 @@ def _process(index: int, port: int, artifact: str, queue) -> None:
             engine.serve_stage()
     finally:
         queue.put((index, tokens, [Path(p).name for p in opened]))
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 def test_two_stages_of_tp2_decode_as_hf_generate(tmp_path):

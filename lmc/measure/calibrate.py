@@ -378,6 +378,8 @@ def _allreduce_rank(backend: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from lmc.runtime.engines.tp import leave_process_group
+
     rank = int(os.environ["RANK"])
     device = "cpu"
     if backend == "nccl":
@@ -405,7 +407,7 @@ def _allreduce_rank(backend: str) -> None:
     bandwidth = big_bytes / max(big - small, 1e-9)
     if rank == 0:
         print(json.dumps({"latency_us": small * 1e6, "bandwidth": bandwidth}))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def storage_read_bandwidth(directory: Path, size_bytes: int = 256 * 2**20) -> float:

@@ -16,6 +16,7 @@ and torch.distributed is initialised from MASTER_ADDR / MASTER_PORT before the e
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -268,3 +269,7 @@ def _init_distributed(rank: int, world: int) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
+    # DJL stops a worker by ending its process: leave the group first, with the other ranks.
+    from lmc.runtime.engines.tp import leave_process_group
+
+    atexit.register(leave_process_group)

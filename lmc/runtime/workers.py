@@ -325,9 +325,9 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None, lifeline: 
         if spec.pipeline is not None:
             engine.shutdown()
     if spec.world_size > 1 or spec.pipeline is not None:
-        import torch.distributed as dist
+        from lmc.runtime.engines.tp import leave_process_group
 
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 def _load_stage(spec: WorkerSpec):

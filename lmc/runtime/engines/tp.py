@@ -16,6 +16,7 @@ Then the attention modules' head counts are patched where the family's forward r
 from __future__ import annotations
 
 import contextlib
+import datetime
 from typing import Iterator
 
 import torch
@@ -27,6 +28,23 @@ from lmc.errors import ArtifactError, InternalError
 from lmc.layouts import kind_of, rank_split
 
 SCALE_SUFFIX = "_scale"
+
+
+def leave_process_group(timeout_s: float = 60.0) -> None:
+    """Destroy the default process group once every rank has got here (gloo: a monitored barrier first).
+
+    A rank that tore gloo down while its peer was still closing a connection, or that exited with the
+    group alive (its threads still joinable at interpreter exit: "terminate called without an active
+    exception"), died with a signal now and then on a loaded host. A peer that failed already makes the
+    barrier raise: its own exit code says why, so this one goes on and tears down."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError:
+            pass
+    dist.destroy_process_group()
 
 
 class ShardedLinear(nn.Module):
