@@ -108,6 +108,9 @@ class DecodeLoop:
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (min(self.eos_token_ids) if self.eos_token_ids else 0)
         self.encoder_decoder = False
+        # Continuous batching keeps each row's KV cache in blocks of its own (paged.py) where the model
+        # qualifies: decided at the first running_batch.
+        self.paged: bool | None = None
         if prefill is not None:
             return
         config = model.config
@@ -187,6 +190,10 @@ class DecodeLoop:
         decode steps (RunningBatch.join) and leave as they finish. Causal transformers models only."""
         if self.prefill is not None or self.encoder_decoder or not self.compact:
             raise InternalError("continuous batching needs a causal transformers model with a transformers KV cache")
+        if self.paged is None:
+            from lmc.runtime.engines import paged
+
+            self.paged = self.pass_positions and paged.enable(self.model, self.max_sequence_length)
         return RunningBatch(self, on_token)
 
     def _row(self, request: GenerationRequest) -> _Row:
@@ -373,6 +380,7 @@ class RunningBatch:
         # share it (one forward for all); the state is made when it starts.
         self.pending: list[tuple[list[_Row], _CausalState | None]] = []
         self.decoded: list[int] = []  # rows decoded at each step since the last read (for the metrics)
+        self.cache = None  # continuous batching on a paged model: the rows' block pool (paged.PagedCache)
 
     def __len__(self) -> int:
         return len(self.rows) + sum(len(rows) for rows, _ in self.pending)
@@ -381,8 +389,19 @@ class RunningBatch:
         return self.loop._result(row)
 
     def kv_tokens(self) -> int:
-        """Positions held in the KV cache per row, padding included (the running rows' width)."""
-        return 0 if self.state is None else int(self.state.mask.shape[1])
+        """Positions the KV cache holds for its longest row, padding included where rows share a padded
+        cache (the running rows' width)."""
+        return 0 if self.state is None else self.state.width()
+
+    def _state(self, rows: list[_Row]) -> "_CausalState | _PagedState":
+        """The cache state for rows joining: their own blocks of the batch's pool where the model qualifies."""
+        if not self.loop.paged:
+            return _CausalState(self.loop, rows)
+        if self.cache is None:
+            from lmc.runtime.engines.paged import PagedCache
+
+            self.cache = PagedCache()
+        return _PagedState(self.loop, rows, self.cache)
 
     # -- dynamic: one set of rows
 
@@ -417,7 +436,7 @@ class RunningBatch:
         running rows (or wait, where this model's cache cannot be merged, until the running rows end)."""
         rows, state = self.pending[0]
         if state is None:
-            state = _CausalState(self.loop, rows)
+            state = self._state(rows)
             self.pending[0] = (rows, state)
         if self.rows and not state.mergeable:
             return
@@ -455,6 +474,8 @@ class RunningBatch:
         finished = [row for row, was in zip(self.rows, running) if was and row.finish is not None]
         self.decoded.append(sum(running))
         if all(row.finish is not None for row in self.rows):
+            if self.state is not None:
+                self.state.release()
             self.rows, self.logits, self.state, self.advance, self.keep = [], None, None, None, None
             return finished
         if self.keep is not None and finished:
@@ -534,6 +555,12 @@ class _CausalState:
                 if layer.is_initialized:
                     layer.keys, layer.values = layer.keys[..., lead:, :], layer.values[..., lead:, :]
 
+    def width(self) -> int:
+        return int(self.mask.shape[1])
+
+    def release(self) -> None:
+        """Nothing to give back: the cache goes with this state."""
+
     def absorb(self, other: "_CausalState") -> None:
         """Append `other`'s (prefilled) rows after these: both left-padded to the wider one's columns."""
         width = max(self.mask.shape[1], other.mask.shape[1])
@@ -551,6 +578,76 @@ class _CausalState:
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
             mine.keys = torch.cat([widen(mine.keys, -2), widen(theirs.keys, -2)])
             mine.values = torch.cat([widen(mine.values, -2), widen(theirs.values, -2)])
+
+
+class _PagedState:
+    """Rows whose KV cache is their own (paged.Rows: blocks of the batch's PagedCache), on a model switched
+    to paged attention: a forward packs the rows' tokens into one sequence, nothing padded. Prompts are
+    prefilled in the columns _CausalState would use (right-aligned: a chunk covers the same prompt
+    positions), so every row's last prompt token runs in the last chunk. The interface of _CausalState."""
+
+    mergeable = True
+
+    def __init__(self, loop: DecodeLoop, rows: list[_Row], cache):
+        from lmc.runtime.engines.paged import Rows
+
+        self.loop = loop
+        self.prompts: list[list[int]] | None = [row.prompt_ids for row in rows]
+        self.columns = max(len(prompt) for prompt in self.prompts)
+        self.done = 0  # prompt columns prefilled so far
+        self.rows = Rows(cache)
+        self.rows.add([len(prompt) for prompt in self.prompts])
+
+    def _forward(self, ids: torch.Tensor, positions: list[int], packed, logits_to_keep) -> torch.Tensor:
+        cache, device = self.rows.cache, self.loop.device
+        cache.packed = packed
+        try:
+            # A 4-D mask: transformers builds none (the attention keeps each row to itself).
+            out = self.loop.model(input_ids=ids[None].to(device), position_ids=torch.tensor([positions], device=device),
+                                  attention_mask=_NO_MASK, past_key_values=cache, use_cache=True,
+                                  logits_to_keep=logits_to_keep, lmc_packed=packed)
+        finally:
+            cache.packed = None
+        return out.logits[0].float()
+
+    def prefill(self, chunk: int | None) -> torch.Tensor | None:
+        end = self.columns if chunk is None else min(self.columns, self.done + chunk)
+        pieces, ids, positions, last = [], [], [], []
+        for prompt in self.prompts:
+            offset = self.columns - len(prompt)
+            start, stop = max(0, self.done - offset), max(0, end - offset)
+            pieces.append((start, stop))
+            ids += prompt[start:stop]
+            positions += range(start, stop)
+            last.append(len(ids) - 1)  # the row's last prompt token, in the last chunk
+        packed = self.rows.prefill_layout(pieces, self.loop.device)
+        final = end == self.columns
+        logits = self._forward(torch.tensor(ids), positions, packed,
+                               torch.tensor(last, device=self.loop.device) if final else 1)
+        self.done = end
+        if not final:
+            return None
+        self.prompts = None
+        return logits
+
+    def advance(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = list(self.rows.lengths)
+        return self._forward(tokens, positions, self.rows.decode_layout(self.loop.device), 0)
+
+    def keep(self, indices: torch.Tensor) -> None:
+        self.rows.keep(indices.tolist())
+
+    def absorb(self, other: "_PagedState") -> None:
+        self.rows.extend(other.rows)
+
+    def width(self) -> int:
+        return max(self.rows.lengths, default=0)
+
+    def release(self) -> None:
+        self.rows.release()
+
+
+_NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
 
 
 def _ask(cancel_probe: CancelProbe) -> Collection[str]:

@@ -1,0 +1,103 @@
+"""The per-sequence KV cache of continuous batching (engines/paged.py): which models run on it, that a
+row holds blocks for its own positions only (no padding for the others), gives them back when it
+leaves, and that joining still decodes each request to its tokens alone, for every causal family."""
+
+from __future__ import annotations
+
+import pytest
+
+from _engine_helpers import build_artifact, make_checkpoint
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog and then some more words follow", "a",
+           "hello world hello world", "one two three four five six seven eight nine ten eleven"]
+LENGTHS = [37, 5, 20, 12]
+JOINS = {0: [0], 2: [1, 2], 9: [3]}  # step: the requests that join before it
+
+
+def _engine(artifact, family: str):
+    from lmc.runtime.engines.hf import HFEngine
+
+    engine = HFEngine(family=family, task="text-generation", dtype="fp32", tensor_parallel_degree=1,
+                      max_sequence_length=128, batch_size=8, device="cpu")
+    engine.load(artifact, 0, 1)
+    return engine
+
+
+def _requests():
+    from lmc.runtime.engines.base import GenerationParams, GenerationRequest
+
+    return [GenerationRequest(id=f"r{i}", prompt=prompt, params=GenerationParams(max_new_tokens=n, ignore_eos=True))
+            for i, (prompt, n) in enumerate(zip(PROMPTS, LENGTHS))]
+
+
+def _joined(engine, on_step=None) -> dict[str, list[int]]:
+    import torch
+
+    requests = _requests()
+    batch = engine.running_batch()
+    finished, step = {}, 0
+    with torch.inference_mode():
+        while step <= max(JOINS) or len(batch):
+            if step in JOINS:
+                batch.join([requests[i] for i in JOINS[step]])
+            for row in batch.step():
+                finished[row.request.id] = list(row.generated)
+            if on_step is not None:
+                on_step(batch)
+            step += 1
+    return finished
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("paged")
+    built = {}
+    for family in ("llama", "mistral", "qwen2", "mixtral", "gptj", "gpt_neox", "opt", "bloom"):
+        built[family] = build_artifact(make_checkpoint(family, root / family / "ckpt"), root / family / "tp1", 1)
+    return built
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "mixtral", "gptj", "gpt_neox", "opt", "bloom"])
+def test_joining_gives_the_tokens_of_running_alone_in_every_causal_family(artifacts, family):
+    engine = _engine(artifacts[family], family)
+    alone = {request.id: engine.generate([request])[0].token_ids for request in _requests()}
+    assert _joined(engine) == alone
+    # The families whose attention goes through transformers' AttentionInterface run on the paged cache;
+    # the others (their own attention code) keep the left-padded DynamicCache.
+    assert engine.loop.paged is (family in ("llama", "mistral", "qwen2", "mixtral", "gpt_neox", "opt"))
+
+
+def test_a_row_holds_blocks_for_its_own_positions_only_and_gives_them_back(artifacts):
+    from lmc.runtime.engines.paged import BLOCK_SIZE
+
+    engine = _engine(artifacts["llama"], "llama")
+    seen = []
+
+    def check(batch) -> None:
+        if batch.state is None:
+            seen.append((0, batch.cache.used() if batch.cache is not None else 0, 0))
+            return
+        lengths = batch.state.rows.lengths
+        # After a step each row holds its prompt and every token chosen so far (the last one fed in that
+        # step), in just the blocks those positions need: nothing for the other rows' lengths.
+        assert lengths == [len(row.prompt_ids) + len(row.generated) for row in batch.rows]
+        held = [len(blocks) for blocks in batch.state.rows.blocks]
+        assert held == [-(-length // BLOCK_SIZE) for length in lengths]
+        pending = sum(len(blocks) for _, state in batch.pending if state is not None for blocks in state.rows.blocks)
+        seen.append((len(lengths), batch.cache.used(), sum(held) + pending))
+
+    _joined(engine, check)
+    assert all(used == held for _, used, held in seen)  # the pool lends out exactly what the rows hold
+    assert max(rows for rows, _, _ in seen) >= 3
+    assert seen[-1][1] == 0  # every block back once the rows have left
+
+
+def test_the_pool_grows_when_the_rows_need_more_blocks(artifacts, monkeypatch):
+    from lmc.runtime.engines import paged
+
+    engine = _engine(artifacts["llama"], "llama")
+    alone = {request.id: engine.generate([request])[0].token_ids for request in _requests()}
+    monkeypatch.setattr(paged, "_FIRST_BLOCKS", 2)
+    capacities = []
+    assert _joined(engine, lambda batch: capacities.append(batch.cache.capacity)) == alone
+    assert max(capacities) > 2  # it started at 2 blocks and grew, the rows' tokens untouched
