@@ -1,11 +1,13 @@
 """Continuous against dynamic batching in `lmc runtime`, same model, same run.
 
-Builds the tiny random Llama with `lmc build` (hf engine, fp32, TP=1, this CPU), serves it once with
+Builds the tiny random Llama with `lmc build` (hf engine, fp32, TP=1, this CPU), serves it (the runtime's
+front end and one worker, in a process of their own, apart from this load generator) once with
 dynamic batching (batch_size 16, max_batch_delay 20 ms) and once with continuous batching (16
 sequences), and runs two workloads against each (greedy, ignore_eos so every answer has its length):
 
   (a) one request of 256 new tokens, then 100 ms later 8 requests of 8 tokens: the short requests'
-      completion time p50. Target: continuous <= 0.3 x dynamic.
+      completion time p50. Target: continuous <= 0.3 x dynamic. Also printed: the long one's own time
+      (under dynamic batching the shorts wait for what is left of it after 0.1 s).
   (b) 32 requests at concurrency 16 (closed loop: each client sends its next request when its last one
       is answered), new tokens drawn uniformly from 8..128 (a fixed draw): output tokens/s (target:
       continuous >= 1.5 x dynamic) and TTFT p99 (target: lower). Streamed, so TTFT is the first
@@ -22,6 +24,7 @@ Usage: python bench/continuous_bench.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -31,12 +34,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from batching_bench import SPEC as BATCHING_SPEC, Served, build_real  # noqa: E402
+from batching_bench import SPEC as BATCHING_SPEC, build_real  # noqa: E402
 
 # batching_bench's tiny Llama spec, with room for 256 new tokens and 16 concurrent requests.
 SPEC = BATCHING_SPEC.replace("max_output_tokens = 64", "max_output_tokens = 256").replace("concurrency = 32",
@@ -64,16 +68,17 @@ async def _request(client, url: str, prompt: str, tokens: int) -> tuple[float, f
     return first, time.monotonic() - start, generated
 
 
-async def short_after_long(url: str) -> float:
-    """(a): p50 completion time of the 8 short requests."""
+async def short_after_long(url: str) -> tuple[float, float]:
+    """(a): p50 completion time of the 8 short requests, and the long one's (when it ends before the short
+    ones arrive, at 0.1 s, there is nothing to overtake)."""
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as client:
         long = asyncio.create_task(_request(client, url, "a long answer: the quick brown fox", 256))
         await asyncio.sleep(0.1)
         shorts = await asyncio.gather(*(_request(client, url, f"short {i}: hello there", 8) for i in range(8)))
-        await long
-    return statistics.median(end for _, end, _ in shorts)
+        _, long_s, _ = await long
+    return statistics.median(end for _, end, _ in shorts), long_s
 
 
 async def mixed(url: str, lengths: list[int], concurrency: int) -> tuple[float, float]:
@@ -99,6 +104,47 @@ async def mixed(url: str, lengths: list[int], concurrency: int) -> tuple[float, 
     return sum(tokens for _, _, tokens in results) / wall, p99
 
 
+def _serve(model_dir: str, plan: dict, port: int) -> None:
+    """The runtime's HTTP front end (and its worker) in a process of its own, as `lmc runtime` runs."""
+    from lmc.runtime.server import Runtime, make_server
+
+    make_server(Runtime(Path(model_dir), plan, request_timeout_s=600), "127.0.0.1", port).run()
+
+
+@contextlib.contextmanager
+def served(model_dir: Path, plan: dict) -> Iterator[str]:
+    """`plan` served from `model_dir` in a child process, so that the load generator here does not share
+    a Python interpreter with the server; its URL until the block ends."""
+    import multiprocessing
+
+    import httpx
+
+    from lmc.runtime.workers import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = multiprocessing.get_context("spawn").Process(target=_serve, args=(str(model_dir), plan, port))
+    server.start()
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/ping").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if not server.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the runtime did not become ready")
+            time.sleep(0.1)
+        yield url
+    finally:
+        server.terminate()  # SIGTERM: the runtime drains and stops its worker
+        server.join(60)
+        if server.is_alive():
+            server.kill()
+            server.join()
+
+
 def step_bound(lengths: list[int], slots: int = 16) -> float:
     """The most continuous batching can gain over lmc's dynamic batching on `lengths` if a decode step cost
     the same whatever its rows: the steps dynamic batching takes (batches of `slots` in arrival order,
@@ -122,13 +168,14 @@ def run(model_dir: Path, plans: dict[str, dict], lengths: list[int], bimodal: li
 
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in plans}
     with ExitStack() as stack:
-        urls = {name: stack.enter_context(Served(model_dir, plan)).url for name, plan in plans.items()}
+        urls = {name: stack.enter_context(served(model_dir, plan)) for name, plan in plans.items()}
         for url in urls.values():
             asyncio.run(mixed(url, [4] * 4, 4))  # warm-up
         for _ in range(repeats):
             for name, url in urls.items():
                 add = lambda key, value: samples[name].setdefault(key, []).append(value)  # noqa: E731
-                add("short_p50_s", asyncio.run(short_after_long(url)))
+                short, long = asyncio.run(short_after_long(url))
+                add("short_p50_s", short), add("long_s", long)
                 rate, ttft = asyncio.run(mixed(url, lengths, 16))
                 add("tokens_per_s", rate), add("ttft_p99_s", ttft)
                 rate, ttft = asyncio.run(mixed(url, bimodal, 16))
