@@ -79,6 +79,7 @@ def test_joining_a_running_batch_gives_the_tokens_of_running_alone(artifacts):
     assert all(len(tokens) == n for tokens, n in zip(alone.values(), LENGTHS))  # no early EOS: a real comparison
     run = _continuous(engine, chunk=4)
     assert run["tokens"] == alone
+    assert engine.loop.paged
     # r1 (9 tokens, joined at step 3 with a 3-chunk prompt) ends while r0 (40 tokens, from step 0) decodes.
     assert run["ended"]["r1"] < run["ended"]["r0"]
     assert max(run["rows"]) >= 3  # rows of different ages really decoded together
@@ -94,7 +95,7 @@ def test_the_cache_drops_columns_only_finished_rows_needed(artifacts):
 
 def _tp_rank(rank: int, opened: list[str], artifact: str) -> dict:
     engine = _engine(artifact, rank, 2)
-    return {"alone": _alone(engine), "continuous": _continuous(engine, chunk=4)["tokens"]}
+    return {"alone": _alone(engine), "continuous": _continuous(engine, chunk=4)["tokens"], "paged": engine.loop.paged}
 
 
 def test_tp2_joining_gives_the_tokens_of_tp1_alone_on_both_ranks(artifacts):
@@ -102,6 +103,7 @@ def test_tp2_joining_gives_the_tokens_of_tp1_alone_on_both_ranks(artifacts):
     reports = run_tp_ranks(_tp_rank, str(artifacts[2]))
     for rank in (0, 1):
         assert reports[rank]["continuous"] == reports[rank]["alone"] == reference, rank
+        assert reports[rank]["paged"], rank
 
 
 def test_the_deepspeed_engine_on_cpu_batches_continuously_with_the_same_answers(artifacts):
@@ -112,3 +114,4 @@ def test_the_deepspeed_engine_on_cpu_batches_continuously_with_the_same_answers(
                              max_sequence_length=256, batch_size=8, device="cpu")
     engine.load(artifacts[1], 0, 1)
     assert _continuous(engine, chunk=4)["tokens"] == _alone(_engine(artifacts[1]))
+    assert engine.loop.paged  # its rows in the per-sequence cache, as with the hf engine
