@@ -150,7 +150,8 @@ def step_bound(lengths: list[int], slots: int = 16) -> float:
     the same whatever its rows: the steps dynamic batching takes (batches of `slots` in arrival order,
     each as long as its longest request) over those continuous batching takes (a slot taken again at the
     next step), with every request waiting from the start. lmc's dynamic batches already drop a row as
-    it finishes, so where a step costs in proportion to its rows (this CPU) the two take the same time."""
+    it finishes, so both compute the same row-steps: where a step costs a + b x rows, the ratio of their
+    times lies between 1 (a = 0) and this (b = 0)."""
     dynamic = sum(max(lengths[i:i + slots]) for i in range(0, len(lengths), slots))
     waiting, running, steps = list(lengths), [], 0
     while waiting or running:
