@@ -205,7 +205,7 @@ async def started(engines: list, plan=None, **kwargs) -> VllmScheduler:
         engines.append(FakeEngine(**kwargs))
         return engines[-1]
 
-    scheduler = VllmScheduler(Path("/nonexistent"), plan or vllm_plan(), Metrics(4), Text(), 60.0, engine_factory=factory)
+    scheduler = VllmScheduler(Path("/nonexistent"), plan or vllm_plan(), Metrics(4), Text(), engine_factory=factory)
     scheduler.start()
     for _ in range(200):
         if scheduler.all_ready():
@@ -294,7 +294,7 @@ def test_an_engine_that_cannot_start_stops_the_runtime_with_one_line():
         def factory(arguments, environment):
             raise VllmUnavailable("config.json: head size 16: vLLM's CPU attention runs head sizes 32, 64 only")
 
-        scheduler = VllmScheduler(Path("/nonexistent"), vllm_plan(), Metrics(4), Text(), 60.0, engine_factory=factory)
+        scheduler = VllmScheduler(Path("/nonexistent"), vllm_plan(), Metrics(4), Text(), engine_factory=factory)
         stopped = asyncio.Event()
         scheduler.on_fatal_hook = stopped.set
         scheduler.start()
@@ -317,7 +317,7 @@ def test_the_engine_waits_for_the_gate():
             engines.append(FakeEngine())
             return engines[-1]
 
-        scheduler = VllmScheduler(Path("/x"), vllm_plan(), Metrics(4), Text(), 60.0, gate=gate, engine_factory=factory)
+        scheduler = VllmScheduler(Path("/x"), vllm_plan(), Metrics(4), Text(), gate=gate, engine_factory=factory)
         scheduler.start()
         await asyncio.sleep(0.7)
         assert engines == [] and not scheduler.all_ready()  # nothing read before the hashes are checked

@@ -75,7 +75,7 @@ class Runtime:
             from lmc.runtime.vllm_backend import VllmScheduler
 
             def backend_factory(metrics: Metrics) -> Backend:
-                return VllmScheduler(self.model_dir, plan, metrics, self.text, request_timeout_s, gate=worker_gate)
+                return VllmScheduler(self.model_dir, plan, metrics, self.text, gate=worker_gate)
         if backend_factory is None:
             from lmc.runtime.scheduler import worker_scheduler
 

@@ -229,15 +229,15 @@ class _Answer:
 
 class VllmScheduler:
     """Jobs in, vLLM requests out, events back to jobs: the interface of server.Scheduler for vLLM plans.
-    Lives on the event loop; the engine is created in a thread (see module docstring)."""
+    Lives on the event loop; the engine is created in a thread (see module docstring). The request
+    timeout is the Runtime's (core.py): a job it gives up on is cancelled here, which aborts the vLLM request."""
 
-    def __init__(self, model_dir: Path, plan: dict[str, Any], metrics, text_tools, request_timeout_s: float,
-                 gate=None, engine_factory: Callable[[dict[str, Any], dict[str, str]], Any] | None = None):
+    def __init__(self, model_dir: Path, plan: dict[str, Any], metrics, text_tools, gate=None,
+                 engine_factory: Callable[[dict[str, Any], dict[str, str]], Any] | None = None):
         self.model_dir = Path(model_dir)
         self.plan = plan
         self.metrics = metrics
         self.text = text_tools
-        self.request_timeout_s = request_timeout_s
         self.gate = gate
         self.running_limit = int((plan.get("vllm") or {}).get("max_num_seqs") or plan["batch_size"])
         self.capacity = self.running_limit + int(plan["job_queue_size"])
