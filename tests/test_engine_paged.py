@@ -101,3 +101,19 @@ def test_the_pool_grows_when_the_rows_need_more_blocks(artifacts, monkeypatch):
     capacities = []
     assert _joined(engine, lambda batch: capacities.append(batch.cache.capacity)) == alone
     assert max(capacities) > 2  # it started at 2 blocks and grew, the rows' tokens untouched
+
+
+@pytest.mark.parametrize("family, window_config", [
+    ("mistral", {"sliding_window": 6}),
+    # Qwen2: layer 0 attends in full, layer 1 in a window (max_window_layers): both kinds in one model.
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+])
+def test_sliding_window_layers_join_and_keep_their_window(tmp_path, family, window_config):
+    windowed = _engine(build_artifact(make_checkpoint(family, tmp_path / "w" / "ckpt", **window_config),
+                                      tmp_path / "w" / "tp1", 1), family)
+    full = _engine(build_artifact(make_checkpoint(family, tmp_path / "f" / "ckpt"), tmp_path / "f" / "tp1", 1), family)
+    alone = {request.id: windowed.generate([request])[0].token_ids for request in _requests()}
+    # The window matters here (prompts and answers run past 6 positions): same weights, other tokens.
+    assert alone != {request.id: full.generate([request])[0].token_ids for request in _requests()}
+    assert _joined(windowed) == alone
+    assert windowed.loop.paged

@@ -21,13 +21,15 @@ keys, no mask) was tried: on this CPU it ran at 0.83x the padded DynamicCache on
 Without a `lmc_packed` argument (DecodeLoop.generate: dynamic batching, rows left-padded in a
 DynamicCache) the attention and its mask are SDPA's.
 
-A model qualifies when its classes use transformers' AttentionInterface, take position_ids and
-logits_to_keep, and no layer has a sliding window (those keep generate's left-padded cache).
+A model qualifies when its classes use transformers' AttentionInterface and take position_ids and
+logits_to_keep, and its layers attend in full or in a sliding window (the layer's window, which
+transformers passes to the attention as `sliding_window`, narrows the mask: a key is seen when its
+position is within the window of the query's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
@@ -46,6 +48,19 @@ class Packed:
     read: torch.Tensor  # [T] slots; decode: rows x the step's longest length, row after row
     mask: torch.Tensor  # decode [B, 1, 1, S]; prefill [1, 1, N, T]: True where the query sees the key
     decode: bool
+    query_positions: torch.Tensor  # [N]: each query's position in its row
+    key_positions: torch.Tensor  # decode [S], prefill [T]: each key's position in its row
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window: its mask (made once)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask, for a sliding-window layer narrowed to the keys within `window` positions of the query
+        (transformers' rule: key position > query position - window)."""
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            near = self.key_positions[None, :] > self.query_positions[:, None] - window  # [N, S or T]
+            self.windowed[window] = self.mask & (near[:, None, None, :] if self.decode else near[None, None])
+        return self.windowed[window]
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -64,8 +79,8 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         value = value.view(tokens, -1, kv_heads, dim).transpose(1, 2)
     else:  # the packed sequence: [1, H, N, D] against [1, Hkv, T, D]
         key, value = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=lmc_packed.mask, scale=scaling,
-                                         enable_gqa=heads != kv_heads)
+    mask = lmc_packed.mask_for(kwargs.get("sliding_window"))
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=heads != kv_heads)
     return out.transpose(1, 2).reshape(1, tokens, heads, dim), None
 
 
@@ -78,14 +93,14 @@ def _mask(*args, **kwargs):
 _registered = False
 
 
-def enable(model, max_sequence_length: int) -> bool:
+def enable(model) -> bool:
     """Switch `model` (a transformers model, or a wrapper with `.module`) to lmc_paged attention; False where it
     does not qualify (see the module doc), the model left as it was."""
     global _registered
     import inspect
 
     from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     inner = getattr(model, "module", model)
     can = getattr(inner, "_can_set_attn_implementation", None)
@@ -94,10 +109,10 @@ def enable(model, max_sequence_length: int) -> bool:
     accepted = set(inspect.signature(inner.forward).parameters)
     if not {"position_ids", "logits_to_keep"} <= accepted:
         return False
-    if not all(type(layer) is DynamicLayer for layer in DynamicCache(config=inner.config).layers):
-        return False  # a sliding window
-    window = getattr(inner.config, "sliding_window", None)
-    if window is not None and getattr(inner.config, "use_sliding_window", True) and window < max_sequence_length:
+    # Full and sliding-window layers only (the attention gets each layer's window as `sliding_window`),
+    # nothing that keeps state of another kind (chunked or linear attention).
+    if not all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
+               for layer in DynamicCache(config=inner.config).layers):
         return False
     if not _registered:
         AttentionInterface.register(ATTENTION, _attention)
@@ -197,7 +212,8 @@ class Rows:
         mask = torch.arange(longest)[None, :] <= lengths[:, None]
         write = grid[torch.arange(count), lengths]
         self.lengths = [length + 1 for length in self.lengths]
-        return Packed(write.to(device), grid.reshape(-1).to(device), mask[:, None, None, :].to(device), True)
+        return Packed(write.to(device), grid.reshape(-1).to(device), mask[:, None, None, :].to(device), True,
+                      lengths.to(device), torch.arange(longest, device=device))
 
     def prefill_layout(self, pieces: list[tuple[int, int]], device: torch.device) -> Packed:
         """Row i's prompt positions pieces[i] = [start, end) written (rows with an empty piece take no part);
@@ -214,7 +230,7 @@ class Rows:
             key_positions += range(end)
             self.lengths[row] = end
         query_rows_t, key_rows_t = torch.tensor(query_rows), torch.tensor(key_rows)
-        mask = ((query_rows_t[:, None] == key_rows_t[None, :])
-                & (torch.tensor(key_positions)[None, :] <= torch.tensor(query_positions)[:, None]))
+        query_positions_t, key_positions_t = torch.tensor(query_positions), torch.tensor(key_positions)
+        mask = (query_rows_t[:, None] == key_rows_t[None, :]) & (key_positions_t[None, :] <= query_positions_t[:, None])
         return Packed(torch.tensor(write, device=device), torch.tensor(read, device=device),
-                      mask[None, None].to(device), False)
+                      mask[None, None].to(device), False, query_positions_t.to(device), key_positions_t.to(device))
