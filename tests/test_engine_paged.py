@@ -65,6 +65,8 @@ def test_joining_gives_the_tokens_of_running_alone_in_every_causal_family(artifa
     # The families whose attention goes through transformers' AttentionInterface run on the paged cache;
     # the others (their own attention code) keep the left-padded DynamicCache.
     assert engine.loop.paged is (family in ("llama", "mistral", "qwen2", "mixtral", "gpt_neox", "opt"))
+    # Switched to lmc_paged, the model still serves dynamic batches (left-padded, SDPA's mask) as before.
+    assert {request.id: result.token_ids for request, result in zip(_requests(), engine.generate(_requests()))} == alone
 
 
 def test_a_row_holds_blocks_for_its_own_positions_only_and_gives_them_back(artifacts):
