@@ -14,6 +14,8 @@ sequences), and runs two workloads against each (greedy, ignore_eos so every ans
       line's arrival. Also printed, without a target, as "bimodal_*": the same with half the requests
       8 tokens and half 128, in a fixed shuffled order. "step_bound" is the ratio (b) could reach at
       best if a step cost the same whatever its rows (see step_bound): the target is above it.
+  Engine level (no target): the decode loop alone on (b)'s lengths, all waiting from the start: lmc's
+      dynamic batches, the same batches keeping finished rows (HF generate's way), continuous batching.
 
 BENCH_HIDDEN=512 runs a wider model (512 wide, 4 layers) instead of the tiny one.
 Both servers run side by side and take turns, each workload 5 times (BENCH_REPEATS); figures are medians.
@@ -185,6 +187,60 @@ def run(model_dir: Path, plans: dict[str, dict], lengths: list[int], bimodal: li
             for name, figures in samples.items()}
 
 
+def engine_level(model_dir: Path, lengths: list[int], slots: int = 16) -> dict[str, float]:
+    """Output tokens/s of the decode loop itself (no HTTP, every request waiting from the start) for
+    `lengths`: lmc's dynamic batches (16 at a time, each row dropped as it finishes), the same batches
+    keeping their finished rows until the longest ends (what HF generate does for a batch, so DJL's
+    dynamic batching of a handler built on it: no target, a reference), and continuous batching."""
+    import torch
+
+    from lmc.manifest import read_manifest
+    from lmc.runtime.engines.base import GenerationParams, GenerationRequest
+    from lmc.runtime.engines.hf import HFEngine
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    plan = read_manifest(model_dir)["plan"]
+    engine = HFEngine(family="llama", task="text-generation", dtype=plan["dtype"], tensor_parallel_degree=1,
+                      max_sequence_length=plan["max_sequence_length"], batch_size=slots, device="cpu")
+    engine.load(model_dir, 0, 1)
+    loop = engine.loop
+
+    def requests() -> list:
+        return [GenerationRequest(id=f"r{i}", prompt=f"request {i}: the quick brown fox",
+                                  params=GenerationParams(max_new_tokens=n, ignore_eos=True))
+                for i, n in enumerate(lengths)]
+
+    def dynamic(compact: bool) -> float:
+        loop.compact = compact
+        started = time.perf_counter()
+        queue = requests()
+        while queue:
+            loop.generate(queue[:slots], max_rows=slots)
+            del queue[:slots]
+        loop.compact = True
+        return sum(lengths) / (time.perf_counter() - started)
+
+    def continuous() -> float:
+        batch, queue = loop.running_batch(), requests()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            while queue or len(batch):
+                free = slots - len(batch)
+                if free > 0 and queue:
+                    batch.join(queue[:free])
+                    del queue[:free]
+                batch.step()
+        return sum(lengths) / (time.perf_counter() - started)
+
+    runs = {"dynamic": [], "dynamic_keeping_finished_rows": [], "continuous": []}
+    dynamic(True), continuous()  # warm-up
+    for _ in range(3):
+        runs["dynamic"].append(dynamic(True))
+        runs["dynamic_keeping_finished_rows"].append(dynamic(False))
+        runs["continuous"].append(continuous())
+    return {name: round(statistics.median(values), 1) for name, values in runs.items()}
+
+
 def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -213,6 +269,8 @@ def main() -> int:
         dynamic, continuous = figures["dynamic"], figures["continuous"]
         print("dynamic:   ", dynamic)
         print("continuous:", continuous)
+        engine = engine_level(model_dir, uniform)
+        print("engine level, tokens/s (no target):", engine)
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     ratio_a = continuous["short_p50_s"] / dynamic["short_p50_s"]
     ratio_b = continuous["tokens_per_s"] / dynamic["tokens_per_s"]
@@ -221,7 +279,12 @@ def main() -> int:
     print(json.dumps({"dynamic": dynamic, "continuous": continuous, "short_p50_ratio": round(ratio_a, 3),
                       "throughput_ratio": round(ratio_b, 2), "checks": checks,
                       "step_bound": round(step_bound(uniform), 2),
-                      "bimodal_step_bound": round(step_bound(bimodal), 2)}))
+                      "bimodal_step_bound": round(step_bound(bimodal), 2),
+                      "engine_level": engine,
+                      "engine_level_ratios": {
+                          "continuous/dynamic": round(engine["continuous"] / engine["dynamic"], 2),
+                          "continuous/dynamic_keeping_finished_rows":
+                              round(engine["continuous"] / engine["dynamic_keeping_finished_rows"], 2)}}))
     return 0 if all(checks.values()) else 1
 
 
