@@ -363,10 +363,13 @@ class DecodeLoop:
 class RunningBatch:
     """The rows decoding together on one rank, one `step` at a time: the decode loop itself, shared by
     dynamic batching (DecodeLoop.generate: rows `start` together, none join later) and continuous
-    batching (rows `join` between steps: their prompts are prefilled a chunk per step, then they merge
-    into the running rows' KV cache; a finished row leaves at once, its cache rows with it, and the
-    columns only finished rows needed are cut off). Every rank of a group makes the same calls in the
-    same order; rank 0 chooses the tokens and broadcasts them."""
+    batching (rows `join` between steps: their prompts are prefilled a chunk per step, then they decode
+    with the running rows; a finished row leaves at once). Continuous batching keeps each row's KV
+    cache in blocks of its own (_PagedState, paged.py) where the model qualifies; otherwise, and for
+    dynamic batches, the rows share a left-padded DynamicCache (_CausalState: a joining row's cache is
+    merged in, a leaving row's dropped, and the columns only finished rows needed are cut off). Every
+    rank of a group makes the same calls in the same order; rank 0 chooses the tokens and broadcasts
+    them."""
 
     def __init__(self, loop: DecodeLoop, on_token: TokenCallback | None):
         self.loop = loop
