@@ -119,3 +119,21 @@ def test_sliding_window_layers_join_and_keep_their_window(tmp_path, family, wind
     assert alone != {request.id: full.generate([request])[0].token_ids for request in _requests()}
     assert _joined(windowed) == alone
     assert windowed.loop.paged
+
+
+def test_a_packed_prefill_attends_each_row_to_its_own_keys_only():
+    import torch
+
+    from lmc.runtime.engines.paged import PagedCache, Rows
+
+    rows = Rows(PagedCache())
+    rows.add([5, 20, 3])
+    # A second chunk: row 0 is done, row 1 runs positions 16..19 (a chunk of 4 after 16), row 2 is done.
+    rows.prefill_layout([(0, 5), (0, 16), (0, 3)], torch.device("cpu"))
+    packed = rows.prefill_layout([(5, 5), (16, 20), (3, 3)], torch.device("cpu"))
+    assert [(seg.q1 - seg.q0, seg.k1 - seg.k0) for seg in packed.segments] == [(4, 20)]  # no work for the others
+    assert packed.segments[0].mask.tolist() == [[k <= q for k in range(20)] for q in range(16, 20)]
+    # Row 1's 20 positions span two blocks of its own; none of them is another row's.
+    assert len(packed.read) == 20 and set(packed.read.tolist()) <= {
+        block * 16 + i for block in rows.blocks[1] for i in range(16)}
+    assert rows.lengths == [5, 20, 3]

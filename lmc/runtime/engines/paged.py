@@ -10,8 +10,8 @@ attention then keeps each query to its own row, with SDPA and a key mask:
 
   decode (one new token per row)   each row's keys gathered into a row of the step's longest length,
                                    the positions past the row's own masked
-  prefill (prompt chunks of rows)  the rows' keys one after another, each query kept to its row's
-                                   positions up to its own
+  prefill (prompt chunks of rows)  each row's queries against its own keys only (one SDPA per row:
+                                   no row computes scores against another's keys), causal
 
 The cache never holds padding and a joining row copies nothing; a decode step's attention reads each
 row's own blocks, up to the longest row's length. A segmented softmax (each row over exactly its own
@@ -40,26 +40,55 @@ BLOCK_SIZE = 16
 _FIRST_BLOCKS = 64  # the pool's first size in blocks; it doubles when full
 
 
+def _narrowed(mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, window: int
+              ) -> torch.Tensor:
+    """`mask` ([queries, keys], or decode's [rows, 1, 1, keys]) keeping only the keys within `window`
+    positions of the query (transformers' rule: key position > query position - window)."""
+    near = key_positions[None, :] > query_positions[:, None] - window
+    return mask & (near if mask.dim() == 2 else near[:, None, None, :])
+
+
 @dataclass
-class Packed:
-    """One forward's layout, the same for every layer: where the N packed tokens' keys go, which slots the
-    queries read (T), and which of those each query sees."""
-    write: torch.Tensor  # [N] slots
-    read: torch.Tensor  # [T] slots; decode: rows x the step's longest length, row after row
-    mask: torch.Tensor  # decode [B, 1, 1, S]; prefill [1, 1, N, T]: True where the query sees the key
-    decode: bool
-    query_positions: torch.Tensor  # [N]: each query's position in its row
-    key_positions: torch.Tensor  # decode [S], prefill [T]: each key's position in its row
-    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window: its mask (made once)
+class Segment:
+    """One row's part of a packed prefill: its queries [q0, q1) and keys [k0, k1) in the packed order, and
+    which keys each query sees (its row's positions up to its own)."""
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: torch.Tensor  # [q1 - q0, k1 - k0]
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
-        """The mask, for a sliding-window layer narrowed to the keys within `window` positions of the query
-        (transformers' rule: key position > query position - window)."""
         if window is None:
             return self.mask
         if window not in self.windowed:
-            near = self.key_positions[None, :] > self.query_positions[:, None] - window  # [N, S or T]
-            self.windowed[window] = self.mask & (near[:, None, None, :] if self.decode else near[None, None])
+            self.windowed[window] = _narrowed(self.mask, self.query_positions, self.key_positions, window)
+        return self.windowed[window]
+
+
+@dataclass
+class Packed:
+    """One forward's layout, the same for every layer: where the N packed tokens' keys go and which slots
+    the queries read (T). Decode: one query per row, rows padded to the step's longest (S) and masked.
+    Prefill: each row's queries attend to its own keys only (one Segment per row)."""
+    write: torch.Tensor  # [N] slots
+    read: torch.Tensor  # [T] slots, row after row; decode: T = rows x S
+    decode: bool
+    mask: torch.Tensor | None = None  # decode: [B, 1, 1, S], True where the row's query sees the key
+    query_positions: torch.Tensor | None = None  # decode: [B], each row's new position
+    segments: list[Segment] = field(default_factory=list)  # prefill
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # decode: the mask per sliding window
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The decode mask, for a sliding-window layer narrowed to its window."""
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.windowed[window] = _narrowed(self.mask, self.query_positions, keys, window)
         return self.windowed[window]
 
 
@@ -73,21 +102,19 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     # query [1, H, N, D]; key, value [T, Hkv, D] (PagedCache.update)
     heads, tokens, dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads = key.shape[1]
+    window = kwargs.get("sliding_window")
+    gqa = heads != kv_heads
     if lmc_packed.decode:  # one query per row: [B, H, 1, D] against [B, Hkv, S, D]
-        query = query[0].transpose(0, 1)[:, :, None, :]
-        key = key.view(tokens, -1, kv_heads, dim).transpose(1, 2)
-        value = value.view(tokens, -1, kv_heads, dim).transpose(1, 2)
-    else:  # the packed sequence: [1, H, N, D] against [1, Hkv, T, D]
+        out = F.scaled_dot_product_attention(
+            query[0].transpose(0, 1)[:, :, None, :], key.view(tokens, -1, kv_heads, dim).transpose(1, 2),
+            value.view(tokens, -1, kv_heads, dim).transpose(1, 2), attn_mask=lmc_packed.mask_for(window),
+            scale=scaling, enable_gqa=gqa)
+    else:  # each row's queries against its own keys only: [1, H, n, D] against [1, Hkv, t, D]
         key, value = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
-    mask = lmc_packed.mask_for(kwargs.get("sliding_window"))
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=heads != kv_heads)
+        out = torch.cat([F.scaled_dot_product_attention(
+            query[:, :, seg.q0:seg.q1], key[:, :, seg.k0:seg.k1], value[:, :, seg.k0:seg.k1],
+            attn_mask=seg.mask_for(window), scale=scaling, enable_gqa=gqa) for seg in lmc_packed.segments], dim=2)
     return out.transpose(1, 2).reshape(1, tokens, heads, dim), None
-
-
-def _mask(*args, **kwargs):
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, **kwargs)
 
 
 _registered = False
@@ -101,6 +128,7 @@ def enable(model) -> bool:
 
     from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+    from transformers.masking_utils import sdpa_mask
 
     inner = getattr(model, "module", model)
     can = getattr(inner, "_can_set_attn_implementation", None)
@@ -116,7 +144,7 @@ def enable(model) -> bool:
         return False
     if not _registered:
         AttentionInterface.register(ATTENTION, _attention)
-        AttentionMaskInterface.register(ATTENTION, _mask)
+        AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # dynamic batches: SDPA's mask
         _registered = True
     if inner.config._attn_implementation != ATTENTION:
         inner.set_attn_implementation(ATTENTION)
@@ -212,25 +240,23 @@ class Rows:
         mask = torch.arange(longest)[None, :] <= lengths[:, None]
         write = grid[torch.arange(count), lengths]
         self.lengths = [length + 1 for length in self.lengths]
-        return Packed(write.to(device), grid.reshape(-1).to(device), mask[:, None, None, :].to(device), True,
-                      lengths.to(device), torch.arange(longest, device=device))
+        return Packed(write.to(device), grid.reshape(-1).to(device), True, mask=mask[:, None, None, :].to(device),
+                      query_positions=lengths.to(device))
 
     def prefill_layout(self, pieces: list[tuple[int, int]], device: torch.device) -> Packed:
         """Row i's prompt positions pieces[i] = [start, end) written (rows with an empty piece take no part);
         each query sees its row's positions up to its own."""
-        write, read, query_rows, query_positions, key_rows, key_positions = [], [], [], [], [], []
+        write, read, segments = [], [], []
+        queries = keys = 0
         for row, (start, end) in enumerate(pieces):
             if end <= start:
                 continue
             write += self._slots(row, start, end)
             read += self._slots(row, 0, end)
-            query_rows += [row] * (end - start)
-            query_positions += range(start, end)
-            key_rows += [row] * end
-            key_positions += range(end)
+            query_positions = torch.arange(start, end, device=device)
+            key_positions = torch.arange(end, device=device)
+            segments.append(Segment(queries, queries + end - start, keys, keys + end,
+                                    key_positions[None, :] <= query_positions[:, None], query_positions, key_positions))
+            queries, keys = queries + end - start, keys + end
             self.lengths[row] = end
-        query_rows_t, key_rows_t = torch.tensor(query_rows), torch.tensor(key_rows)
-        query_positions_t, key_positions_t = torch.tensor(query_positions), torch.tensor(key_positions)
-        mask = (query_rows_t[:, None] == key_rows_t[None, :]) & (key_positions_t[None, :] <= query_positions_t[:, None])
-        return Packed(torch.tensor(write, device=device), torch.tensor(read, device=device),
-                      mask[None, None].to(device), False, query_positions_t.to(device), key_positions_t.to(device))
+        return Packed(torch.tensor(write, device=device), torch.tensor(read, device=device), False, segments=segments)
