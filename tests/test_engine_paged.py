@@ -132,7 +132,7 @@ def test_a_packed_prefill_attends_each_row_to_its_own_keys_only():
     rows.prefill_layout([(0, 5), (0, 16), (0, 3)], torch.device("cpu"))
     packed = rows.prefill_layout([(5, 5), (16, 20), (3, 3)], torch.device("cpu"))
     assert [(seg.q1 - seg.q0, seg.k1 - seg.k0) for seg in packed.segments] == [(4, 20)]  # no work for the others
-    assert packed.segments[0].mask.tolist() == [[k <= q for k in range(20)] for q in range(16, 20)]
+    assert packed.segments[0].visible.mask.tolist() == [[k <= q for k in range(20)] for q in range(16, 20)]
     # Row 1's 20 positions span two blocks of its own; none of them is another row's.
     assert len(packed.read) == 20 and set(packed.read.tolist()) <= {
         block * 16 + i for block in rows.blocks[1] for i in range(16)}

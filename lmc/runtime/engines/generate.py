@@ -193,7 +193,7 @@ class DecodeLoop:
         if self.paged is None:
             from lmc.runtime.engines import paged
 
-            self.paged = self.pass_positions and paged.enable(self.model)
+            self.paged = paged.enable(self.model)
         return RunningBatch(self, on_token)
 
     def _row(self, request: GenerationRequest) -> _Row:

@@ -40,12 +40,23 @@ BLOCK_SIZE = 16
 _FIRST_BLOCKS = 64  # the pool's first size in blocks; it doubles when full
 
 
-def _narrowed(mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, window: int
-              ) -> torch.Tensor:
-    """`mask` ([queries, keys], or decode's [rows, 1, 1, keys]) keeping only the keys within `window`
-    positions of the query (transformers' rule: key position > query position - window)."""
-    near = key_positions[None, :] > query_positions[:, None] - window
-    return mask & (near if mask.dim() == 2 else near[:, None, None, :])
+@dataclass
+class Visible:
+    """Which keys each query sees: `mask` [queries, keys], True where seen, and their positions in the row."""
+    mask: torch.Tensor
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # the mask per sliding window (made once)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask, for a sliding-window layer narrowed to the keys within `window` positions of the query
+        (transformers' rule: key position > query position - window)."""
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            near = self.key_positions[None, :] > self.query_positions[:, None] - window
+            self.windowed[window] = self.mask & near
+        return self.windowed[window]
 
 
 @dataclass
@@ -56,17 +67,7 @@ class Segment:
     q1: int
     k0: int
     k1: int
-    mask: torch.Tensor  # [q1 - q0, k1 - k0]
-    query_positions: torch.Tensor
-    key_positions: torch.Tensor
-    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def mask_for(self, window: int | None) -> torch.Tensor:
-        if window is None:
-            return self.mask
-        if window not in self.windowed:
-            self.windowed[window] = _narrowed(self.mask, self.query_positions, self.key_positions, window)
-        return self.windowed[window]
+    visible: Visible
 
 
 @dataclass
@@ -77,19 +78,8 @@ class Packed:
     write: torch.Tensor  # [N] slots
     read: torch.Tensor  # [T] slots, row after row; decode: T = rows x S
     decode: bool
-    mask: torch.Tensor | None = None  # decode: [B, 1, 1, S], True where the row's query sees the key
-    query_positions: torch.Tensor | None = None  # decode: [B], each row's new position
+    visible: Visible | None = None  # decode: [B, S], each row's new token against the step's S positions
     segments: list[Segment] = field(default_factory=list)  # prefill
-    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # decode: the mask per sliding window
-
-    def mask_for(self, window: int | None) -> torch.Tensor:
-        """The decode mask, for a sliding-window layer narrowed to its window."""
-        if window is None:
-            return self.mask
-        if window not in self.windowed:
-            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            self.windowed[window] = _narrowed(self.mask, self.query_positions, keys, window)
-        return self.windowed[window]
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -107,13 +97,15 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     if lmc_packed.decode:  # one query per row: [B, H, 1, D] against [B, Hkv, S, D]
         out = F.scaled_dot_product_attention(
             query[0].transpose(0, 1)[:, :, None, :], key.view(tokens, -1, kv_heads, dim).transpose(1, 2),
-            value.view(tokens, -1, kv_heads, dim).transpose(1, 2), attn_mask=lmc_packed.mask_for(window),
+            value.view(tokens, -1, kv_heads, dim).transpose(1, 2),
+            attn_mask=lmc_packed.visible.mask_for(window)[:, None, None, :],
             scale=scaling, enable_gqa=gqa)
     else:  # each row's queries against its own keys only: [1, H, n, D] against [1, Hkv, t, D]
         key, value = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
         out = torch.cat([F.scaled_dot_product_attention(
             query[:, :, seg.q0:seg.q1], key[:, :, seg.k0:seg.k1], value[:, :, seg.k0:seg.k1],
-            attn_mask=seg.mask_for(window), scale=scaling, enable_gqa=gqa) for seg in lmc_packed.segments], dim=2)
+            attn_mask=seg.visible.mask_for(window), scale=scaling, enable_gqa=gqa) for seg in lmc_packed.segments],
+            dim=2)
     return out.transpose(1, 2).reshape(1, tokens, heads, dim), None
 
 
@@ -240,8 +232,8 @@ class Rows:
         mask = torch.arange(longest)[None, :] <= lengths[:, None]
         write = grid[torch.arange(count), lengths]
         self.lengths = [length + 1 for length in self.lengths]
-        return Packed(write.to(device), grid.reshape(-1).to(device), True, mask=mask[:, None, None, :].to(device),
-                      query_positions=lengths.to(device))
+        return Packed(write.to(device), grid.reshape(-1).to(device), True,
+                      visible=Visible(mask.to(device), lengths.to(device), torch.arange(longest, device=device)))
 
     def prefill_layout(self, pieces: list[tuple[int, int]], device: torch.device) -> Packed:
         """Row i's prompt positions pieces[i] = [start, end) written (rows with an empty piece take no part);
@@ -255,8 +247,8 @@ class Rows:
             read += self._slots(row, 0, end)
             query_positions = torch.arange(start, end, device=device)
             key_positions = torch.arange(end, device=device)
-            segments.append(Segment(queries, queries + end - start, keys, keys + end,
-                                    key_positions[None, :] <= query_positions[:, None], query_positions, key_positions))
+            segments.append(Segment(queries, queries + end - start, keys, keys + end, Visible(
+                key_positions[None, :] <= query_positions[:, None], query_positions, key_positions)))
             queries, keys = queries + end - start, keys + end
             self.lengths[row] = end
         return Packed(torch.tensor(write, device=device), torch.tensor(read, device=device), False, segments=segments)
