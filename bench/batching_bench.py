@@ -70,33 +70,59 @@ def build_fake(root: Path) -> Path:
     return write_artifact(root / "fake", plan, {"step_delay_s": 0.004})
 
 
+def _serve(model_dir: str, plan: dict, port: int) -> None:
+    """The runtime's HTTP front end (and its workers) in a process of its own, as `lmc runtime` runs."""
+    from lmc.runtime.server import Runtime, make_server
+
+    make_server(Runtime(Path(model_dir), plan, request_timeout_s=600), "127.0.0.1", port).run()
+
+
 class Served:
-    def __init__(self, model_dir: Path, plan: dict):
-        from lmc.runtime.server import Runtime, make_server
+    """`plan` served from `model_dir` on a free port until the block ends: in a thread of this process, or
+    with `own_process` in a spawned child, so that a load generator here shares no interpreter with it."""
+
+    def __init__(self, model_dir: Path, plan: dict, own_process: bool = False):
         from lmc.runtime.workers import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = make_server(Runtime(model_dir, plan, request_timeout_s=600), "127.0.0.1", self.port)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.server = None
+        if own_process:
+            import multiprocessing
+
+            self.runner = multiprocessing.get_context("spawn").Process(target=_serve,
+                                                                       args=(str(model_dir), plan, self.port))
+        else:
+            from lmc.runtime.server import Runtime, make_server
+
+            self.server = make_server(Runtime(model_dir, plan, request_timeout_s=600), "127.0.0.1", self.port)
+            self.runner = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
         import httpx
 
-        self.thread.start()
+        self.runner.start()
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.runner.is_alive():
             try:
                 if httpx.get(self.url + "/ping").status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
+        self.__exit__()
         raise RuntimeError("the runtime did not become ready")
 
     def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(60)
+        if self.server is not None:
+            self.server.should_exit = True
+            self.runner.join(60)
+            return
+        self.runner.terminate()  # SIGTERM: the runtime drains and stops its workers
+        self.runner.join(60)
+        if self.runner.is_alive():
+            self.runner.kill()
+            self.runner.join()
 
 
 async def load(url: str, clients: int, requests: int, max_new_tokens: int) -> tuple[int, float]:

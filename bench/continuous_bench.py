@@ -26,7 +26,6 @@ Usage: python bench/continuous_bench.py
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -36,13 +35,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from batching_bench import SPEC as BATCHING_SPEC, build_real  # noqa: E402
+from batching_bench import SPEC as BATCHING_SPEC, Served, build_real  # noqa: E402
 
 # batching_bench's tiny Llama spec, with room for 256 new tokens and 16 concurrent requests.
 SPEC = BATCHING_SPEC.replace("max_output_tokens = 64", "max_output_tokens = 256").replace("concurrency = 32",
@@ -106,47 +104,6 @@ async def mixed(url: str, lengths: list[int], concurrency: int) -> tuple[float, 
     return sum(tokens for _, _, tokens in results) / wall, p99
 
 
-def _serve(model_dir: str, plan: dict, port: int) -> None:
-    """The runtime's HTTP front end (and its worker) in a process of its own, as `lmc runtime` runs."""
-    from lmc.runtime.server import Runtime, make_server
-
-    make_server(Runtime(Path(model_dir), plan, request_timeout_s=600), "127.0.0.1", port).run()
-
-
-@contextlib.contextmanager
-def served(model_dir: Path, plan: dict) -> Iterator[str]:
-    """`plan` served from `model_dir` in a child process, so that the load generator here does not share
-    a Python interpreter with the server; its URL until the block ends."""
-    import multiprocessing
-
-    import httpx
-
-    from lmc.runtime.workers import free_port
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = multiprocessing.get_context("spawn").Process(target=_serve, args=(str(model_dir), plan, port))
-    server.start()
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/ping").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if not server.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the runtime did not become ready")
-            time.sleep(0.1)
-        yield url
-    finally:
-        server.terminate()  # SIGTERM: the runtime drains and stops its worker
-        server.join(60)
-        if server.is_alive():
-            server.kill()
-            server.join()
-
-
 def step_bound(lengths: list[int], slots: int = 16) -> float:
     """The most continuous batching can gain over lmc's dynamic batching on `lengths` if a decode step cost
     the same whatever its rows: the steps dynamic batching takes (batches of `slots` in arrival order,
@@ -171,7 +128,8 @@ def run(model_dir: Path, plans: dict[str, dict], lengths: list[int], bimodal: li
 
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in plans}
     with ExitStack() as stack:
-        urls = {name: stack.enter_context(served(model_dir, plan)) for name, plan in plans.items()}
+        urls = {name: stack.enter_context(Served(model_dir, plan, own_process=True)).url
+                for name, plan in plans.items()}
         for url in urls.values():
             asyncio.run(mixed(url, [4] * 4, 4))  # warm-up
         for _ in range(repeats):
