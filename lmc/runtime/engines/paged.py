@@ -36,7 +36,7 @@ from torch.nn import functional as F
 from transformers.cache_utils import Cache
 
 ATTENTION = "lmc_paged"
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # planner.scheduling.BLOCK_SIZE: the plan's kv_cache.block_size, in which the scheduler reserves
 _FIRST_BLOCKS = 64  # the pool's first size in blocks; it doubles when full
 
 
