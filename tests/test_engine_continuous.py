@@ -55,7 +55,10 @@ def _joined(engine) -> dict:
                     batch.join([requests[index]])
             for row in batch.step():
                 finished[row.request.id] = (list(row.generated), step)
-            widths.append(batch.kv_tokens())
+            # The positions the cache holds for its longest row, and what the running rows need: each its
+            # prompt and the tokens fed back so far.
+            widths.append((batch.kv_tokens(), max((len(row.prompt_ids) + len(row.generated) for row in batch.rows),
+                                                  default=0)))
             rows_seen.append(len(batch.rows))
             step += 1
     return {"tokens": {key: value[0] for key, value in finished.items()},
@@ -88,9 +91,11 @@ def test_joining_a_running_batch_gives_the_tokens_of_running_alone(artifacts):
 def test_the_cache_drops_columns_only_finished_rows_needed(artifacts):
     engine = _engine(artifacts[1])
     run = _continuous(engine, chunk=256)
-    # When r0 (the longest-running row) has left, the width falls to what the remaining rows hold.
-    ended = run["ended"]["r0"]
-    assert run["widths"][ended] < run["widths"][ended - 1]
+    held, needed = zip(*run["widths"])
+    # After every step the cache spans exactly what the running rows need: no column kept for a row that left.
+    assert held == needed
+    # ... and the width really falls at a departure (the longest row leaving while others run on).
+    assert any(held[step] < held[step - 1] for step in run["ended"].values() if step > 0)
 
 
 def _tp_rank(rank: int, opened: list[str], artifact: str) -> dict:

@@ -17,7 +17,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Collection
+from typing import TYPE_CHECKING, Callable, Collection
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ import torch.distributed as dist
 from lmc.errors import InternalError
 from lmc.runtime.engines.base import (CancelProbe, GenerationParams, GenerationRequest, GenerationResult, Piece,
                                       TokenCallback)
+
+if TYPE_CHECKING:
+    from lmc.runtime.engines.paged import Packed
 
 log = logging.getLogger(__name__)
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
@@ -461,7 +464,7 @@ class RunningBatch:
         """Prefill a chunk of joining rows, then choose every running row's next token and run the model
         one position further for those that go on. Returns the rows that finished in this step."""
         loop = self.loop
-        if self.pending:
+        if self.pending and not self._fused():
             self._prefill_pending()
         if not self.rows:
             return []
@@ -486,8 +489,30 @@ class RunningBatch:
             live = [i for i, row in enumerate(self.rows) if row.finish is None]
             self.keep(torch.tensor(live, dtype=torch.long, device=loop.device))
             self.rows, tokens = [self.rows[i] for i in live], tokens[live]
-        self.logits = self.advance(tokens)
+        if self.pending and self._fused():
+            self._advance_joining(tokens)
+        else:
+            self.logits = self.advance(tokens)
         return finished
+
+    def _fused(self) -> bool:
+        """Whether joining rows prefill in the running rows' decode forward: both keep their own blocks
+        (paged), and there are running rows."""
+        return bool(self.rows) and isinstance(self.state, _PagedState)
+
+    def _advance_joining(self, tokens: torch.Tensor) -> None:
+        """The running rows one position further and a chunk of the first joining group's prefill, in one
+        forward; when the chunk ends its prompts, the group's rows join the running rows."""
+        rows, state = self.pending[0]
+        if state is None:
+            state = self._state(rows)
+            self.pending[0] = (rows, state)
+        self.logits, joined = self.state.advance_joining(tokens, state, PREFILL_CHUNK_TOKENS)
+        if joined is not None:
+            self.pending.pop(0)
+            self.state.absorb(state)
+            self.rows += rows
+            self.logits = torch.cat([self.logits, joined])
 
 
 class _CausalState:
@@ -613,7 +638,9 @@ class _PagedState:
             cache.packed = None
         return out.logits[0].float()
 
-    def prefill(self, chunk: int | None) -> torch.Tensor | None:
+    def _chunk(self, chunk: int | None) -> tuple[list[int], list[int], Packed, list[int] | None]:
+        """The next `chunk` prompt columns (all that are left: None): their tokens, positions and layout, and
+        where each row's last prompt token lies among the tokens when this chunk ends the prompts (else None)."""
         end = self.columns if chunk is None else min(self.columns, self.done + chunk)
         pieces, ids, positions, last = [], [], [], []
         for prompt in self.prompts:
@@ -624,18 +651,35 @@ class _PagedState:
             positions += range(start, stop)
             last.append(len(ids) - 1)  # the row's last prompt token, in the last chunk
         packed = self.rows.prefill_layout(pieces, self.loop.device)
-        final = end == self.columns
-        logits = self._forward(torch.tensor(ids), positions, packed,
-                               torch.tensor(last, device=self.loop.device) if final else 1)
         self.done = end
-        if not final:
-            return None
+        if end < self.columns:
+            return ids, positions, packed, None
         self.prompts = None
-        return logits
+        return ids, positions, packed, last
+
+    def prefill(self, chunk: int | None) -> torch.Tensor | None:
+        ids, positions, packed, last = self._chunk(chunk)
+        logits = self._forward(torch.tensor(ids), positions, packed,
+                               1 if last is None else torch.tensor(last, device=self.loop.device))
+        return None if last is None else logits
 
     def advance(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = list(self.rows.lengths)
         return self._forward(tokens, positions, self.rows.decode_layout(self.loop.device), 0)
+
+    def advance_joining(self, tokens: torch.Tensor, joining: "_PagedState", chunk: int | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`advance` and the next chunk of `joining`'s prefill in one forward: these rows' next-token logits,
+        and `joining`'s once its prompts have run (else None)."""
+        positions = list(self.rows.lengths)
+        decode = self.rows.decode_layout(self.loop.device)
+        ids, prompt_positions, prefill, last = joining._chunk(chunk)
+        rows = len(tokens)
+        keep = list(range(rows)) + ([] if last is None else [rows + i for i in last])
+        logits = self._forward(torch.cat([tokens.cpu(), torch.tensor(ids, dtype=torch.long)]),
+                               positions + prompt_positions, decode.join(prefill),
+                               torch.tensor(keep, device=self.loop.device))
+        return logits[:rows], None if last is None else logits[rows:]
 
     def keep(self, indices: torch.Tensor) -> None:
         self.rows.keep(indices.tolist())

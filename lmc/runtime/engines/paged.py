@@ -13,6 +13,10 @@ attention then keeps each query to its own row, with SDPA and a key mask:
   prefill (prompt chunks of rows)  each row's queries against its own keys only (one SDPA per row:
                                    no row computes scores against another's keys), causal
 
+A forward may carry both (Packed.join): the running rows' decode tokens first, then a chunk of joining
+rows' prompts, as vLLM mixes prefill and decode in one batch; a row joining costs its prompt's tokens in
+the step's forward, not a forward of its own.
+
 The cache never holds padding and a joining row copies nothing; a decode step's attention reads each
 row's own blocks, up to the longest row's length. A segmented softmax (each row over exactly its own
 keys, no mask) was tried: on this CPU it ran at 0.83x the padded DynamicCache on the tiny model and
@@ -73,13 +77,21 @@ class Segment:
 @dataclass
 class Packed:
     """One forward's layout, the same for every layer: where the N packed tokens' keys go and which slots
-    the queries read (T). Decode: one query per row, rows padded to the step's longest (S) and masked.
-    Prefill: each row's queries attend to its own keys only (one Segment per row)."""
+    the queries read (T). Decode rows come first: one query per row, rows padded to the step's longest
+    (S) and masked. Then prefill: each row's queries attend to its own keys only (one Segment per row)."""
     write: torch.Tensor  # [N] slots
-    read: torch.Tensor  # [T] slots, row after row; decode: T = rows x S
-    decode: bool
+    read: torch.Tensor  # [T] slots, row after row; the decode rows' B x S first
+    decode_rows: int = 0  # B: the first B queries are decode rows
     visible: Visible | None = None  # decode: [B, S], each row's new token against the step's S positions
-    segments: list[Segment] = field(default_factory=list)  # prefill
+    segments: list[Segment] = field(default_factory=list)  # prefill, after the decode rows
+
+    def join(self, prefill: "Packed") -> "Packed":
+        """This decode layout with `prefill`'s rows after it, in one forward."""
+        queries, keys = self.decode_rows, len(self.read)
+        shifted = [Segment(seg.q0 + queries, seg.q1 + queries, seg.k0 + keys, seg.k1 + keys, seg.visible)
+                   for seg in prefill.segments]
+        return Packed(torch.cat([self.write, prefill.write]), torch.cat([self.read, prefill.read]), self.decode_rows,
+                      self.visible, shifted)
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -94,18 +106,23 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     kv_heads = key.shape[1]
     window = kwargs.get("sliding_window")
     gqa = heads != kv_heads
-    if lmc_packed.decode:  # one query per row: [B, H, 1, D] against [B, Hkv, S, D]
+    rows, parts = lmc_packed.decode_rows, []
+    if rows:  # one query per row: [B, H, 1, D] against [B, Hkv, S, D]
+        read = rows * lmc_packed.visible.mask.shape[1]
         out = F.scaled_dot_product_attention(
-            query[0].transpose(0, 1)[:, :, None, :], key.view(tokens, -1, kv_heads, dim).transpose(1, 2),
-            value.view(tokens, -1, kv_heads, dim).transpose(1, 2),
+            query[0, :, :rows].transpose(0, 1)[:, :, None, :], key[:read].view(rows, -1, kv_heads, dim).transpose(1, 2),
+            value[:read].view(rows, -1, kv_heads, dim).transpose(1, 2),
             attn_mask=lmc_packed.visible.mask_for(window)[:, None, None, :],
             scale=scaling, enable_gqa=gqa)
-    else:  # each row's queries against its own keys only: [1, H, n, D] against [1, Hkv, t, D]
-        key, value = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
-        out = torch.cat([F.scaled_dot_product_attention(
-            query[:, :, seg.q0:seg.q1], key[:, :, seg.k0:seg.k1], value[:, :, seg.k0:seg.k1],
-            attn_mask=seg.visible.mask_for(window), scale=scaling, enable_gqa=gqa) for seg in lmc_packed.segments],
-            dim=2)
+        if not lmc_packed.segments:
+            return out.transpose(1, 2).reshape(1, tokens, heads, dim), None
+        parts.append(out[:, :, 0].transpose(0, 1)[None])
+    # each prefill row's queries against its own keys only: [1, H, n, D] against [1, Hkv, t, D]
+    key, value = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
+    parts += [F.scaled_dot_product_attention(
+        query[:, :, seg.q0:seg.q1], key[:, :, seg.k0:seg.k1], value[:, :, seg.k0:seg.k1],
+        attn_mask=seg.visible.mask_for(window), scale=scaling, enable_gqa=gqa) for seg in lmc_packed.segments]
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
     return out.transpose(1, 2).reshape(1, tokens, heads, dim), None
 
 
@@ -232,7 +249,7 @@ class Rows:
         mask = torch.arange(longest)[None, :] <= lengths[:, None]
         write = grid[torch.arange(count), lengths]
         self.lengths = [length + 1 for length in self.lengths]
-        return Packed(write.to(device), grid.reshape(-1).to(device), True,
+        return Packed(write.to(device), grid.reshape(-1).to(device), count,
                       visible=Visible(mask.to(device), lengths.to(device), torch.arange(longest, device=device)))
 
     def prefill_layout(self, pieces: list[tuple[int, int]], device: torch.device) -> Packed:
@@ -251,4 +268,4 @@ class Rows:
                 key_positions[None, :] <= query_positions[:, None], query_positions, key_positions)))
             queries, keys = queries + end - start, keys + end
             self.lengths[row] = end
-        return Packed(torch.tensor(write, device=device), torch.tensor(read, device=device), False, segments=segments)
+        return Packed(torch.tensor(write, device=device), torch.tensor(read, device=device), segments=segments)
