@@ -30,11 +30,11 @@ def _requests():
             for i, (prompt, n) in enumerate(zip(PROMPTS, LENGTHS))]
 
 
-def _joined(engine, on_step=None) -> dict[str, list[int]]:
+def _joined(engine, on_step=None, block_size: int | None = None) -> dict[str, list[int]]:
     import torch
 
     requests = _requests()
-    batch = engine.running_batch()
+    batch = engine.running_batch(None, block_size)
     finished, step = {}, 0
     with torch.inference_mode():
         while step <= max(JOINS) or len(batch):
@@ -69,9 +69,8 @@ def test_joining_gives_the_tokens_of_running_alone_in_every_causal_family(artifa
     assert {request.id: result.token_ids for request, result in zip(_requests(), engine.generate(_requests()))} == alone
 
 
-def test_a_row_holds_blocks_for_its_own_positions_only_and_gives_them_back(artifacts):
-    from lmc.runtime.engines.paged import BLOCK_SIZE
-
+@pytest.mark.parametrize("block_size", [16, 8])  # the default, and a plan's kv_cache.block_size of 8
+def test_a_row_holds_blocks_for_its_own_positions_only_and_gives_them_back(artifacts, block_size):
     engine = _engine(artifacts["llama"], "llama")
     seen = []
 
@@ -84,14 +83,29 @@ def test_a_row_holds_blocks_for_its_own_positions_only_and_gives_them_back(artif
         # step), in just the blocks those positions need: nothing for the other rows' lengths.
         assert lengths == [len(row.prompt_ids) + len(row.generated) for row in batch.rows]
         held = [len(blocks) for blocks in batch.state.rows.blocks]
-        assert held == [-(-length // BLOCK_SIZE) for length in lengths]
+        assert held == [-(-length // block_size) for length in lengths]
         pending = sum(len(blocks) for _, state in batch.pending if state is not None for blocks in state.rows.blocks)
         seen.append((len(lengths), batch.cache.used(), sum(held) + pending))
+        assert batch.kv_blocks(block_size) == batch.cache.used()  # what the worker reports to /metrics
 
-    _joined(engine, check)
+    _joined(engine, check, block_size)
     assert all(used == held for _, used, held in seen)  # the pool lends out exactly what the rows hold
     assert max(rows for rows, _, _ in seen) >= 3
     assert seen[-1][1] == 0  # every block back once the rows have left
+
+
+def test_a_shared_padded_cache_reports_its_rows_times_width_in_blocks(artifacts):
+    engine = _engine(artifacts["gptj"], "gptj")  # not paged: one left-padded cache for all rows
+    seen = []
+
+    def check(batch) -> None:
+        width = batch.kv_tokens()
+        assert batch.kv_blocks(16) == -(-len(batch.rows) * width // 16)
+        seen.append((len(batch.rows), width, batch.kv_blocks(16)))
+
+    _joined(engine, check)
+    assert engine.loop.paged is False
+    assert any(rows >= 3 for rows, _, _ in seen) and seen[-1] == (0, 0, 0)  # several rows at once; none at the end
 
 
 def test_the_pool_grows_when_the_rows_need_more_blocks(artifacts, monkeypatch):

@@ -87,14 +87,22 @@ def test_a_short_request_finishes_while_a_long_one_decodes_with_its_alone_answer
     while "long_first" not in log and time.monotonic() < deadline:
         time.sleep(0.005)
     _stream(server.url, "short one", 8, log, "short")
+    during = _series(server)  # the long one still decoding (asserted below): its cache's blocks are held
+    long_running = "long_end" not in log
     long.join(120)
     series = _series(server)
+    assert long_running, "the long request ended before the short one's answer was read"
+    # Rank 0 reported the blocks its paged cache holds at the step the short one left: the long row's
+    # positions so far, within what the scheduler reserved for it (prompt + 240 new tokens).
+    assert 0 < during["lmc_kv_cache_blocks_used"] <= during["lmc_kv_cache_blocks_reserved"]
+    assert during["lmc_kv_cache_blocks_free"] == server.plan["kv_cache"]["blocks"] - during["lmc_kv_cache_blocks_used"]
     assert log["short_end"] < log["long_end"], "the short request waited for the long one"
     assert log["long_lines"][-1]["details"]["generated_tokens"] == 240
     assert log["short_lines"][-1]["generated_text"] == alone["short one"]
     assert log["long_lines"][-1]["generated_text"] == alone["a long story about a fox"]
     assert series["lmc_scheduler_running_requests"] == 0 and series["lmc_scheduler_waiting_requests"] == 0
     assert series["lmc_kv_cache_blocks_used"] == 0 and series["lmc_kv_cache_blocks_free"] == server.plan["kv_cache"]["blocks"]
+    assert series["lmc_kv_cache_blocks_reserved"] == 0
     assert series["lmc_queue_time_seconds_count"] >= 4
     # Some step decoded both rows: the short one joined the running long one.
     assert series["lmc_scheduler_tokens_per_step_count"] > series['lmc_scheduler_tokens_per_step_bucket{le="1.0"}']
@@ -117,3 +125,27 @@ def test_a_client_that_leaves_stops_its_row_and_frees_its_slot(server):
     assert series["lmc_scheduler_running_requests"] == 0 and series["lmc_kv_cache_blocks_used"] == 0
     after = httpx.post(server.url + "/invocations", timeout=60, json={"inputs": "next", "parameters": {"max_new_tokens": 4}})
     assert after.status_code == 200
+
+
+def test_kv_gauges_follow_each_groups_report_and_a_group_that_goes_down_holds_nothing():
+    from lmc.runtime.metrics import Metrics
+    from lmc.runtime.scheduler import Scheduler
+
+    plan = {"scheduling": "continuous", "batch_size": 4, "job_queue_size": 8, "replicas": 2, "max_batch_delay_ms": 0,
+            "kv_cache": {"block_size": 16, "blocks": 100, "max_concurrent_sequences": 4}}
+    metrics = Metrics(4)
+    scheduler = Scheduler(plan, metrics, lambda index, events: None, request_timeout_s=1)
+
+    def gauges() -> tuple[float, float]:
+        read = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.render().decode().splitlines()
+                if line.startswith("lmc_kv_cache_blocks_")}
+        return read["lmc_kv_cache_blocks_used"], read["lmc_kv_cache_blocks_free"]
+
+    assert gauges() == (0, 200)  # two groups, a pool of 100 each
+    scheduler.on_steps(0, [3, 3], 7)
+    scheduler.on_steps(1, [1], 2)
+    assert gauges() == (9, 191)
+    scheduler.on_steps(0, [2], 5)  # the latest report replaces the group's last one
+    assert gauges() == (7, 193)
+    scheduler.on_down(1, "rank 0 died")  # its processes, and so its cache, are gone
+    assert gauges() == (5, 195)

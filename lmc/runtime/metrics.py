@@ -33,10 +33,13 @@ class Metrics:
         self.waiting = Gauge("lmc_scheduler_waiting_requests", "Requests queued for a worker group.", registry=r)
         self.tokens_per_step = Histogram("lmc_scheduler_tokens_per_step", "Rows decoded in one decode step "
                                          "(continuous batching).", buckets=_STEP_BUCKETS, registry=r)
-        self.kv_blocks_used = Gauge("lmc_kv_cache_blocks_used", "KV-cache blocks reserved by the running requests "
-                                    "(continuous batching: prompt + max_new_tokens each).", registry=r)
-        self.kv_blocks_free = Gauge("lmc_kv_cache_blocks_free", "KV-cache blocks of the planned pool not reserved.",
+        self.kv_blocks_used = Gauge("lmc_kv_cache_blocks_used", "KV-cache blocks the running requests' caches hold "
+                                    "(continuous batching; rank 0 reports them with the step counts).", registry=r)
+        self.kv_blocks_free = Gauge("lmc_kv_cache_blocks_free", "KV-cache blocks of the planned pool not held.",
                                     registry=r)
+        self.kv_blocks_reserved = Gauge("lmc_kv_cache_blocks_reserved", "KV-cache blocks the scheduler reserved for "
+                                        "the running requests (prompt + max_new_tokens each): what admission counts.",
+                                        registry=r)
         self.queue_time = Histogram("lmc_queue_time_seconds", "Time from admission to a worker group taking the request.",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.restarts = Counter("lmc_worker_group_restarts", "Worker groups restarted after a process died.", registry=r)

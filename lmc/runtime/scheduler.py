@@ -57,7 +57,8 @@ class Scheduler:
         self._batches: dict[int, dict[str, Job]] = {}
         self._batch_done: dict[int, asyncio.Future] = {}
         self._batch_ids = itertools.count(1)
-        self._running: list[dict[int, int]] = [{} for _ in self.groups]  # per group: batch id -> KV blocks held
+        self._running: list[dict[int, int]] = [{} for _ in self.groups]  # per group: batch id -> KV blocks reserved
+        self._kv_held = [0 for _ in self.groups]  # per group: KV blocks its cache holds, as rank 0 last reported
         self._owner: dict[int, int] = {}  # batch id -> group
         self._room = [asyncio.Event() for _ in self.groups]  # set when a group's running work shrinks
         self._tasks: list[asyncio.Task] = []
@@ -71,9 +72,10 @@ class Scheduler:
         metrics.queue_depth.set_function(self.queued)
         metrics.waiting.set_function(self.queued)
         metrics.running.set_function(lambda: sum(len(jobs) for jobs in self._batches.values()))
-        metrics.kv_blocks_used.set_function(lambda: sum(sum(held.values()) for held in self._running))
+        metrics.kv_blocks_used.set_function(lambda: sum(self._kv_held))
         metrics.kv_blocks_free.set_function(
-            lambda: sum(max(0, self.blocks - sum(held.values())) for held in self._running) if self.blocks else 0)
+            lambda: sum(max(0, self.blocks - held) for held in self._kv_held) if self.blocks else 0)
+        metrics.kv_blocks_reserved.set_function(lambda: sum(sum(held.values()) for held in self._running))
         metrics.groups_ready.set_function(lambda: sum(event.is_set() for event in self._ready))
 
     @property
@@ -252,6 +254,7 @@ class Scheduler:
         self._call(self._set_ready, group, True)
 
     def on_down(self, group: int, reason: str) -> None:
+        self._kv_held[group] = 0  # its processes, and their caches, are gone
         self._call(self._set_ready, group, False)
 
     def on_restart(self, group: int) -> None:
@@ -276,9 +279,10 @@ class Scheduler:
     def on_failure(self, group: int, batch_id: int, message: str) -> None:
         self._call(self._failure, batch_id, message)
 
-    def on_steps(self, group: int, rows: list[int]) -> None:
+    def on_steps(self, group: int, rows: list[int], kv_blocks: int) -> None:
         for count in rows:  # (prometheus_client is thread-safe)
             self.metrics.tokens_per_step.observe(count)
+        self._kv_held[group] = kv_blocks
 
     def _fatal(self, error: Exception) -> None:
         if self.fatal is None:

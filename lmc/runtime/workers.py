@@ -126,6 +126,7 @@ class WorkerSpec:
     # `world_size` stay the TP rank and degree within the stage.
     pipeline: Any = None
     scheduling: str = "dynamic"  # the plan's: "continuous" runs _serve_continuous where the engine can
+    kv_block_size: int = 16  # the plan's kv_cache.block_size: a paged cache's block, the unit of the KV metrics
 
 
 def worker_spec(model_dir: Path, plan: dict[str, Any], group: int, rank: int, backend: str, port: int,
@@ -141,7 +142,8 @@ def worker_spec(model_dir: Path, plan: dict[str, Any], group: int, rank: int, ba
     env = {**where, **device_env(plan, group, rank), **(extra_env or {})}
     return WorkerSpec(str(model_dir), group, rank, tp, backend, env, engine=str(plan.get("engine", "")),
                       family=str((plan.get("model") or {}).get("family", "")), pipeline=pipeline,
-                      scheduling=str(plan.get("scheduling") or "dynamic"))
+                      scheduling=str(plan.get("scheduling") or "dynamic"),
+                      kv_block_size=int((plan.get("kv_cache") or {}).get("block_size") or 16))
 
 
 def load_model_module(model_dir: Path):
@@ -445,7 +447,7 @@ def _serve_continuous(engine, spec: WorkerSpec, conn: Connection | None, control
     def probe() -> set[str]:
         return cancelled
 
-    running = engine.running_batch(on_token if spec.rank == 0 else None)
+    running = engine.running_batch(on_token if spec.rank == 0 else None, spec.kv_block_size)
     reported = time.monotonic()
     while True:
         if not len(running):
@@ -474,12 +476,18 @@ def _serve_continuous(engine, spec: WorkerSpec, conn: Connection | None, control
                 if spec.rank == 0:
                     _send(conn, ("error", batch_id, f"model failure: {type(exc).__name__}: {exc}"))
             batches.clear(), owner.clear(), cancelled.clear(), seen.clear(), pieces.clear()
-            running = engine.running_batch(on_token if spec.rank == 0 else None)
+            running = engine.running_batch(on_token if spec.rank == 0 else None, spec.kv_block_size)
             continue
         if pieces:
             if not _send(conn, ("tokens", pieces)):
                 cancelled.update(request_id for _, request_id, _ in pieces)  # the front end is gone
             pieces.clear()
+        # Before the results: a client that has its answer finds the metrics past its request.
+        if spec.rank != 0:
+            running.decoded.clear()
+        elif (time.monotonic() - reported >= STEP_REPORT_S or not len(running) or finished) and running.decoded:
+            _send(conn, ("steps", running.decoded, running.kv_blocks(spec.kv_block_size)))
+            running.decoded, reported = [], time.monotonic()
         for row in finished:
             request_id = row.request.id
             batch_id = owner.pop(request_id)
@@ -491,11 +499,6 @@ def _serve_continuous(engine, spec: WorkerSpec, conn: Connection | None, control
                 del batches[batch_id]
                 if spec.rank == 0 and not _send(conn, ("result", batch_id, [results[i] for i in ids])):
                     return
-        if spec.rank != 0:
-            running.decoded.clear()
-        elif (time.monotonic() - reported >= STEP_REPORT_S or not len(running)) and running.decoded:
-            _send(conn, ("steps", running.decoded))
-            running.decoded, reported = [], time.monotonic()
 
 
 def _joining(spec: WorkerSpec, conn: Connection | None, control, inbox: deque, cancelled: set[str]) -> list[tuple]:
@@ -586,7 +589,7 @@ class GroupEvents(Protocol):
     def on_down(self, group: int, reason: str) -> None: ...
     def on_restart(self, group: int) -> None: ...
     def on_tokens(self, group: int, pieces: list[tuple[int, str, Piece]]) -> None: ...
-    def on_steps(self, group: int, rows: list[int]) -> None: ...
+    def on_steps(self, group: int, rows: list[int], kv_blocks: int) -> None: ...
     def on_fatal(self, group: int, error: ModelLoadError) -> None: ...
 
 
@@ -795,7 +798,7 @@ class WorkerGroup:
         elif kind == "tokens":  # a continuous batch's step: (batch id, request id, piece) each
             self.events.on_tokens(self.group, message[1])
         elif kind == "steps":
-            self.events.on_steps(self.group, message[1])
+            self.events.on_steps(self.group, message[1], message[2])
         elif kind == "load_failed":
             log.error("worker group %d failed to load the model: %s", self.group, message[1])
             self._load_failure = message[1]  # rank 0's reason, for the line that gives up

@@ -94,10 +94,11 @@ class Engine(Protocol):
         """Generate for a batch; results in the batch's order. Raises on a model failure."""
 
     # Engines that support continuous batching (hf, deepspeed without fused kernels) also have
-    # running_batch(on_token) -> generate.RunningBatch: an empty batch that requests join between decode
-    # steps (join), advanced one step at a time on every rank in lockstep (step, which returns the rows
-    # that finished); the worker's continuous loop (workers.py) drives it. Not part of the protocol:
-    # the worker checks for it.
+    # running_batch(on_token, block_size) -> generate.RunningBatch: an empty batch that requests join
+    # between decode steps (join), advanced one step at a time on every rank in lockstep (step, which
+    # returns the rows that finished), its KV cache in blocks of `block_size` positions (the plan's
+    # kv_cache.block_size) where it is paged; the worker's continuous loop (workers.py) drives it. Not
+    # part of the protocol: the worker checks for it.
 
     def count_tokens(self, text: str) -> int:
         """Prompt length in tokens, to validate requests against the planned sequence length."""

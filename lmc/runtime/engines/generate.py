@@ -188,16 +188,17 @@ class DecodeLoop:
             while batch.rows:
                 batch.step(cancel_probe)
 
-    def running_batch(self, on_token: TokenCallback | None = None) -> "RunningBatch":
+    def running_batch(self, on_token: TokenCallback | None = None, block_size: int | None = None) -> "RunningBatch":
         """An empty batch for iteration-level scheduling (continuous batching): rows join it between
-        decode steps (RunningBatch.join) and leave as they finish. Causal transformers models only."""
+        decode steps (RunningBatch.join) and leave as they finish; a paged cache's blocks hold `block_size`
+        positions (paged.BLOCK_SIZE by default). Causal transformers models only."""
         if self.prefill is not None or self.encoder_decoder or not self.compact:
             raise InternalError("continuous batching needs a causal transformers model with a transformers KV cache")
         if self.paged is None:
             from lmc.runtime.engines import paged
 
             self.paged = paged.enable(self.model)
-        return RunningBatch(self, on_token)
+        return RunningBatch(self, on_token, block_size)
 
     def _row(self, request: GenerationRequest) -> _Row:
         ids = self.encode(request.prompt, request.params.add_special_tokens)
@@ -374,8 +375,9 @@ class RunningBatch:
     rank of a group makes the same calls in the same order; rank 0 chooses the tokens and broadcasts
     them."""
 
-    def __init__(self, loop: DecodeLoop, on_token: TokenCallback | None):
+    def __init__(self, loop: DecodeLoop, on_token: TokenCallback | None, block_size: int | None = None):
         self.loop = loop
+        self.block_size = block_size  # a paged cache's (None: paged.BLOCK_SIZE)
         self.stream = on_token if loop.rank == 0 or loop.every_rank_answers else None
         self.rows: list[_Row] = []
         self.logits: torch.Tensor | None = None  # [rows, vocab]: each row's next-token logits
@@ -399,6 +401,13 @@ class RunningBatch:
         cache (the running rows' width)."""
         return 0 if self.state is None else self.state.width()
 
+    def kv_blocks(self, block_size: int) -> int:
+        """KV-cache blocks the rows hold now: their blocks of the pool where the cache is paged (joining rows'
+        included), else the shared padded cache's rows x width, in blocks of `block_size` positions."""
+        if self.cache is not None:
+            return self.cache.used()
+        return -(-len(self.rows) * self.kv_tokens() // block_size)
+
     def _state(self, rows: list[_Row]) -> "_CausalState | _PagedState":
         """The cache state for rows joining: their own blocks of the batch's pool where the model qualifies."""
         if not self.loop.paged:
@@ -406,7 +415,7 @@ class RunningBatch:
         if self.cache is None:
             from lmc.runtime.engines.paged import PagedCache
 
-            self.cache = PagedCache()
+            self.cache = PagedCache(self.block_size)
         return _PagedState(self.loop, rows, self.cache)
 
     # -- dynamic: one set of rows

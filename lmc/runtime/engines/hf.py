@@ -209,11 +209,11 @@ class HFEngine:
             raise InternalError("generate called before load")
         return self.loop.generate(batch, on_token, cancel_probe=cancel_probe)
 
-    def running_batch(self, on_token: TokenCallback | None = None):
+    def running_batch(self, on_token: TokenCallback | None = None, block_size: int | None = None):
         """Continuous batching (see base.Engine.running_batch): the decode loop's RunningBatch."""
         if self.loop is None:
             raise InternalError("running_batch called before load")
-        return self.loop.running_batch(on_token)
+        return self.loop.running_batch(on_token, block_size)
 
     def count_tokens(self, text: str) -> int:
         if self.loop is None:

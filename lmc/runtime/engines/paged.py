@@ -40,7 +40,7 @@ from torch.nn import functional as F
 from transformers.cache_utils import Cache
 
 ATTENTION = "lmc_paged"
-BLOCK_SIZE = 16  # planner.scheduling.BLOCK_SIZE: the plan's kv_cache.block_size, in which the scheduler reserves
+BLOCK_SIZE = 16  # when the plan names none (its kv_cache.block_size, planner.scheduling.BLOCK_SIZE, is passed in)
 _FIRST_BLOCKS = 64  # the pool's first size in blocks; it doubles when full
 
 
@@ -161,12 +161,12 @@ def enable(model) -> bool:
 
 
 class PagedCache(Cache):
-    """The pool of KV blocks of BLOCK_SIZE positions, one pool per layer (allocated at the layer's first
+    """The pool of KV blocks of `block_size` positions, one pool per layer (allocated at the layer's first
     update, grown when blocks run out); the layout of the coming forward is `packed`."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int | None = None) -> None:
         super().__init__(layers=[])
-        self.block_size = BLOCK_SIZE
+        self.block_size = block_size or BLOCK_SIZE
         self.capacity = _FIRST_BLOCKS
         self.free = list(range(self.capacity - 1, -1, -1))
         self.keys: dict[int, torch.Tensor] = {}
