@@ -40,6 +40,7 @@ DEFAULT_MAX_BODY_BYTES = 6_000_000
 # a client still sending reads the answer instead of a reset; beyond it the connection is closed.
 DISCARD_BYTES = 64 * 1024 * 1024
 DISCARD_SECONDS = 30.0
+_TIMED_OUT = ("timed out",)  # queued in a job's events at its deadline (Runtime.events)
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -247,20 +248,22 @@ class Runtime:
     async def events(self, job: Job) -> AsyncIterator[tuple[str, Any]]:
         """("token", Piece)* then ("done", result); raises RequestFailed on failure or timeout. Leaving it,
         by any path, gives the job up (Scheduler.abandon): a row still decoding stops."""
-        deadline = job.enqueued_at + self.request_timeout_s
+        # One timer for the request, which queues _TIMED_OUT at its deadline, not a wait_for per event: that
+        # made a task and a timer for every streamed token.
+        remaining = max(0.0, job.enqueued_at + self.request_timeout_s - time.monotonic())
+        timer = asyncio.get_running_loop().call_later(remaining, job.events.put_nowait, _TIMED_OUT)
         try:
             while True:
-                remaining = deadline - time.monotonic()
-                try:
-                    event = await asyncio.wait_for(job.events.get(), max(0.0, remaining))
-                except asyncio.TimeoutError:
-                    raise RequestFailed(424, f"request timed out after {self.request_timeout_s:g}s") from None
+                event = await job.events.get()
+                if event is _TIMED_OUT:
+                    raise RequestFailed(424, f"request timed out after {self.request_timeout_s:g}s")
                 if event[0] == "error":
                     raise RequestFailed(event[1], event[2])
                 yield event
                 if event[0] == "done":
                     return
         finally:
+            timer.cancel()
             self.scheduler.abandon(job)
 
     def record(self, endpoint: str, status: int, started: float | None = None) -> None:

@@ -449,35 +449,12 @@ def _serve_continuous(engine, spec: WorkerSpec, conn: Connection | None, control
 
     running = engine.running_batch(on_token if spec.rank == 0 else None, spec.kv_block_size)
     reported = time.monotonic()
-    while True:
-        if not len(running):
-            messages = [_next_message(spec, conn, control, inbox)]
-        else:
-            messages = _joining(spec, conn, control, inbox, cancelled)
-        for message in messages:
-            if message[0] == "stop":
-                return
-            if message[0] != "batch":
-                continue
-            _, batch_id, requests, forward = message
-            try:
-                running.join(list(requests))
-            except Exception as exc:  # a prompt that does not fit: this batch fails, the others go on
-                if spec.rank == 0:
-                    _send(conn, ("error", batch_id, f"model failure: {type(exc).__name__}: {exc}"))
-                continue
-            batches[batch_id] = ([r.id for r in requests], {}, frozenset(forward))
-            owner.update((r.id, batch_id) for r in requests)
-        try:
-            finished = running.step(probe if spec.rank == 0 else None)
-        except Exception as exc:  # a model failure: every running request is answered 424, the group goes on
-            log.exception("rank %d: decode step failed", spec.rank)
-            for batch_id in batches:
-                if spec.rank == 0:
-                    _send(conn, ("error", batch_id, f"model failure: {type(exc).__name__}: {exc}"))
-            batches.clear(), owner.clear(), cancelled.clear(), seen.clear(), pieces.clear()
-            running = engine.running_batch(on_token if spec.rank == 0 else None, spec.kv_block_size)
-            continue
+    gone = False  # the front end stopped reading: stop
+
+    def deliver(finished: list) -> None:
+        """The step's tokens chosen, its finished rows out, its forward still to run: send the tokens and
+        the finished requests' results now, so they reach the clients while the forward runs."""
+        nonlocal reported, gone
         if pieces:
             if not _send(conn, ("tokens", pieces)):
                 cancelled.update(request_id for _, request_id, _ in pieces)  # the front end is gone
@@ -498,7 +475,36 @@ def _serve_continuous(engine, spec: WorkerSpec, conn: Connection | None, control
             if len(results) == len(ids):
                 del batches[batch_id]
                 if spec.rank == 0 and not _send(conn, ("result", batch_id, [results[i] for i in ids])):
-                    return
+                    gone = True
+
+    while not gone:
+        if not len(running):
+            messages = [_next_message(spec, conn, control, inbox)]
+        else:
+            messages = _joining(spec, conn, control, inbox, cancelled)
+        for message in messages:
+            if message[0] == "stop":
+                return
+            if message[0] != "batch":
+                continue
+            _, batch_id, requests, forward = message
+            try:
+                running.join(list(requests))
+            except Exception as exc:  # a prompt that does not fit: this batch fails, the others go on
+                if spec.rank == 0:
+                    _send(conn, ("error", batch_id, f"model failure: {type(exc).__name__}: {exc}"))
+                continue
+            batches[batch_id] = ([r.id for r in requests], {}, frozenset(forward))
+            owner.update((r.id, batch_id) for r in requests)
+        try:
+            running.step(probe if spec.rank == 0 else None, deliver)
+        except Exception as exc:  # a model failure: every running request is answered 424, the group goes on
+            log.exception("rank %d: decode step failed", spec.rank)
+            for batch_id in batches:
+                if spec.rank == 0:
+                    _send(conn, ("error", batch_id, f"model failure: {type(exc).__name__}: {exc}"))
+            batches.clear(), owner.clear(), cancelled.clear(), seen.clear(), pieces.clear()
+            running = engine.running_batch(on_token if spec.rank == 0 else None, spec.kv_block_size)
 
 
 def _joining(spec: WorkerSpec, conn: Connection | None, control, inbox: deque, cancelled: set[str]) -> list[tuple]:

@@ -469,9 +469,12 @@ class RunningBatch:
 
     # -- one step
 
-    def step(self, cancel_probe: CancelProbe | None = None) -> list[_Row]:
+    def step(self, cancel_probe: CancelProbe | None = None,
+             chosen: Callable[[list[_Row]], None] | None = None) -> list[_Row]:
         """Prefill a chunk of joining rows, then choose every running row's next token and run the model
-        one position further for those that go on. Returns the rows that finished in this step."""
+        one position further for those that go on. Returns the rows that finished in this step; `chosen`
+        gets them before the forward (the tokens are chosen and the finished rows out: their answers can
+        go while it runs)."""
         loop = self.loop
         if self.pending and not self._fused():
             self._prefill_pending()
@@ -492,12 +495,16 @@ class RunningBatch:
             if self.state is not None:
                 self.state.release()
             self.rows, self.logits, self.state, self.advance, self.keep = [], None, None, None, None
+            if chosen is not None:
+                chosen(finished)
             return finished
         if self.keep is not None and finished:
             # Every rank alike: finishing follows the broadcast tokens and the text every rank decodes.
             live = [i for i, row in enumerate(self.rows) if row.finish is None]
             self.keep(torch.tensor(live, dtype=torch.long, device=loop.device))
             self.rows, tokens = [self.rows[i] for i in live], tokens[live]
+        if chosen is not None:
+            chosen(finished)
         if self.pending and self._fused():
             self._advance_joining(tokens)
         else:
