@@ -120,3 +120,29 @@ def test_the_deepspeed_engine_on_cpu_batches_continuously_with_the_same_answers(
     engine.load(artifacts[1], 0, 1)
     assert _continuous(engine, chunk=4)["tokens"] == _alone(_engine(artifacts[1]))
     assert engine.loop.paged  # its rows in the per-sequence cache, as with the hf engine
+
+
+def test_a_step_hands_over_its_finished_rows_before_its_forward(artifacts):
+    import torch
+
+    from lmc.runtime.engines.base import GenerationParams, GenerationRequest
+
+    engine = _engine(artifacts[1])
+    log: list[str] = []
+    model = getattr(engine.loop.model, "module", engine.loop.model)
+    handle = model.register_forward_pre_hook(lambda module, args: log.append("forward"))
+    batch = engine.running_batch()
+    batch.join([GenerationRequest(id=f"r{i}", prompt=PROMPTS[i], params=GenerationParams(max_new_tokens=n, ignore_eos=True))
+                for i, n in ((0, 3), (1, 6))])
+    try:
+        with torch.inference_mode():
+            while len(batch):
+                log.append("step")
+                returned = batch.step(None, lambda rows: log.append("chosen " + ",".join(r.request.id for r in rows)))
+                assert log[-1 if not len(batch) else -2].startswith("chosen")  # the last step runs no forward
+                assert log[-1 if not len(batch) else -2] == "chosen " + ",".join(r.request.id for r in returned)
+    finally:
+        handle.remove()
+    # r0's 3rd token is chosen in the step whose forward then runs r1 alone: its answer was handed over first.
+    steps = " | ".join(" ".join(log).split("step ")[1:])
+    assert "chosen r0 forward" in steps and steps.rstrip().endswith("chosen r1")
