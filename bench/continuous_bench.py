@@ -47,6 +47,10 @@ SPEC = BATCHING_SPEC.replace("max_output_tokens = 64", "max_output_tokens = 256"
                                                                                             "concurrency = 16")
 
 
+# uvicorn closes a connection idle for 5 s (the runtime's timeout_keep_alive): one idle longer is not reused.
+KEEP_ALIVE_S = 4.0
+
+
 class Connections:
     """The load generator's keep-alive HTTP/1.1 connections to one server (h11, the protocol library under
     httpx and uvicorn, over asyncio streams), opened once and reused, as a client's pool does. Not httpx:
@@ -63,7 +67,7 @@ class Connections:
         self.idle: list[tuple] = []
 
     async def close(self) -> None:
-        for _, writer, _ in self.idle:
+        for (_, writer, _), _ in self.idle:
             writer.close()
         self.idle.clear()
 
@@ -71,8 +75,14 @@ class Connections:
         """Stream one LMI request: (seconds to the first streamed line, seconds to the end, tokens generated)."""
         import h11
 
-        conn = self.idle.pop() if self.idle else (*await asyncio.open_connection(self.host, self.port),
-                                                  h11.Connection(h11.CLIENT))
+        conn = None
+        while self.idle and conn is None:
+            conn, used = self.idle.pop()
+            if time.monotonic() - used > KEEP_ALIVE_S or conn[0].at_eof():  # the server may have closed it
+                conn[1].close()
+                conn = None
+        if conn is None:
+            conn = (*await asyncio.open_connection(self.host, self.port), h11.Connection(h11.CLIENT))
         reader, writer, http = conn
         body = json.dumps({"inputs": prompt, "stream": True, "parameters": {
             "max_new_tokens": tokens, "ignore_eos_token": True, "do_sample": False, "details": True}}).encode()
@@ -98,7 +108,7 @@ class Connections:
                 break
         end = time.monotonic() - start
         http.start_next_cycle()
-        self.idle.append(conn)
+        self.idle.append((conn, time.monotonic()))
         answer = json.loads(last or pending)
         if "generated_text" not in answer:
             raise RuntimeError(f"stream ended without an answer: {answer}")
