@@ -336,6 +336,30 @@ def test_a_stream_the_client_drops_stops_its_row(tmp_path):
             "generated_text": expected_text("next one", 3)}
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/invocations", {"inputs": "never mind", "parameters": {"max_new_tokens": 5}, "stream": True}),
+    ("/v1/completions", {"prompt": "never mind", "max_tokens": 5, "stream": True}),
+], ids=["jsonlines", "sse"])
+def test_a_stream_dropped_while_queued_is_given_up_before_it_runs(tmp_path, path, body):
+    record = tmp_path / "record"
+    record.mkdir()
+    with serve_fake(tmp_path / "m", engine_kwargs={"step_delay_s": 0.1, "record_dir": str(record)}) as srv:
+        busy = threading.Thread(target=post, args=(srv, {"inputs": "busy", "parameters": {"max_new_tokens": 30}}))
+        busy.start()  # holds the one worker group for 3 s
+        time.sleep(0.3)
+        with httpx.stream("POST", srv.url + path, json=body, timeout=30) as reply:
+            assert reply.status_code == 200  # the headers came; no token will before the busy one ends
+        deadline = time.monotonic() + 2
+        while "499" not in (metrics := httpx.get(srv.url + "/metrics").text) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert busy.is_alive(), "the busy request ended first: nothing was checked"
+        endpoint = path.strip("/").replace("/", "_").removeprefix("v1_")
+        assert f'lmc_requests_total{{endpoint="{endpoint}",status="499"}} 1.0' in metrics
+        busy.join(30)
+        # Only the busy request ever ran: the dropped one left the queue with its client.
+        assert [row["generated_tokens"] for row in _finished(record)] == [30]
+
+
 def test_a_client_that_hangs_up_mid_body_is_recorded_as_499_not_400(server):
     import socket
     from urllib.parse import urlsplit

@@ -47,6 +47,45 @@ def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message, "code": status}, status_code=status)
 
 
+class LineStream:
+    """A streamed answer (LMI's jsonlines, OpenAI's SSE) as a plain ASGI response: `body`'s chunks sent as they
+    come, and `body` cancelled when the client disconnects (which gives its job up: Runtime.events). What
+    Starlette's StreamingResponse does, with one watcher task where it runs an anyio task group and two
+    tasks per response: that was a third of the front end's time per streamed request (py-spy, 16
+    concurrent 2-token requests)."""
+
+    def __init__(self, body: AsyncIterator[bytes], media_type: str):
+        self.body = body
+        charset = "; charset=utf-8" if media_type.startswith("text/") else ""
+        self.headers = [(b"content-type", (media_type + charset).encode())]
+
+    async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        left = False
+
+        async def watch() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left = True
+            task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            async for chunk in self.body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            if hasattr(task, "uncancel"):  # (3.11+) the client left: this response is over, the server goes on
+                task.uncancel()
+        finally:
+            watcher.cancel()
+            await self.body.aclose()
+
+
 class Runtime:
     """The state behind the routes: plan limits, text tools, scheduler, metrics, draining."""
 

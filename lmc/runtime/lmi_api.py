@@ -12,10 +12,10 @@ from dataclasses import replace
 from typing import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from lmc.runtime.core import Runtime, error_response
+from lmc.runtime.core import LineStream, Runtime, error_response
 from lmc.runtime.jobs import CLIENT_CLOSED, Job, RequestFailed
 from lmc.runtime.requests import LmiLines, jsonline, lmi_details, parse_invocation
 
@@ -54,7 +54,7 @@ async def invocations(request: Request) -> Response:
         runtime.record("invocations", exc.status)
         return error_response(exc.status, exc.message)
     if stream:
-        return StreamingResponse(_jsonlines(runtime, jobs[0], details, started), media_type="application/jsonlines")
+        return LineStream(_jsonlines(runtime, jobs[0], details, started), "application/jsonlines")
     try:
         results = await runtime.results(jobs, request)
     except RequestFailed as exc:

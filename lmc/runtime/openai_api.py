@@ -22,10 +22,10 @@ from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from lmc.runtime.core import Runtime
+from lmc.runtime.core import LineStream, Runtime
 from lmc.runtime.jobs import CLIENT_CLOSED, Job, RequestFailed
 from lmc.runtime.requests import parse_parameters
 
@@ -264,8 +264,8 @@ async def _handle(request: Request, chat: bool) -> Response:
     created = int(time.time())
     model = runtime.model_name
     if stream:
-        return StreamingResponse(_stream(runtime, jobs, chat, ident, created, model, _include_usage(body), started),
-                                 media_type="text/event-stream")
+        return LineStream(_stream(runtime, jobs, chat, ident, created, model, _include_usage(body), started),
+                          "text/event-stream")
     try:
         results = await runtime.results(jobs, request)
     except RequestFailed as exc:
