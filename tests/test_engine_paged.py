@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from _engine_helpers import build_artifact, make_checkpoint
+from _engine_helpers import build_artifact, make_checkpoint, run_tp_ranks
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog and then some more words follow", "a",
            "hello world hello world", "one two three four five six seven eight nine ten eleven"]
@@ -62,9 +62,9 @@ def test_joining_gives_the_tokens_of_running_alone_in_every_causal_family(artifa
     engine = _engine(artifacts[family], family)
     alone = {request.id: engine.generate([request])[0].token_ids for request in _requests()}
     assert _joined(engine) == alone
-    # The families whose attention goes through transformers' AttentionInterface run on the paged cache;
-    # the others (their own attention code) keep the left-padded DynamicCache.
-    assert engine.loop.paged is (family in ("llama", "mistral", "qwen2", "mixtral", "gpt_neox", "opt"))
+    # The families whose attention goes through transformers' AttentionInterface run on the paged cache, and
+    # GPT-J (its own attention code, which lmc routes); BLOOM (ALiBi) keeps the left-padded DynamicCache.
+    assert engine.loop.paged is (family != "bloom")
     # Switched to lmc_paged, the model still serves dynamic batches (left-padded, SDPA's mask) as before.
     assert {request.id: result.token_ids for request, result in zip(_requests(), engine.generate(_requests()))} == alone
 
@@ -94,8 +94,27 @@ def test_a_row_holds_blocks_for_its_own_positions_only_and_gives_them_back(artif
     assert seen[-1][1] == 0  # every block back once the rows have left
 
 
+def _gptj_rank(rank: int, opened: list[str], artifact: str) -> dict:
+    from lmc.runtime.engines.hf import HFEngine
+
+    engine = HFEngine(family="gptj", task="text-generation", dtype="fp32", tensor_parallel_degree=2,
+                      max_sequence_length=128, batch_size=8, device="cpu")
+    engine.load(artifact, rank, 2)
+    return {"alone": {request.id: engine.generate([request])[0].token_ids for request in _requests()},
+            "joined": _joined(engine), "paged": engine.loop.paged}
+
+
+def test_gptj_at_tp2_joins_on_the_paged_cache_with_its_tp1_answers(artifacts, tmp_path):
+    checkpoint = artifacts["gptj"].parent / "ckpt"
+    tp1 = _engine(artifacts["gptj"], "gptj")
+    reference = {request.id: tp1.generate([request])[0].token_ids for request in _requests()}
+    reports = run_tp_ranks(_gptj_rank, str(build_artifact(checkpoint, tmp_path / "tp2", 2)))
+    for rank in (0, 1):  # each rank's heads half of every layer's, on its own pool
+        assert reports[rank]["paged"] and reports[rank]["joined"] == reports[rank]["alone"] == reference, rank
+
+
 def test_a_shared_padded_cache_reports_its_rows_times_width_in_blocks(artifacts):
-    engine = _engine(artifacts["gptj"], "gptj")  # not paged: one left-padded cache for all rows
+    engine = _engine(artifacts["bloom"], "bloom")  # not paged: one left-padded cache for all rows
     seen = []
 
     def check(batch) -> None:

@@ -644,14 +644,11 @@ class _PagedState:
 
     def _forward(self, ids: torch.Tensor, positions: list[int], packed, logits_to_keep) -> torch.Tensor:
         cache, device = self.rows.cache, self.loop.device
-        cache.packed = packed
-        try:
+        with cache.forward(packed):
             # A 4-D mask: transformers builds none (the attention keeps each row to itself).
             out = self.loop.model(input_ids=ids[None].to(device), position_ids=torch.tensor([positions], device=device),
                                   attention_mask=_NO_MASK, past_key_values=cache, use_cache=True,
                                   logits_to_keep=logits_to_keep, lmc_packed=packed)
-        finally:
-            cache.packed = None
         return out.logits[0].float()
 
     def _chunk(self, chunk: int | None) -> tuple[list[int], list[int], Packed, list[int] | None]:

@@ -28,11 +28,16 @@ DynamicCache) the attention and its mask are SDPA's.
 A model qualifies when its classes use transformers' AttentionInterface and take position_ids and
 logits_to_keep, and its layers attend in full or in a sliding window (the layer's window, which
 transformers passes to the attention as `sliding_window`, narrows the mask: a key is seen when its
-position is within the window of the query's).
+position is within the window of the query's). GPT-J's attention is its own code (GPTJAttention._attn,
+eager, scores in fp32), which lmc replaces on each layer by the same computation on the paged layout
+while a paged forward runs (the layout reaches it through ACTIVE); BLOOM's (ALiBi biases) is not paged.
 """
 
 from __future__ import annotations
 
+import contextvars
+import types
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +47,9 @@ from transformers.cache_utils import Cache
 ATTENTION = "lmc_paged"
 BLOCK_SIZE = 16  # when the plan names none (its kv_cache.block_size, planner.scheduling.BLOCK_SIZE, is passed in)
 _FIRST_BLOCKS = 64  # the pool's first size in blocks; it doubles when full
+# The layout of the paged forward running now (PagedCache.forward), for attention code that transformers does
+# not hand lmc_packed to (GPT-J's).
+ACTIVE: contextvars.ContextVar = contextvars.ContextVar("lmc_paged_layout", default=None)
 
 
 @dataclass
@@ -126,7 +134,28 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     return out.transpose(1, 2).reshape(1, tokens, heads, dim), None
 
 
+def _gptj_attn(module, query, key, value, attention_mask=None):
+    """GPTJAttention._attn on the paged layout while a paged forward runs (else GPT-J's own): its scores in
+    fp32, as GPT-J computes them. query [1, H, N, D]; key, value [T, H, D] (PagedCache.update)."""
+    packed = ACTIVE.get()
+    if packed is None:
+        return type(module)._attn(module, query, key, value, attention_mask)
+    out, _ = _attention(module, query.float(), key.float(), value.float(), None,
+                        scaling=1.0 / float(module.scale_attn), lmc_packed=packed)
+    return out.to(value.dtype).transpose(1, 2), None  # [1, H, N, D], as _merge_heads takes it
+
+
 _registered = False
+
+
+def _enable_gptj(inner) -> bool:
+    """Route each GPTJAttention's _attn through _gptj_attn; False for other models."""
+    layers = [module for module in inner.modules() if type(module).__name__ == "GPTJAttention"]
+    if not layers:
+        return False
+    for module in layers:
+        module._attn = types.MethodType(_gptj_attn, module)
+    return True
 
 
 def enable(model) -> bool:
@@ -140,11 +169,15 @@ def enable(model) -> bool:
     from transformers.masking_utils import sdpa_mask
 
     inner = getattr(model, "module", model)
-    can = getattr(inner, "_can_set_attn_implementation", None)
-    if can is None or not can() or getattr(inner.config, "is_encoder_decoder", False):
+    if getattr(getattr(inner, "config", None), "is_encoder_decoder", False):
         return False
     accepted = set(inspect.signature(inner.forward).parameters)
     if not {"position_ids", "logits_to_keep"} <= accepted:
+        return False
+    if _enable_gptj(inner):
+        return True
+    can = getattr(inner, "_can_set_attn_implementation", None)
+    if can is None or not can():
         return False
     # Full and sliding-window layers only (the attention gets each layer's window as `sliding_window`),
     # nothing that keeps state of another kind (chunked or linear attention).
@@ -175,6 +208,16 @@ class PagedCache(Cache):
 
     def used(self) -> int:
         return self.capacity - len(self.free)
+
+    @contextmanager
+    def forward(self, packed: Packed):
+        """The coming forward's layout, for update and the attention (ACTIVE), while the block runs."""
+        self.packed, token = packed, ACTIVE.set(packed)
+        try:
+            yield
+        finally:
+            self.packed = None
+            ACTIVE.reset(token)
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self.free):
