@@ -14,6 +14,11 @@ sequences), and runs two workloads against each (greedy, ignore_eos so every ans
       line's arrival. Also printed, without a target, as "bimodal_*": the same with half the requests
       8 tokens and half 128, in a fixed shuffled order. "step_bound" is the ratio (b) could reach at
       best if a step cost the same whatever its rows (see step_bound): the target is above it.
+  Open loop (no target), as "open_*": 64 requests of lengths drawn like (b)'s, arriving as a Poisson
+      process (BENCH_OPEN_RATE, 60 per second: about half of what the server can generate here), each
+      sent at its time whatever the server does, as users arrive: TTFT p50 and p99, completion p50. In
+      (b)'s closed loop at concurrency = batch size every dynamic batch starts full; here requests
+      arrive while a batch runs.
   Engine level (no target): the decode loop alone on (b)'s lengths, all waiting from the start: lmc's
       dynamic batches, the same batches keeping finished rows (HF generate's way), continuous batching.
 
@@ -147,6 +152,22 @@ async def mixed(client: Connections, lengths: list[int], concurrency: int) -> tu
     return sum(tokens for _, _, tokens in results) / wall, p99
 
 
+async def open_loop(client: Connections, lengths: list[int], gaps: list[float]) -> tuple[float, float, float]:
+    """Requests sent at fixed times whatever the server does (request i after the sum of gaps[:i+1]), as users
+    arrive: (TTFT p50, TTFT p99, completion p50) in seconds."""
+    async def send(index: int, at: float, tokens: int) -> tuple[float, float, int]:
+        await asyncio.sleep(max(0.0, at - (time.monotonic() - start)))
+        return await client.request(f"request {index}: the quick brown fox", tokens)
+
+    start, at, sends = time.monotonic(), 0.0, []
+    for index, (tokens, gap) in enumerate(zip(lengths, gaps)):
+        at += gap
+        sends.append(send(index, at, tokens))
+    results = await asyncio.gather(*sends)
+    ttfts, ends = sorted(first for first, _, _ in results), sorted(end for _, end, _ in results)
+    return statistics.median(ttfts), ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))], statistics.median(ends)
+
+
 def step_bound(lengths: list[int], slots: int = 16) -> float:
     """The most continuous batching can gain over lmc's dynamic batching on `lengths` if a decode step cost
     the same whatever its rows: the steps dynamic batching takes (batches of `slots` in arrival order,
@@ -164,7 +185,8 @@ def step_bound(lengths: list[int], slots: int = 16) -> float:
     return dynamic / steps
 
 
-def run(model_dir: Path, plans: dict[str, dict], lengths: list[int], bimodal: list[int], repeats: int) -> dict:
+def run(model_dir: Path, plans: dict[str, dict], lengths: list[int], bimodal: list[int], arrivals: tuple[list, list],
+        repeats: int) -> dict:
     """Both servers up at once, each workload run on one then the other, `repeats` times: a burst of load
     from elsewhere on the machine hits both alike. Each figure is the median of its repeats."""
     from contextlib import ExitStack
@@ -174,7 +196,7 @@ def run(model_dir: Path, plans: dict[str, dict], lengths: list[int], bimodal: li
     async def workloads(urls: dict[str, str]) -> None:
         clients = {name: Connections(url) for name, url in urls.items()}
         for client in clients.values():
-            await mixed(client, [4] * 16, 16)  # warm-up, and the connections every workload needs opened
+            await mixed(client, [4] * 64, 64)  # warm-up, and the connections the workloads need opened
         for _ in range(repeats):
             for name, client in clients.items():
                 add = lambda key, value: samples[name].setdefault(key, []).append(value)  # noqa: E731
@@ -184,6 +206,8 @@ def run(model_dir: Path, plans: dict[str, dict], lengths: list[int], bimodal: li
                 add("tokens_per_s", rate), add("ttft_p99_s", ttft)
                 rate, ttft = await mixed(client, bimodal, 16)
                 add("bimodal_tokens_per_s", rate), add("bimodal_ttft_p99_s", ttft)
+                ttft_p50, ttft_p99, end_p50 = await open_loop(client, *arrivals)
+                add("open_ttft_p50_s", ttft_p50), add("open_ttft_p99_s", ttft_p99), add("open_end_p50_s", end_p50)
         for client in clients.values():
             await client.close()
 
@@ -258,6 +282,9 @@ def main() -> int:
     uniform = [draw.randint(8, 128) for _ in range(32)]
     bimodal = [8, 128] * 16
     draw.shuffle(bimodal)
+    # Open loop: 64 requests of (b)'s lengths arriving as a Poisson process at OPEN_RATE per second.
+    rate = float(os.environ.get("BENCH_OPEN_RATE", "60"))
+    arrivals = ([draw.randint(8, 128) for _ in range(64)], [draw.expovariate(rate) for _ in range(64)])
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     with tempfile.TemporaryDirectory(prefix="lmc-continuous-bench-") as tmp:
         hidden = int(os.environ.get("BENCH_HIDDEN", "0"))  # 0: the tiny model; else a wider one, 4 layers
@@ -272,7 +299,7 @@ def main() -> int:
                                kv_cache=plan.get("kv_cache") or {"block_size": 16, "blocks": 16 * 20,
                                                                   "max_concurrent_sequences": 16})
         print(f"plan: scheduling {plan.get('scheduling')}, kv_cache {plan.get('kv_cache')}")
-        figures = run(model_dir, {"dynamic": dynamic_plan, "continuous": continuous_plan}, uniform, bimodal,
+        figures = run(model_dir, {"dynamic": dynamic_plan, "continuous": continuous_plan}, uniform, bimodal, arrivals,
                       int(os.environ.get("BENCH_REPEATS", "5")))
         dynamic, continuous = figures["dynamic"], figures["continuous"]
         print("dynamic:   ", dynamic)
@@ -286,6 +313,8 @@ def main() -> int:
               "(b) TTFT p99 lower": continuous["ttft_p99_s"] < dynamic["ttft_p99_s"]}
     print(json.dumps({"dynamic": dynamic, "continuous": continuous, "short_p50_ratio": round(ratio_a, 3),
                       "throughput_ratio": round(ratio_b, 2), "checks": checks,
+                      "open_loop_ratios": {key: round(continuous[f"open_{key}_s"] / dynamic[f"open_{key}_s"], 3)
+                                           for key in ("ttft_p50", "ttft_p99", "end_p50")},
                       "step_bound": round(step_bound(uniform), 2),
                       "bimodal_step_bound": round(step_bound(bimodal), 2),
                       "engine_level": engine,
