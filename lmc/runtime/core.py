@@ -71,6 +71,7 @@ class LineStream:
             task.cancel()
 
         watcher = asyncio.ensure_future(watch())
+        watcher.add_done_callback(lambda done: done.cancelled() or done.exception())  # read: no "never retrieved"
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
             async for chunk in self.body:
