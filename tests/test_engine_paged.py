@@ -62,9 +62,9 @@ def test_joining_gives_the_tokens_of_running_alone_in_every_causal_family(artifa
     engine = _engine(artifacts[family], family)
     alone = {request.id: engine.generate([request])[0].token_ids for request in _requests()}
     assert _joined(engine) == alone
-    # The families whose attention goes through transformers' AttentionInterface run on the paged cache, and
-    # GPT-J (its own attention code, which lmc routes); BLOOM (ALiBi) keeps the left-padded DynamicCache.
-    assert engine.loop.paged is (family != "bloom")
+    # Every causal family runs on the paged cache: those whose attention goes through transformers'
+    # AttentionInterface, and GPT-J and BLOOM (their own attention code, which lmc routes).
+    assert engine.loop.paged is True
     # Switched to lmc_paged, the model still serves dynamic batches (left-padded, SDPA's mask) as before.
     assert {request.id: result.token_ids for request, result in zip(_requests(), engine.generate(_requests()))} == alone
 
@@ -94,36 +94,38 @@ def test_a_row_holds_blocks_for_its_own_positions_only_and_gives_them_back(artif
     assert seen[-1][1] == 0  # every block back once the rows have left
 
 
-def _gptj_rank(rank: int, opened: list[str], artifact: str) -> dict:
+def _tp2_rank(rank: int, opened: list[str], artifact: str, family: str) -> dict:
     from lmc.runtime.engines.hf import HFEngine
 
-    engine = HFEngine(family="gptj", task="text-generation", dtype="fp32", tensor_parallel_degree=2,
+    engine = HFEngine(family=family, task="text-generation", dtype="fp32", tensor_parallel_degree=2,
                       max_sequence_length=128, batch_size=8, device="cpu")
     engine.load(artifact, rank, 2)
     return {"alone": {request.id: engine.generate([request])[0].token_ids for request in _requests()},
             "joined": _joined(engine), "paged": engine.loop.paged}
 
 
-def test_gptj_at_tp2_joins_on_the_paged_cache_with_its_tp1_answers(artifacts, tmp_path):
-    checkpoint = artifacts["gptj"].parent / "ckpt"
-    tp1 = _engine(artifacts["gptj"], "gptj")
+@pytest.mark.parametrize("family", ["gptj", "bloom"])  # their own attention code, routed to the paged layout
+def test_tp2_joins_on_the_paged_cache_with_the_tp1_answers(artifacts, tmp_path, family):
+    checkpoint = artifacts[family].parent / "ckpt"
+    tp1 = _engine(artifacts[family], family)
     reference = {request.id: tp1.generate([request])[0].token_ids for request in _requests()}
-    reports = run_tp_ranks(_gptj_rank, str(build_artifact(checkpoint, tmp_path / "tp2", 2)))
-    for rank in (0, 1):  # each rank's heads half of every layer's, on its own pool
+    reports = run_tp_ranks(_tp2_rank, str(build_artifact(checkpoint, tmp_path / "tp2", 2)), family)
+    for rank in (0, 1):  # each rank's half of every layer's heads (BLOOM: and their ALiBi slopes), its own pool
         assert reports[rank]["paged"] and reports[rank]["joined"] == reports[rank]["alone"] == reference, rank
 
 
-def test_a_shared_padded_cache_reports_its_rows_times_width_in_blocks(artifacts):
-    engine = _engine(artifacts["bloom"], "bloom")  # not paged: one left-padded cache for all rows
+def test_a_model_that_does_not_qualify_joins_on_the_shared_padded_cache(artifacts):
+    engine = _engine(artifacts["llama"], "llama")
+    alone = {request.id: engine.generate([request])[0].token_ids for request in _requests()}
+    engine.loop.paged = False  # what paged.enable answers for a model it cannot switch: one left-padded cache
     seen = []
 
     def check(batch) -> None:
         width = batch.kv_tokens()
-        assert batch.kv_blocks(16) == -(-len(batch.rows) * width // 16)
+        assert batch.cache is None and batch.kv_blocks(16) == -(-len(batch.rows) * width // 16)
         seen.append((len(batch.rows), width, batch.kv_blocks(16)))
 
-    _joined(engine, check)
-    assert engine.loop.paged is False
+    assert _joined(engine, check) == alone
     assert any(rows >= 3 for rows, _, _ in seen) and seen[-1] == (0, 0, 0)  # several rows at once; none at the end
 
 

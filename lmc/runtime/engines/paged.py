@@ -28,9 +28,10 @@ DynamicCache) the attention and its mask are SDPA's.
 A model qualifies when its classes use transformers' AttentionInterface and take position_ids and
 logits_to_keep, and its layers attend in full or in a sliding window (the layer's window, which
 transformers passes to the attention as `sliding_window`, narrows the mask: a key is seen when its
-position is within the window of the query's). GPT-J's attention is its own code (GPTJAttention._attn,
-eager, scores in fp32), which lmc replaces on each layer by the same computation on the paged layout
-while a paged forward runs (the layout reaches it through ACTIVE); BLOOM's (ALiBi biases) is not paged.
+position is within the window of the query's). GPT-J's and BLOOM's attention is their own code
+(GPTJAttention._attn; BloomAttention.forward, with ALiBi biases), which lmc replaces on each layer by
+the same computation on the paged layout while a paged forward runs (the layout reaches it through
+ACTIVE): GPT-J's scores in fp32, BLOOM's with each head's slope times the key's position in its row.
 """
 
 from __future__ import annotations
@@ -102,8 +103,17 @@ class Packed:
                       self.visible, shifted)
 
 
+def _with_alibi(mask: torch.Tensor, key_positions: torch.Tensor, slopes: torch.Tensor | None) -> torch.Tensor:
+    """`mask` [..., queries, keys] as SDPA's attn_mask: the bool mask, or with ALiBi [..., heads, queries, keys]:
+    each head's slope times the key's position in its row where seen, -inf elsewhere (BLOOM's biases)."""
+    if slopes is None:
+        return mask
+    bias = slopes[:, None, None] * key_positions.to(slopes.dtype)[None, None, :]  # [H, 1, keys]
+    return torch.where(mask.unsqueeze(-3), bias, float("-inf"))
+
+
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-               lmc_packed: Packed | None = None, **kwargs):
+               lmc_packed: Packed | None = None, alibi_slopes: torch.Tensor | None = None, **kwargs):
     if lmc_packed is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -116,12 +126,13 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     gqa = heads != kv_heads
     rows, parts = lmc_packed.decode_rows, []
     if rows:  # one query per row: [B, H, 1, D] against [B, Hkv, S, D]
-        read = rows * lmc_packed.visible.mask.shape[1]
+        visible = lmc_packed.visible
+        read = rows * visible.mask.shape[1]
+        mask = _with_alibi(visible.mask_for(window)[:, None, :], visible.key_positions, alibi_slopes)
         out = F.scaled_dot_product_attention(
             query[0, :, :rows].transpose(0, 1)[:, :, None, :], key[:read].view(rows, -1, kv_heads, dim).transpose(1, 2),
             value[:read].view(rows, -1, kv_heads, dim).transpose(1, 2),
-            attn_mask=lmc_packed.visible.mask_for(window)[:, None, None, :],
-            scale=scaling, enable_gqa=gqa)
+            attn_mask=mask if alibi_slopes is not None else mask[:, None], scale=scaling, enable_gqa=gqa)
         if not lmc_packed.segments:
             return out.transpose(1, 2).reshape(1, tokens, heads, dim), None
         parts.append(out[:, :, 0].transpose(0, 1)[None])
@@ -129,7 +140,8 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     key, value = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
     parts += [F.scaled_dot_product_attention(
         query[:, :, seg.q0:seg.q1], key[:, :, seg.k0:seg.k1], value[:, :, seg.k0:seg.k1],
-        attn_mask=seg.visible.mask_for(window), scale=scaling, enable_gqa=gqa) for seg in lmc_packed.segments]
+        attn_mask=_with_alibi(seg.visible.mask_for(window), seg.visible.key_positions, alibi_slopes),
+        scale=scaling, enable_gqa=gqa) for seg in lmc_packed.segments]
     out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
     return out.transpose(1, 2).reshape(1, tokens, heads, dim), None
 
@@ -145,7 +157,45 @@ def _gptj_attn(module, query, key, value, attention_mask=None):
     return out.to(value.dtype).transpose(1, 2), None  # [1, H, N, D], as _merge_heads takes it
 
 
+def _bloom_forward(module, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                   output_attentions=False, **kwargs):
+    """BloomAttention.forward on the paged layout while a paged forward runs (else BLOOM's own): ALiBi from each
+    key's position in its row (the layer's slopes, this rank's heads), scores and softmax in fp32, then
+    BLOOM's output projection and residual dropout-add."""
+    packed = ACTIVE.get()
+    if packed is None:
+        return type(module).forward(module, hidden_states, residual, alibi, attention_mask, layer_past, use_cache,
+                                    output_attentions, **kwargs)
+    from transformers.models.bloom.modeling_bloom import dropout_add
+
+    query, key, value = module._reshape(module.query_key_value(hidden_states))  # [1, H, N, D] each
+    key, value = layer_past.update(key, value, module.layer_idx)  # [T, H, D]
+    out, _ = _attention(module, query.float(), key.float(), value.float(), None, scaling=module.inv_norm_factor,
+                        lmc_packed=packed, alibi_slopes=module._lmc_alibi_slopes)
+    context = out.to(value.dtype).reshape(1, query.shape[2], -1)
+    return dropout_add(module.dense(context), residual, module.hidden_dropout, module.training), None
+
+
 _registered = False
+
+
+def _enable_bloom(inner) -> bool:
+    """Route each BloomAttention's forward through _bloom_forward (and the model's ALiBi tensor, which the paged
+    forward does not use, off while it runs); False for other models and for BLOOMs whose output projection
+    is split by pretraining_tp."""
+    layers = [module for module in inner.modules() if type(module).__name__ == "BloomAttention"]
+    if not layers or any(module.pretraining_tp > 1 and module.slow_but_exact for module in layers):
+        return False
+    transformer = inner.transformer
+    build = transformer.build_alibi_tensor  # lmc's TP keeps each rank's heads in it (tp._patch_bloom_alibi)
+    # Each head's slope: the bias of position 1 (BLOOM's own rule, for this rank's heads).
+    slopes = build(torch.ones(1, 2), inner.config.n_head, torch.float32).view(-1, 2)[:, 1]
+    transformer.build_alibi_tensor = lambda mask, heads, dtype: None if ACTIVE.get() is not None else build(
+        mask, heads, dtype)
+    for module in layers:
+        module._lmc_alibi_slopes = slopes.to(module.query_key_value.weight.device)
+        module.forward = types.MethodType(_bloom_forward, module)
+    return True
 
 
 def _enable_gptj(inner) -> bool:
@@ -172,7 +222,11 @@ def enable(model) -> bool:
     if getattr(getattr(inner, "config", None), "is_encoder_decoder", False):
         return False
     accepted = set(inspect.signature(inner.forward).parameters)
-    if not {"position_ids", "logits_to_keep"} <= accepted:
+    if "logits_to_keep" not in accepted:
+        return False
+    if _enable_bloom(inner):  # (no position_ids: BLOOM's positions are the ALiBi biases lmc computes)
+        return True
+    if "position_ids" not in accepted:
         return False
     if _enable_gptj(inner):
         return True
