@@ -86,7 +86,7 @@ def test_a_row_holds_blocks_for_its_own_positions_only_and_gives_them_back(artif
         assert held == [-(-length // block_size) for length in lengths]
         pending = sum(len(blocks) for _, state in batch.pending if state is not None for blocks in state.rows.blocks)
         seen.append((len(lengths), batch.cache.used(), sum(held) + pending))
-        assert batch.kv_blocks(block_size) == batch.cache.used()  # what the worker reports to /metrics
+        assert batch.kv_blocks() == batch.cache.used()  # what the worker reports to /metrics
 
     _joined(engine, check, block_size)
     assert all(used == held for _, used, held in seen)  # the pool lends out exactly what the rows hold
@@ -122,8 +122,8 @@ def test_a_model_that_does_not_qualify_joins_on_the_shared_padded_cache(artifact
 
     def check(batch) -> None:
         width = batch.kv_tokens()
-        assert batch.cache is None and batch.kv_blocks(16) == -(-len(batch.rows) * width // 16)
-        seen.append((len(batch.rows), width, batch.kv_blocks(16)))
+        assert batch.cache is None and batch.kv_blocks() == -(-len(batch.rows) * width // 16)
+        seen.append((len(batch.rows), width, batch.kv_blocks()))
 
     assert _joined(engine, check) == alone
     assert any(rows >= 3 for rows, _, _ in seen) and seen[-1] == (0, 0, 0)  # several rows at once; none at the end

@@ -463,7 +463,7 @@ def _serve_continuous(engine, spec: WorkerSpec, conn: Connection | None, control
         if spec.rank != 0:
             running.decoded.clear()
         elif (time.monotonic() - reported >= STEP_REPORT_S or not len(running) or finished) and running.decoded:
-            _send(conn, ("steps", running.decoded, running.kv_blocks(spec.kv_block_size)))
+            _send(conn, ("steps", running.decoded, running.kv_blocks()))
             running.decoded, reported = [], time.monotonic()
         for row in finished:
             request_id = row.request.id

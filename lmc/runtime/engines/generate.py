@@ -190,15 +190,15 @@ class DecodeLoop:
 
     def running_batch(self, on_token: TokenCallback | None = None, block_size: int | None = None) -> "RunningBatch":
         """An empty batch for iteration-level scheduling (continuous batching): rows join it between
-        decode steps (RunningBatch.join) and leave as they finish; a paged cache's blocks hold `block_size`
-        positions (paged.BLOCK_SIZE by default). Causal transformers models only."""
+        decode steps (RunningBatch.join) and leave as they finish; its KV cache is counted (and, paged, held)
+        in blocks of `block_size` positions (paged.BLOCK_SIZE by default). Causal transformers models only."""
         if self.prefill is not None or self.encoder_decoder or not self.compact:
             raise InternalError("continuous batching needs a causal transformers model with a transformers KV cache")
-        if self.paged is None:
-            from lmc.runtime.engines import paged
+        from lmc.runtime.engines import paged
 
+        if self.paged is None:
             self.paged = paged.enable(self.model)
-        return RunningBatch(self, on_token, block_size)
+        return RunningBatch(self, on_token, block_size or paged.BLOCK_SIZE)
 
     def _row(self, request: GenerationRequest) -> _Row:
         ids = self.encode(request.prompt, request.params.add_special_tokens)
@@ -377,7 +377,7 @@ class RunningBatch:
 
     def __init__(self, loop: DecodeLoop, on_token: TokenCallback | None, block_size: int | None = None):
         self.loop = loop
-        self.block_size = block_size  # a paged cache's (None: paged.BLOCK_SIZE)
+        self.block_size = block_size  # continuous batching: the KV cache's block, in positions
         self.stream = on_token if loop.rank == 0 or loop.every_rank_answers else None
         self.rows: list[_Row] = []
         self.logits: torch.Tensor | None = None  # [rows, vocab]: each row's next-token logits
@@ -401,12 +401,12 @@ class RunningBatch:
         cache (the running rows' width)."""
         return 0 if self.state is None else self.state.width()
 
-    def kv_blocks(self, block_size: int) -> int:
+    def kv_blocks(self) -> int:
         """KV-cache blocks the rows hold now: their blocks of the pool where the cache is paged (joining rows'
-        included), else the shared padded cache's rows x width, in blocks of `block_size` positions."""
+        included), else the shared padded cache's rows x width in blocks."""
         if self.cache is not None:
             return self.cache.used()
-        return -(-len(self.rows) * self.kv_tokens() // block_size)
+        return -(-len(self.rows) * self.kv_tokens() // self.block_size)
 
     def _state(self, rows: list[_Row]) -> "_CausalState | _PagedState":
         """The cache state for rows joining: their own blocks of the batch's pool where the model qualifies."""
@@ -446,19 +446,17 @@ class RunningBatch:
         elif rows:
             self.pending.append((rows, None))
 
-    def _prefill_pending(self) -> None:
-        """One chunk of the first joining group's prefill; when it completes, its rows merge into the
-        running rows (or wait, where this model's cache cannot be merged, until the running rows end)."""
+    def _first_pending(self) -> tuple[list[_Row], "_CausalState | _PagedState"]:
+        """The first joining group's rows and cache state (made when its prefill starts)."""
         rows, state = self.pending[0]
         if state is None:
             state = self._state(rows)
             self.pending[0] = (rows, state)
-        if self.rows and not state.mergeable:
-            return
-        logits = state.prefill(PREFILL_CHUNK_TOKENS)
-        if logits is None:
-            return
-        self.pending.pop(0)
+        return rows, state
+
+    def _merge_first_pending(self, logits: torch.Tensor) -> None:
+        """The first joining group, prefilled (`logits`: its rows' next-token logits), joins the running rows."""
+        rows, state = self.pending.pop(0)
         if not self.rows:
             self.rows, self.logits, self.state = rows, logits, state
         else:
@@ -466,6 +464,16 @@ class RunningBatch:
             self.rows += rows
             self.logits = torch.cat([self.logits, logits])
         self.advance, self.keep = self.state.advance, self.state.keep
+
+    def _prefill_pending(self) -> None:
+        """One chunk of the first joining group's prefill; when it completes, its rows merge into the
+        running rows (or wait, where this model's cache cannot be merged, until the running rows end)."""
+        _, state = self._first_pending()
+        if self.rows and not state.mergeable:
+            return
+        logits = state.prefill(PREFILL_CHUNK_TOKENS)
+        if logits is not None:
+            self._merge_first_pending(logits)
 
     # -- one step
 
@@ -519,16 +527,10 @@ class RunningBatch:
     def _advance_joining(self, tokens: torch.Tensor) -> None:
         """The running rows one position further and a chunk of the first joining group's prefill, in one
         forward; when the chunk ends its prompts, the group's rows join the running rows."""
-        rows, state = self.pending[0]
-        if state is None:
-            state = self._state(rows)
-            self.pending[0] = (rows, state)
+        _, state = self._first_pending()
         self.logits, joined = self.state.advance_joining(tokens, state, PREFILL_CHUNK_TOKENS)
         if joined is not None:
-            self.pending.pop(0)
-            self.state.absorb(state)
-            self.rows += rows
-            self.logits = torch.cat([self.logits, joined])
+            self._merge_first_pending(joined)
 
 
 class _CausalState:

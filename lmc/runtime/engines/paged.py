@@ -176,9 +176,6 @@ def _bloom_forward(module, hidden_states, residual, alibi, attention_mask, layer
     return dropout_add(module.dense(context), residual, module.hidden_dropout, module.training), None
 
 
-_registered = False
-
-
 def _enable_bloom(inner) -> bool:
     """Route each BloomAttention's forward through _bloom_forward (and the model's ALiBi tensor, which the paged
     forward does not use, off while it runs); False for other models and for BLOOMs whose output projection
@@ -206,6 +203,9 @@ def _enable_gptj(inner) -> bool:
     for module in layers:
         module._attn = types.MethodType(_gptj_attn, module)
     return True
+
+
+_registered = False
 
 
 def enable(model) -> bool:
