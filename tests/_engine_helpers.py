@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
 import torch
+
+from lmc.runtime.workers import free_port  # noqa: F401 (the tests' free port, imported from here)
 
 # Weights drawn wider than transformers' defaults, so greedy decoding of a random model does not
 # collapse onto one token (and a wrong split shows up in the tokens, not only in the logits).
@@ -38,12 +39,6 @@ def build_artifact(checkpoint: Path, out_dir: Path, tp: int, dtype: str = "fp32"
     partition_checkpoint(info, family=facts.family, dtype=dtype, tp=tp, head_dim=facts.head_dim,
                          kv_heads=facts.kv_heads, out_dir=out_dir, progress=False)
     return out_dir
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def hf_greedy(checkpoint: Path, prompt: str, max_new_tokens: int) -> list[int]:
@@ -94,7 +89,7 @@ def _rank_entry(target, rank: int, world_size: int, port: int, args: tuple, queu
 
     import torch.distributed as dist
 
-    from lmc.runtime.engines.tp import leave_process_group
+    from lmc.runtime.engines.tp import exit_rank, leave_process_group
 
     torch.set_num_threads(1)
     opened: list[str] = []
@@ -110,6 +105,11 @@ def _rank_entry(target, rank: int, world_size: int, port: int, args: tuple, queu
     out: dict = {}
     try:
         out = target(rank, opened, *args)
-    finally:
+    except BaseException:
         queue.put((rank, out))
         leave_process_group()
+        raise  # a non-zero exit code, which run_tp_ranks reports
+    queue.put((rank, out))
+    queue.close()
+    queue.join_thread()  # the report is in the pipe before the process ends
+    exit_rank()

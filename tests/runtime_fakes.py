@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tarfile
 import threading
 import time
@@ -14,6 +13,7 @@ from typing import Any
 
 from lmc.manifest import BINDING_FILE, MANIFEST_NAME, build_manifest, digest_json, manifest_bytes, sha256_file
 from lmc.runtime.engines.base import GenerationRequest, GenerationResult
+from lmc.runtime.workers import free_port
 
 TESTS_DIR = Path(__file__).resolve().parent
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
@@ -160,12 +160,6 @@ def wait_in_flight(url: str, count: int, timeout_s: float = 30.0) -> None:
     while time.monotonic() < deadline and line not in httpx.get(url + "/metrics").text:
         time.sleep(0.02)
     assert line in httpx.get(url + "/metrics").text
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerThread:

@@ -378,7 +378,7 @@ def _allreduce_rank(backend: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lmc.runtime.engines.tp import leave_process_group
+    from lmc.runtime.engines.tp import exit_rank
 
     rank = int(os.environ["RANK"])
     device = "cpu"
@@ -407,7 +407,7 @@ def _allreduce_rank(backend: str) -> None:
     bandwidth = big_bytes / max(big - small, 1e-9)
     if rank == 0:
         print(json.dumps({"latency_us": small * 1e6, "bandwidth": bandwidth}))
-    leave_process_group()
+    exit_rank()  # (allreduce reads the exit codes)
 
 
 def storage_read_bandwidth(directory: Path, size_bytes: int = 256 * 2**20) -> float:

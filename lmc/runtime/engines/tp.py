@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import sys
 from typing import Iterator
 
 import torch
@@ -45,6 +47,18 @@ def leave_process_group(timeout_s: float = 60.0) -> None:
         except RuntimeError:
             pass
     dist.destroy_process_group()
+
+
+def exit_rank() -> None:
+    """End a rank process whose work is done and whose results are out: leave the process group with the
+    other ranks, then exit 0 at once. The interpreter's teardown is skipped: there, after every result
+    was out and the group left, rank 0 (the rank holding the group's TCP store) was now and then killed
+    by SIGABRT ("terminate called without an active exception" from a C++ thread of torch's): 3 TP 2 test
+    runs in one full test run, none in 170 reruns of the same tests under load."""
+    leave_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class ShardedLinear(nn.Module):
