@@ -51,13 +51,20 @@ def _checkpoint_dir(loaded: LoadedSpec) -> Path | None:
 
 
 def _model_facts(loaded: LoadedSpec, checkpoint: Path | None) -> ModelFacts:
+    """From model.path when given; else the built-in catalog (published config.json files) for the ids it
+    holds, unless model.revision pins a commit; else the Hub through huggingface_hub (lmc.hub)."""
+    model = loaded.spec.model
     if checkpoint is not None:
         from lmc.planner.checkpoint_facts import checkpoint_model_facts
 
-        return checkpoint_model_facts(checkpoint, loaded.spec.model.id)
-    from lmc.planner.catalog import model_facts
+        return checkpoint_model_facts(checkpoint, model.id)
+    from lmc.planner import catalog
 
-    return model_facts(loaded.spec.model.id)
+    if model.revision is None and catalog.has_model(model.id):
+        return catalog.model_facts(model.id)
+    from lmc.hub import hub_model_facts
+
+    return hub_model_facts(model.id, model.revision)
 
 
 def _hardware_facts(loaded: LoadedSpec) -> HardwareFacts:

@@ -220,12 +220,23 @@ def test_invalid_config_json(tmp_path):
     assert_one_line(caught.value, str(tmp_path / "config.json"), "not valid JSON")
 
 
-def test_unsupported_model_type_lists_the_supported(tmp_path):
-    make_checkpoint(tmp_path, {"model_type": "falcon", "architectures": ["FalconForCausalLM"]})
+def test_any_model_type_is_read_from_its_config(tmp_path):
+    # No family list: an architecture lmc has never heard of is planned from its config's keys, and a
+    # config that lacks one says which, in one line.
+    make_checkpoint(tmp_path / "bare", {"model_type": "falcon", "architectures": ["FalconForCausalLM"]})
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint_model_facts(tmp_path / "bare", "x")
+    assert str(caught.value) == f"{tmp_path / 'bare' / 'config.json'}: missing `hidden_size` (needed for a falcon model)"
+    config = dict(TINY_LLAMA, model_type="newarch", architectures=["NewArchForCausalLM"])
+    facts = checkpoint_model_facts(make_checkpoint(tmp_path / "new", config, llama_tensors(TINY_LLAMA)), "x")
+    assert (facts.family, facts.architecture, facts.parameters) == ("newarch", "NewArchForCausalLM", 78144)
+
+
+def test_model_type_that_is_not_one(tmp_path):
+    make_checkpoint(tmp_path, {"model_type": "Not A Type!"})
     with pytest.raises(CheckpointError) as caught:
         checkpoint_model_facts(tmp_path, "x")
-    assert str(caught.value) == (f"{tmp_path / 'config.json'}: unsupported model_type 'falcon'; lmc supports "
-                                 "bloom, gpt_neox, gptj, llama, mistral, mixtral, opt, qwen2, t5")
+    assert_one_line(caught.value, str(tmp_path / "config.json"), "model_type 'Not A Type!' is not a Hugging Face model type")
 
 
 def test_config_missing_a_dimension(tmp_path):

@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 7df02b674b921cbb211578ae73735c12b51cc0c6cb0eaac8777b587a1148830d
-plan sha256 6ffa88bd8d2a1daff348a3e03c8625771eda08491de737a9867b8387bc5d50f6
+plan sha256 8ef8815c6130831d954357617f0ecb52ccaec48024c39fc0d0294bdac9cbc19f
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

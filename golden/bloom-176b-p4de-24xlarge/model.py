@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 a75eee0cdb9630c9d5b70616e29c809f580d44a0eeec962c0c994c44e00d44bc
-plan sha256 2dbc7369db6103a39fe23d169263f299b1fa1af01d440b096755d9aeef31cc8c
+plan sha256 6af249157733fbc5915c98952636fbd1ab37d7f7e34f48c725721cc7086991e5
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
 spec sha256 3968c615910fadee39173f3288a6cccb375bb5eb853b7303b4fd68648865ddd5
-plan sha256 f74df683bfec04a8b891a6d3baae25dcb0888fbe57e2efdd0e6a7f9f7bb2896f
+plan sha256 c28120f74856763c740a462cb07762581f882365cd6c3a8aa9e8008a3ad4eab6
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

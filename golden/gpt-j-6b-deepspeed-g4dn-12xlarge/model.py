@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 640 tokens, on cuda.
 
 spec sha256 b3567178d4681350d2c812beee65923e8a1fa69d1c9bbb3f9b69e71e62e50301
-plan sha256 fec938a395d49a5c98b6930269684b190768ea191738190929630971e2afb954
+plan sha256 86b9e27d51a82e67f9322afd8e65eca659cba2989db69e988b0640ca10b3f99c
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

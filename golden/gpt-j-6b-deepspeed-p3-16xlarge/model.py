@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waitin
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 08d953476add034e1984e57856c68463c18e6bac9dbc26c1919c05cbe1a4a02e
-plan sha256 f8b9b47ce8fb06ef3560c599cc4f8dbd517906ed993b757cc45d53961b7342f2
+plan sha256 3c18bdadfa06c10f47d17fbe26c0eae9d98a355377da63cbf36378c390cf4bf5
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

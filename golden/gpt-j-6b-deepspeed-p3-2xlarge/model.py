@@ -5,7 +5,7 @@ tensor parallel degree 1, dynamic batches of up to 4 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 dc7e1e991cd2bc5475e94be22b5a0c9960900f4667b3ab7c62d36b730b2275b6
-plan sha256 e090d7ac476769c22e7d200a2bc2f1c344e76d3da35fa4a92ac11889aacd496c
+plan sha256 0563b3b2d460faa2056bc9dabcacf2b85aef69c51a72adc7ea4af096e898b6f3
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

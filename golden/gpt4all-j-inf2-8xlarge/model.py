@@ -7,7 +7,7 @@ No compiled Neuron graphs are packed: transformers-neuronx cannot serialize comp
 (predicted load time including the compile: 378.9 s).
 
 spec sha256 841c358efdab6a35e906971d5101300b168ce98162b82776b2a52135b9c98ee3
-plan sha256 25b292f5b34ab71538de81f4a788ffae485ad445d0027fc90635547910cbf5d2
+plan sha256 e3fe3535713ebbfbbff4a317ba35c432fd1fafe8325dbe1c87a0011c5b364b80
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

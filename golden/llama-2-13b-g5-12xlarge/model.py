@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waitin
 sequences of up to 2560 tokens, on cuda.
 
 spec sha256 d1a13e51a923f5f05045b399c2b5f91812686a65c6920ba8c17221a69c8f5551
-plan sha256 cef10d0e1b8721386cf7774c8a56fdd39a2cf2f70c36e54ca02f303dac7275af
+plan sha256 da18c5d6d4d690c551fdb6103584e8009522200e78f2e04497a6c9ebd2010abb
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -6,7 +6,7 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
 spec sha256 9a6ed61e4f08cb16645c7d17545e328a8d7e89837ef6e83c5952f03248ec2b9b
-plan sha256 d7722a74e1c3b562a7306260a29088fd37bd12fb7edb68af4eefb8c6b06e5b12
+plan sha256 93674d7c122023d90c9a8cf3153c92061d9c76357aff63572571532dfb77b8d2
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

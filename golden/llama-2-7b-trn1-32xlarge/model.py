@@ -6,7 +6,7 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
 spec sha256 c3fb834bad214ecbe7d13e02ee6dfd9cd9f6dc176cc2c8f2772ee425ebd77c32
-plan sha256 c34d855fe355017f7ec8e578215a5eba091a378ba267a72a471fd5b11d7f71b1
+plan sha256 1adc559ca09193114a5c7e4e31cbb42849b211f7f94c8424ce3a89cb1b1fb5a1
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

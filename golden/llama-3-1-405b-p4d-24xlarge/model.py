@@ -5,7 +5,7 @@ tensor parallel degree 8, dynamic batches of up to 4 requests
 (waiting at most 10 ms), sequences of up to 2560 tokens, on cuda.
 
 spec sha256 aca9d2101b434cb53ca4fb27c67bd479b0e91e87ac3d2952328ca431b44c8dc3
-plan sha256 c5bc0027f12b5f400130440fd64a6932f1c0434f7993dab6bab75b67b49bc569
+plan sha256 cfaaaddf23d3e95eec2c8469b5da22f332eae73b9cf51abd454f4188e7fef02d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 64 requests waitin
 sequences of up to 5120 tokens, on cuda.
 
 spec sha256 4228949ec537b9a56d104af3ef593a98e98d94ea7454c8e8d92dcedd5bca5d69
-plan sha256 b66f495f204c4dd3747aeb7c64ac6bc6ff07be0dc5a5bdfbe72798a8efc505d4
+plan sha256 6c31454c3c6088fdcbc8a3151ac30d33066b3cb60b53610823b7672316308832
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

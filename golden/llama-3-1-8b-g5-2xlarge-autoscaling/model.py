@@ -5,7 +5,7 @@ tensor parallel degree 1, dynamic batches of up to 8 requests
 (waiting at most 50 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 204ff8d219fe800f68d11af2e6d8553a20e1258e7acd530dafc5da70ef4ae958
-plan sha256 2e94499500857a20ff72b514c06c5ee25cc2fed4ed0daf1bdb7913a9e12f06a5
+plan sha256 d7fe44fb55c5ee293fff988a8511b3f678af65d0ea28c7d1a6a3e3fa3db38224
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waitin
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 64b32496a1793acbdf0c3e346573151c75aee2f94026c79b69cd8e5aa2e62f2f
-plan sha256 2576d89735c228deb43eb233f0c1d8a871edef05997def9792822858a3abbb71
+plan sha256 806757e6bf47bbc498f5e7d2464489cf0752360e26abe23a05cbb85c7af2a755
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 96 tokens, on cpu.
 
 spec sha256 577f45c861188cfe71ac17bb7892239e05857d22d672a307815137382a936d0e
-plan sha256 decdd2307b7312b29eb088d7f425ae42ea3b704f95b01fcf085bbc2a6cd2d767
+plan sha256 8e3d7d55dafe5f17a415b077236c7c4621a4e57ef959ddd8bc1d3f1f2df76fda
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

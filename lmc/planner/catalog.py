@@ -42,9 +42,11 @@ def model_facts(model_id: str) -> ModelFacts:
     """The catalog's facts for `model_id`: case-insensitive, with or without the org prefix, or an alias."""
     key = model_id.strip().lower()
     direct = MODELS_DIR / f"{key.replace('/', '--')}.toml"
-    if "/" in key and direct.is_file():
+    if "/" in key and direct in _toml_files():
         return _model_from_file(direct)
     match = _model_index().get(key)
+    if match is not None and match[1].is_dir():
+        return _model_from_config_dir(match[1], match[0])
     if match is None:
         raise SpecValueError("model.id", model_id, _unknown_model_message(key))
     name, path = match
@@ -55,6 +57,35 @@ def model_facts(model_id: str) -> ModelFacts:
 def list_models() -> list[str]:
     """The canonical ids of every catalog model, sorted case-insensitively."""
     return sorted((facts.id for facts in _all_models()), key=str.lower)
+
+
+def has_model(model_id: str) -> bool:
+    """Whether the catalog holds `model_id` (an id, alias or name without its org)."""
+    key = model_id.strip().lower()
+    return key in _model_index() or ("/" in key and (MODELS_DIR / f"{key.replace('/', '--')}.toml") in _toml_files())
+
+
+@functools.cache
+def _model_from_config_dir(path: Path, name: str) -> ModelFacts:
+    """Facts from a cached published config.json (and, where recorded, the checkpoint's safetensors
+    element counts per dtype), read as a checkpoint's config is."""
+    from lmc.planner.checkpoint_facts import facts_from_config, read_config, with_tensors
+
+    meta = _read_toml(path / "model.toml")
+    source = f"catalog {path.name}/config.json: {meta.get('config_source', 'published config.json')}"
+    facts = facts_from_config(read_config(path / "config.json"), name, source=source,
+                              config_file=path / "config.json")
+    counts = (meta.get("safetensors") or {}).get("parameters") or {}
+    if counts:
+        facts = with_tensors(facts, [(f"{dtype} tensors", dtype, (int(count),)) for dtype, count in sorted(counts.items())])
+        facts = facts.model_copy(update={"source": f"{source}; parameters: the checkpoint's safetensors metadata "
+                                                   f"({(meta.get('safetensors') or {}).get('source', 'Hub')})"})
+    return facts
+
+
+def _config_dir_ids(path: Path) -> tuple[str, list[str]]:
+    meta = _read_toml(path / "model.toml")
+    return str(meta["id"]), [str(alias) for alias in meta.get("aliases", [])]
 
 
 @functools.cache
@@ -69,7 +100,20 @@ def _model_from_file(path: Path) -> ModelFacts:
 
 @functools.cache
 def _all_models() -> tuple[ModelFacts, ...]:
-    return tuple(_model_from_file(path) for path in sorted(MODELS_DIR.glob("*.toml")))
+    dirs = tuple(_model_from_config_dir(path, _config_dir_ids(path)[0]) for path in _config_dirs())
+    return tuple(_model_from_file(path) for path in _toml_files()) + dirs
+
+
+@functools.cache
+def _toml_files() -> tuple[Path, ...]:
+    """Hand-typed catalog entries (the older form), except those a published config.json replaces."""
+    return tuple(path for path in sorted(MODELS_DIR.glob("*.toml")) if not (path.with_suffix("") / "config.json").is_file())
+
+
+@functools.cache
+def _config_dirs() -> tuple[Path, ...]:
+    """Catalog entries that are published config.json files (a directory each, with model.toml)."""
+    return tuple(path for path in sorted(MODELS_DIR.iterdir()) if (path / "config.json").is_file())
 
 
 @functools.cache
@@ -77,10 +121,10 @@ def _model_index() -> dict[str, tuple[str, Path]]:
     """Lower-cased name -> (name as shown, file): ids, aliases, and names without the org prefix."""
     index: dict[str, tuple[str, Path]] = {}
     short: dict[str, list[tuple[str, Path]]] = {}
-    for path in sorted(MODELS_DIR.glob("*.toml")):
-        facts = _model_from_file(path)
-        aliases = _read_toml(path).get("aliases", [])
-        for name in [facts.id, *aliases]:
+    entries = [(_model_from_file(path).id, _read_toml(path).get("aliases", []), path) for path in _toml_files()]
+    entries += [(*_config_dir_ids(path), path) for path in _config_dirs()]
+    for model_id, aliases, path in entries:
+        for name in [model_id, *aliases]:
             if name.lower() in index and index[name.lower()][1] != path:
                 raise InternalError(f"catalog name {name!r} is claimed by {index[name.lower()][1].name} and {path.name}")
             index[name.lower()] = (name, path)

@@ -17,8 +17,9 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from lmc.errors import CheckpointError, InternalError
-from lmc.planner.facts import ModelFacts
-from lmc.safetensors_header import HeaderError, read_header
+from lmc.planner import architecture
+from lmc.planner.facts import DTYPE_BYTES, ModelFacts
+from lmc.safetensors_header import DTYPES as ST_DTYPES, HeaderError, read_header
 
 # model_type (config.json) -> family. The HF class prefix is the fallback for configs without one.
 MODEL_TYPES: dict[str, str] = {
@@ -59,25 +60,40 @@ def checkpoint_model_facts(path: Path, model_id: str) -> ModelFacts:
     files = safetensors_files(path)
     if not files:
         if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-            estimate = estimate_parameters(facts, gated_ffn=_t5_gated(config))
             return facts.model_copy(update={
-                "parameters": estimate,
                 "source": f"{path} (config.json; parameter count estimated from its dimensions: the weights "
                           "are pickle *.bin files, which lmc does not read and refuses to build from unless --allow-pickle)",
             })
         raise CheckpointError(f"{path}: no *.safetensors weights (pickle *.bin checkpoints are refused unless --allow-pickle)")
-    parameters, dtype_elements = 0, Counter()
-    for file in files:
-        for name, dtype, shape in read_safetensors_header(file):
-            count = math.prod(shape)
-            parameters += count
-            if dtype in _ST_DTYPE:
-                dtype_elements[_ST_DTYPE[dtype]] += count
-    if parameters == 0:
+    tensors = [entry for file in files for entry in read_safetensors_header(file)]
+    if not tensors:
         raise CheckpointError(f"{files[0]}: the safetensors files hold no tensors")
-    update: dict[str, Any] = {"parameters": parameters}
+    return with_tensors(facts, tensors)
+
+
+def with_tensors(facts: ModelFacts, tensors: list[tuple[str, str, tuple[int, ...]]]) -> ModelFacts:
+    """`facts` made exact by the checkpoint's tensors (name, safetensors dtype, shape): the parameter
+    count and stored dtype of a 16/32-bit checkpoint, the weight bytes of a quantized one (whose
+    packed elements and scales are not parameters: its count stays the config's)."""
+    parameters, weight_bytes, dtype_elements = 0, 0, Counter()
+    for _, dtype, shape in tensors:
+        count = math.prod(shape)
+        parameters += count
+        weight_bytes += count * (ST_DTYPES[dtype].size if dtype in ST_DTYPES else 2)
+        if dtype in _ST_DTYPE and _ST_DTYPE[dtype] in ("fp32", "fp16", "bf16"):
+            dtype_elements[_ST_DTYPE[dtype]] += count
+    update: dict[str, Any] = {}
+    if facts.checkpoint_quantization is None:
+        update["parameters"] = parameters
+    else:
+        update["checkpoint_weight_bytes"] = weight_bytes
     if dtype_elements:
         update["torch_dtype"] = dtype_elements.most_common(1)[0][0]
+    if facts.num_experts > 1 and facts.checkpoint_quantization is None and facts.parameters:
+        # Keep the split between experts and the rest the config gives, scaled to the exact total.
+        scale = parameters / facts.parameters
+        update["expert_parameters"] = round(facts.expert_parameters * scale)
+        update["active_parameters"] = round(facts.active_parameters * scale)
     return facts.model_copy(update=update)
 
 
@@ -97,7 +113,8 @@ def read_config(config_file: Path) -> dict[str, Any]:
 
 
 def family_of(config: dict[str, Any], config_file: Path | str = "config.json") -> str:
-    """The lmc family of an HF config, from `model_type`, else from `architectures`."""
+    """lmc's layout family of an HF config (from `model_type`, else `architectures`), else its
+    model_type: any decoder-only architecture is planned from its config."""
     model_type = config.get("model_type")
     if isinstance(model_type, str) and model_type in MODEL_TYPES:
         return MODEL_TYPES[model_type]
@@ -105,23 +122,35 @@ def family_of(config: dict[str, Any], config_file: Path | str = "config.json") -
         for prefix, family in _ARCHITECTURE_PREFIXES.items():
             if isinstance(architecture, str) and architecture.startswith(prefix):
                 return family
+    if isinstance(model_type, str) and re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,63}", model_type):
+        return model_type
     shown = model_type if model_type is not None else (config.get("architectures") or ["(none)"])[0]
-    raise CheckpointError(
-        f"{config_file}: unsupported model_type {shown!r}; lmc supports {', '.join(sorted(MODEL_TYPES))}")
+    raise CheckpointError(f"{config_file}: model_type {shown!r} is not a Hugging Face model type "
+                          "(config.json needs `model_type`, e.g. \"llama\" or \"qwen3\")")
 
 
 def facts_from_config(config: dict[str, Any], model_id: str, *, source: str,
                       config_file: Path | str = "config.json") -> ModelFacts:
-    """ModelFacts from an HF config dict; the parameter count is estimated from the dimensions."""
+    """ModelFacts from an HF config dict; the parameter count is computed from the dimensions."""
     family = family_of(config, config_file)
-    get = _Getter(config, config_file, family)
-    fields = _FAMILY_FIELDS[family](get)
+    where = str(config_file)
     architectures = config.get("architectures") or []
+    text = architecture.text_config(config)
+    q = architecture.quantization(config, where)
+    fields: dict[str, Any] = {}
+    if family in _FAMILY_FIELDS:
+        fields = _FAMILY_FIELDS[family](_Getter(config, config_file, family))
+        window, sliding = architecture.sliding_layers(config, fields["layers"])
+        fields.update(sliding_window=window, sliding_window_layers=sliding)
+        counts = None
+    else:
+        fields, counts = architecture.decoder_fields(text, where)
+    dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "float16"
     fields.update(
         id=model_id,
         family=family,
         architecture=architectures[0] if architectures and isinstance(architectures[0], str) else family,
-        torch_dtype=_CONFIG_DTYPE.get(str(config.get("torch_dtype") or config.get("dtype") or "float16"), "fp16"),
+        torch_dtype=_CONFIG_DTYPE.get(str(dtype), "fp16"),
         source=source,
         parameters=1,
     )
@@ -129,9 +158,23 @@ def facts_from_config(config: dict[str, Any], model_id: str, *, source: str,
         facts = ModelFacts(**fields)
     except ValidationError as exc:
         error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
-        raise CheckpointError(f"{config_file}: {where}: {error['msg']}") from None
-    return facts.model_copy(update={"parameters": estimate_parameters(facts, gated_ffn=_t5_gated(config))})
+        where_in = ".".join(str(part) for part in error["loc"])
+        raise CheckpointError(f"{config_file}: {where_in}: {error['msg']}") from None
+    if counts is None:
+        total, experts, embedding = estimate_parameters(facts, gated_ffn=_t5_gated(config)), 0, 0
+        if facts.num_experts > 1:
+            experts = facts.layers * facts.num_experts * 3 * facts.hidden_size * facts.intermediate_size
+    else:
+        total, experts, embedding = counts.total, counts.experts, counts.embedding
+    vision = architecture.vision_parameters(config, facts.hidden_size) if text is not config else 0
+    active = total - experts + experts * facts.experts_per_token // max(facts.num_experts, 1) if experts else 0
+    update: dict[str, Any] = {"parameters": total + vision, "expert_parameters": experts,
+                              "active_parameters": active + vision if experts else 0, "vision_parameters": vision}
+    if q is not None:
+        plain = architecture.checkpoint_weight_bytes(total + vision, experts, embedding or facts.vocab_size * facts.hidden_size,
+                                                     facts.tie_word_embeddings, q, DTYPE_BYTES.get(facts.torch_dtype, 2))
+        update.update(checkpoint_quantization=q.weights, quantization_method=q.method, checkpoint_weight_bytes=plain)
+    return facts.model_copy(update=update)
 
 
 class _Getter:

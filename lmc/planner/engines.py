@@ -32,6 +32,35 @@ def _read_toml(name: str) -> dict[str, Any]:
 
 
 @functools.cache
+def architectures(source: str) -> frozenset[str]:
+    """The architectures a package registers, from the data files generated from the installed
+    packages (python -m lmc.testing.architectures): "vllm", or "transformers" (AutoModelForCausalLM
+    and, for multimodal wrappers, AutoModelForImageTextToText)."""
+    names = {"vllm": ("vllm_architectures.txt",),
+             "transformers": ("transformers_causal_lm.txt", "transformers_image_text_to_text.txt")}[source]
+    found: set[str] = set()
+    for name in names:
+        path = resources.files(_DATA).joinpath(name)
+        if not path.is_file():
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                found.add(line)
+    if not found:
+        raise InternalError(f"packaged planner data for {source}'s architectures is missing")
+    return frozenset(found)
+
+
+def runs_architecture(engine: EngineFacts, model: ModelFacts) -> bool:
+    """Whether the engine can build the model: its family is the engine's, or (vLLM, transformers) the
+    config's architecture is one the installed package registers."""
+    if model.family in engine.families:
+        return True
+    return engine.architectures is not None and model.architecture in architectures(engine.architectures)
+
+
+@functools.cache
 def engine_facts() -> dict[str, EngineFacts]:
     """Every engine's capabilities and efficiency figures, by engine name (sorted)."""
     raw = _read_toml("engines.toml")

@@ -9,12 +9,19 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The families lmc has a tensor-parallel layout for (lmc/layouts.py); any other architecture is known
+# by its config's model_type (qwen3, gemma3_text, deepseek_v3, ...) and planned from its config alone.
+LAYOUT_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "gptj", "gpt_neox", "opt", "bloom", "t5")
 Family = Literal["llama", "mistral", "mixtral", "qwen2", "gptj", "gpt_neox", "opt", "bloom", "t5"]
+ModelType = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$", max_length=64)]
 DeviceKind = Literal["gpu", "neuron", "cpu"]
 DtypeName = Literal["fp32", "fp16", "bf16", "int8", "fp8"]
+# Quantizations a checkpoint arrives in (config.json `quantization_config`), as lmc names their weights.
+CheckpointQuantization = Literal["fp8", "int8", "int4", "mxfp4"]
 
-# One table of dtype sizes, in bytes per element.
-DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
+# One table of dtype sizes, in bytes per element. int4 and mxfp4 are checkpoint formats (AWQ/GPTQ
+# 4-bit, OCP MX fp4): 4 bits per weight; their scales are counted beside them (architecture.py).
+DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1, "int4": 0.5, "mxfp4": 0.5}
 # Devices in one target, as the spec's `target.devices` allows: the largest catalog host has 32
 # (trn1.32xlarge NeuronCores); far more is a typo, and a plan would start a worker process for each.
 MAX_DEVICES = 1024
@@ -28,8 +35,9 @@ class ModelFacts(_Facts):
     """A model's architecture, as the memory and latency math needs it."""
 
     id: str = Field(description="The model id (HF hub style).")
-    family: Family = Field(description="Architecture family; decides the TP layout and engine support.")
-    architecture: str = Field(description="The HF class name from config.json `architectures`.")
+    family: ModelType = Field(description="lmc's layout family (llama, gptj, ...) where it has one, else the config's model_type (qwen3, gemma3_text, ...).")
+    architecture: str = Field(description="The HF class name from config.json `architectures` (the wrapper's, for multimodal models).")
+    revision: str | None = Field(default=None, description="The commit the facts were read at (Hub ids), else None.")
     is_encoder_decoder: bool = Field(default=False, description="T5-style encoder-decoder.")
     parameters: int = Field(gt=0, description="Total parameter count (exact from safetensors headers, or the catalog's).")
     layers: int = Field(gt=0, description="Transformer blocks (the decoder's, for encoder-decoder models).")
@@ -42,10 +50,39 @@ class ModelFacts(_Facts):
     vocab_size: int = Field(gt=0, description="Vocabulary size (rows of the embedding).")
     max_position_embeddings: int | None = Field(default=None, gt=0, description="Longest sequence the model supports; None where unbounded (ALiBi, relative).")
     tie_word_embeddings: bool = Field(default=False, description="LM head shares the input embedding.")
-    num_experts: int = Field(default=1, ge=1, description="MoE experts per layer (1 for dense).")
+    num_experts: int = Field(default=1, ge=1, description="MoE routed experts per layer (1 for dense).")
     experts_per_token: int = Field(default=1, ge=1, description="Experts each token is routed to.")
-    torch_dtype: DtypeName = Field(default="fp16", description="The dtype the weights are stored in.")
+    shared_experts: int = Field(default=0, ge=0, description="Experts every token passes through besides the routed ones (DeepSeek, Llama 4).")
+    moe_layers: int | None = Field(default=None, ge=0, description="Blocks with experts (the rest are dense, as DeepSeek's first three); None = every block of an MoE model.")
+    expert_parameters: int = Field(default=0, ge=0, description="Parameters of all routed experts together (0 for dense): what a token reads only k/E of.")
+    active_parameters: int = Field(default=0, ge=0, description="Parameters one token multiplies through (routed experts at k/E); 0 = all of them.")
+    kv_lora_rank: int = Field(default=0, ge=0, description="MLA (DeepSeek-V2/V3, Kimi K2): width of the compressed KV latent; 0 for other attention.")
+    qk_rope_head_dim: int = Field(default=0, ge=0, description="MLA: the rotary key part cached beside the latent.")
+    sliding_window: int | None = Field(default=None, gt=0, description="Tokens a sliding-window layer attends to; None where no layer slides.")
+    sliding_window_layers: int = Field(default=0, ge=0, description="Blocks with sliding-window attention (Gemma 2/3, gpt-oss mix them with full ones).")
+    vision_parameters: int = Field(default=0, ge=0, description="Parameters outside the language model (vision tower, projector) of a multimodal wrapper; inside `parameters`.")
+    checkpoint_quantization: CheckpointQuantization | None = Field(default=None, description="How the checkpoint's weights are quantized (quantization_config), None for 16/32-bit.")
+    quantization_method: str | None = Field(default=None, description="quantization_config.quant_method as the checkpoint names it (fp8, awq, gptq, compressed-tensors, mxfp4, bitsandbytes).")
+    checkpoint_weight_bytes: int | None = Field(default=None, gt=0, description="Bytes of the checkpoint's weights (exact from safetensors metadata, else from the config); None = parameters × dtype.")
+    torch_dtype: DtypeName = Field(default="fp16", description="The dtype the unquantized weights are stored in.")
     source: str = Field(description="Where these facts came from: a catalog file and its citation, or a checkpoint path.")
+
+    @property
+    def attention(self) -> str:
+        """mla, mha (kv heads = heads), mqa (one kv head) or gqa."""
+        if self.kv_lora_rank:
+            return "mla"
+        if self.kv_heads == self.attention_heads:
+            return "mha"
+        return "mqa" if self.kv_heads == 1 else "gqa"
+
+    @property
+    def active(self) -> int:
+        """Parameters one token multiplies through: the routed experts at experts_per_token of num_experts."""
+        if self.active_parameters or self.num_experts <= 1:
+            return self.active_parameters or self.parameters
+        experts = self.expert_parameters or self.layers * self.num_experts * 3 * self.hidden_size * self.intermediate_size
+        return self.parameters - experts + experts * self.experts_per_token // self.num_experts
 
 
 class InterconnectFacts(_Facts):
@@ -154,7 +191,10 @@ class EngineFacts(_Facts):
 
     name: Literal["deepspeed", "hf", "neuronx", "vllm"]
     hardware: list[DeviceKind] = Field(description="Device kinds the engine runs on.")
-    families: list[Family] = Field(description="Model families the engine serves.")
+    families: list[Family] = Field(description="Model families the engine serves (at any TP degree where the list of architectures is also given).")
+    architectures: Literal["vllm", "transformers"] | None = Field(default=None, description="Beside `families`: every architecture the pinned vLLM registers, or every one transformers' AutoModelForCausalLM builds (data/engines/*.txt, generated from the installed packages).")
+    any_architecture_tp: list[int] | None = Field(default=None, description="TP degrees an architecture outside `families` may use (the hf engine: [1], lmc has no layout for it); None = any.")
+    checkpoint_quantizations: list[str] = Field(default_factory=list, description="quant_methods of pre-quantized checkpoints the engine loads as they are (vLLM: fp8, mxfp4, awq, gptq, compressed-tensors, bitsandbytes).")
     refused_families: dict[Family, str] = Field(default_factory=dict, description="Families the engine cannot serve, with the reason a plan gives.")
     head_sizes: dict[str, list[int]] = Field(default_factory=dict, description="Attention head sizes the engine has kernels for, per hardware kind; absent = any.")
     dtypes: list[DtypeName] = Field(description="Weight dtypes the engine can serve.")

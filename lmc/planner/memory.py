@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, ModelFacts
 from lmc.planner.plan import MemoryPerDevice
 
-WEIGHT_ONLY = ("int8", "fp8")
+WEIGHT_ONLY = ("int8", "fp8", "int4", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ def param_split(model: ModelFacts) -> ParamSplit:
     lm_head = 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size
     blocks = model.layers + model.encoder_layers
     replicated = blocks * 4 * model.hidden_size + model.hidden_size
-    if model.num_experts > 1:
-        replicated += model.layers * model.num_experts * model.hidden_size  # routers
+    if model.num_experts > 1:  # routers
+        replicated += (model.layers if model.moe_layers is None else model.moe_layers) * model.num_experts * model.hidden_size
     sharded = max(model.parameters - embedding - lm_head - replicated, 0)
     attention_blocks = model.layers + model.encoder_layers + (model.layers if model.is_encoder_decoder else 0)
     kv_projection = min(attention_blocks * 2 * model.hidden_size * model.kv_heads * model.head_dim, sharded)
@@ -66,8 +66,23 @@ def kv_heads_per_device(model: ModelFacts, tp: int) -> int:
 
 
 def kv_bytes_per_token(model: ModelFacts, tp: int, kv_dtype: str) -> int:
-    """KV cache bytes per token per device: 2·layers·(kv_heads/TP)·head_dim·dtype_bytes."""
+    """KV cache bytes per token per device, over every layer: 2·layers·(kv_heads/TP)·head_dim·bytes;
+    under MLA the compressed latent and the rotary key, layers·(kv_lora_rank + qk_rope_head_dim)·bytes,
+    which vLLM keeps whole on every TP rank (its MLA cache has one "head")."""
+    if model.kv_lora_rank:
+        return int(model.layers * (model.kv_lora_rank + model.qk_rope_head_dim) * DTYPE_BYTES[kv_dtype])
     return int(2 * model.layers * kv_heads_per_device(model, tp) * model.head_dim * DTYPE_BYTES[kv_dtype])
+
+
+def kv_sequence_bytes(model: ModelFacts, tp: int, kv_dtype: str, tokens: int, block: int = 1) -> int:
+    """KV bytes one sequence of `tokens` holds per device: full-attention layers keep every token,
+    sliding-window layers at most the window (plus the block being filled, in `block`-token pages,
+    as vLLM's sliding-window manager frees the blocks that fall out of the window)."""
+    per_layer = kv_bytes_per_token(model, tp, kv_dtype) / model.layers
+    pages = -(-tokens // block) * block
+    sliding = model.sliding_window_layers if model.sliding_window else 0
+    window = min(pages, (-(-model.sliding_window // block) + 1) * block) if sliding else 0
+    return int(per_layer * ((model.layers - sliding) * pages + sliding * window))
 
 
 def kv_cache_bytes(model: ModelFacts, tp: int, kv_dtype: str, batch: int, input_tokens: int, output_tokens: int) -> int:
@@ -81,7 +96,7 @@ def kv_cache_bytes(model: ModelFacts, tp: int, kv_dtype: str, batch: int, input_
     if model.is_encoder_decoder:
         encoder_out = batch * input_tokens * model.hidden_size * int(DTYPE_BYTES[kv_dtype])
         return batch * (output_tokens + input_tokens) * per_token + encoder_out
-    return batch * (input_tokens + output_tokens) * per_token
+    return batch * kv_sequence_bytes(model, tp, kv_dtype, input_tokens + output_tokens)
 
 
 def lm_head_sharded(model: ModelFacts, engine: EngineFacts, tp: int) -> bool:
@@ -94,8 +109,26 @@ def _split_elements(model: ModelFacts, split: ParamSplit, tp: int) -> float:
     return (split.sharded - split.kv_projection) / tp + split.kv_projection * kv_share
 
 
+def _checkpoint_quantized(model: ModelFacts, engine: EngineFacts, dtype: str, tp: int,
+                          hardware: HardwareFacts, decode: bool) -> float:
+    """Weight bytes on one rank of a checkpoint served in its own quantization: the embedding,
+    norms and (unsplit) LM head at 16 bits, the rest of the checkpoint's bytes split by TP. A decode
+    step reads all of it but the embedding (and the tied embedding as LM head)."""
+    split = param_split(model)
+    plain = DTYPE_BYTES[compute_dtype(dtype, model, hardware)]
+    assert model.checkpoint_weight_bytes is not None
+    embedding, replicated, head = split.embedding * plain, split.replicated * plain, split.lm_head * plain
+    rest = max(model.checkpoint_weight_bytes - embedding - replicated - head, 0) / tp
+    head = head / tp if lm_head_sharded(model, engine, tp) else head
+    if decode:
+        return rest + (head if split.lm_head else embedding)
+    return rest + embedding + replicated + head
+
+
 def weight_bytes(model: ModelFacts, engine: EngineFacts, dtype: str, tp: int, hardware: HardwareFacts) -> int:
-    """Weight bytes one rank holds, in the planned dtype."""
+    """Weight bytes one rank holds, in the planned dtype (a quantized checkpoint: in its own)."""
+    if dtype == model.checkpoint_quantization and model.checkpoint_weight_bytes:
+        return int(_checkpoint_quantized(model, engine, dtype, tp, hardware, decode=False))
     split = param_split(model)
     head_dtype = compute_dtype(dtype, model, hardware)
     matrix = _split_elements(model, split, tp)
@@ -115,6 +148,8 @@ def decode_weight_bytes(model: ModelFacts, engine: EngineFacts, dtype: str, tp: 
     Everything except the input embedding (a row lookup), plus the tied embedding as LM head. For an
     encoder-decoder model only the decoder's share of the matrices; for MoE, see `latency`.
     """
+    if dtype == model.checkpoint_quantization and model.checkpoint_weight_bytes:
+        return _checkpoint_quantized(model, engine, dtype, tp, hardware, decode=True)
     split = param_split(model)
     head_dtype = compute_dtype(dtype, model, hardware)
     matrix = _split_elements(model, split, tp) * decoder_share(model)

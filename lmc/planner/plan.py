@@ -17,15 +17,34 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class PlanExperts(_Frozen):
+    """A mixture-of-experts model's experts."""
+
+    routed: int = Field(ge=2, description="Routed experts per MoE block.")
+    active: int = Field(ge=1, description="Routed experts each token goes through.")
+    shared: int = Field(ge=0, description="Experts every token goes through besides.")
+    moe_layers: int = Field(ge=0, description="Blocks with experts (the others are dense).")
+
+
 class PlanModel(_Frozen):
     id: str
+    revision: str | None = Field(default=None, description="The commit the facts were read at (Hub ids).")
     family: str
+    architecture: str = ""
     parameters: int
     layers: int
     hidden_size: int
     attention_heads: int
     kv_heads: int
     vocab_size: int
+    attention: Literal["mha", "gqa", "mqa", "mla"] = "mha"
+    kv_bytes_per_token: int = Field(default=0, ge=0, description="KV cache bytes per token over all layers, one TP rank, at the planned dtype (full-attention layers; sliding ones hold at most their window).")
+    active_parameters: int = Field(default=0, ge=0, description="Parameters one token multiplies through (routed experts at k/E).")
+    experts: PlanExperts | None = None
+    sliding_window: int | None = Field(default=None, description="Window of the sliding-window layers, if any.")
+    sliding_window_layers: int = Field(default=0, ge=0)
+    vision_parameters: int = Field(default=0, ge=0, description="Parameters outside the language model (multimodal wrappers).")
+    checkpoint_quantization: str | None = Field(default=None, description="The checkpoint's own quantization (quant_method → weights), None for 16/32-bit.")
 
 
 class PlanTarget(_Frozen):
@@ -107,7 +126,7 @@ class Plan(_Frozen):
     model: PlanModel
     target: PlanTarget
     engine: Literal["deepspeed", "hf", "neuronx", "vllm"]
-    dtype: Literal["fp32", "fp16", "bf16", "int8", "fp8"]
+    dtype: Literal["fp32", "fp16", "bf16", "int8", "fp8", "int4", "mxfp4"]
     quantization: str | None
     tensor_parallel_degree: int = Field(ge=1)
     replicas: int = Field(ge=1)

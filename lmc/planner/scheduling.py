@@ -39,6 +39,9 @@ def choose_scheduling(engine: EngineFacts, dtype: str, tp: int, batch: int, conc
 def _continuous_unavailable(engine: EngineFacts, tp: int, model: ModelFacts, hardware: HardwareFacts) -> str | None:
     if engine.name not in ("hf", "deepspeed"):
         return f"the {engine.name} engine runs compiled batch sizes; batches form dynamically"
+    if model.family not in engine.families:
+        return (f"lmc's decode loop has no per-sequence layout for {model.family} (it has one for "
+                f"{', '.join(engine.families)}); batches form dynamically")
     if model.is_encoder_decoder:
         return (f"{model.family} is an encoder-decoder: lmc's decode loop merges running rows only for "
                 "decoder-only models; batches form dynamically")

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from lmc.errors import NoFeasiblePlanError, SpecValueError
-from lmc.planner.engines import engine_facts
+from lmc.planner.engines import engine_facts, runs_architecture
 from lmc.planner.facts import DTYPE_BYTES, EngineFacts, HardwareFacts, ModelFacts
 from lmc.planner.latency import Timing, efficiency_for, predict
 from lmc.planner.memory import (
@@ -26,9 +26,20 @@ from lmc.planner.memory import (
     capacity_bytes,
     compute_dtype,
     kv_bytes_per_token,
+    kv_heads_per_device,
     memory_per_device,
 )
-from lmc.planner.plan import Alternative, Decision, Deployment, MemoryPerDevice, Plan, PlanModel, PlanTarget, Predicted
+from lmc.planner.plan import (
+    Alternative,
+    Decision,
+    Deployment,
+    MemoryPerDevice,
+    Plan,
+    PlanExperts,
+    PlanModel,
+    PlanTarget,
+    Predicted,
+)
 from lmc.planner.scheduling import choose_scheduling
 from lmc.planner.vllm import (
     VllmLayout,
@@ -122,15 +133,13 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
     plan = Plan(
         lmc_version=lmc_version,
         spec_sha256=spec_sha256,
-        model=PlanModel(id=model.id, family=model.family, parameters=model.parameters, layers=model.layers,
-                        hidden_size=model.hidden_size, attention_heads=model.attention_heads,
-                        kv_heads=model.kv_heads, vocab_size=model.vocab_size),
+        model=plan_model(model, chosen, hardware),
         target=PlanTarget(instance=hardware.name, accelerator=hardware.accelerator, devices=hardware.devices,
                           device_memory_bytes=hardware.device_memory_bytes, instances=chosen.timing.instances_used,
                           price_per_hour=hardware.price_per_hour),
         engine=chosen.engine,
         dtype=chosen.dtype,
-        quantization=vllm_quantization(chosen.dtype) if chosen.vllm else quantization(chosen.dtype),
+        quantization=plan_quantization(model, chosen, hardware),
         tensor_parallel_degree=chosen.tp,
         replicas=chosen.replicas,
         batch_size=chosen.batch,
@@ -149,6 +158,24 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         alternatives=alternatives(spec, model, hardware, chosen, configs, rejections),
     )
     return plan.with_digest()
+
+
+def plan_model(model: ModelFacts, chosen: Config, hardware: HardwareFacts) -> PlanModel:
+    """The plan's model section: the facts the plan was computed from, KV bytes at the planned TP and dtype."""
+    experts = None
+    if model.num_experts > 1:
+        experts = PlanExperts(routed=model.num_experts, active=model.experts_per_token, shared=model.shared_experts,
+                              moe_layers=model.layers if model.moe_layers is None else model.moe_layers)
+    return PlanModel(
+        id=model.id, revision=model.revision, family=model.family, architecture=model.architecture,
+        parameters=model.parameters, layers=model.layers, hidden_size=model.hidden_size,
+        attention_heads=model.attention_heads, kv_heads=model.kv_heads, vocab_size=model.vocab_size,
+        attention=model.attention,
+        kv_bytes_per_token=kv_bytes_per_token(model, chosen.tp, compute_dtype(chosen.dtype, model, hardware)),
+        active_parameters=model.active, experts=experts, sliding_window=model.sliding_window,
+        sliding_window_layers=model.sliding_window_layers, vision_parameters=model.vision_parameters,
+        checkpoint_quantization=(f"{model.quantization_method} ({model.checkpoint_quantization})"
+                                 if model.checkpoint_quantization else None))
 
 
 # --- checks on the spec against the facts ----------------------------------------------------------
@@ -170,8 +197,16 @@ def check_workload(spec, model: ModelFacts) -> None:
             f"the {limit} positions of {model.id}; lower them to at most {limit} together")
 
 
-def allowed_dtype(dtype: str, hardware: HardwareFacts) -> str | None:
-    """None when the hardware can serve `dtype`, else why not."""
+def allowed_dtype(dtype: str, hardware: HardwareFacts, model: ModelFacts | None = None) -> str | None:
+    """None when the hardware can serve `dtype`, else why not. A checkpoint quantized in `dtype` runs
+    weight-only (16-bit compute) on GPUs without native support: vLLM's Marlin kernels take fp8 on
+    Ampere; 4-bit formats (AWQ, GPTQ, MXFP4) always compute in 16 bits."""
+    if model is not None and dtype == model.checkpoint_quantization:
+        if hardware.kind != "gpu":
+            return f"{model.quantization_method}-quantized weights need a GPU kernel ({hardware.accelerator} has none in the engines lmc plans)"
+        if dtype in hardware.dtypes or {"fp16", "bf16"} & set(hardware.dtypes):
+            return None
+        return f"{hardware.accelerator} has no 16-bit compute for {model.quantization_method} weights"
     if dtype == "int8":
         return None if {"fp16", "bf16"} & set(hardware.dtypes) or hardware.kind == "cpu" else \
             f"{hardware.accelerator} has no 16-bit compute for int8 weight-only matmuls"
@@ -188,8 +223,16 @@ def engine_unsupported(engine: EngineFacts, model: ModelFacts, hardware: Hardwar
         return f"runs only on {where} hardware, not {hardware.accelerator}"
     if model.family in engine.refused_families:
         return f"does not support family {model.family}: {engine.refused_families[model.family]}"
-    if model.family not in engine.families:
-        return f"does not support family {model.family}"
+    if not runs_architecture(engine, model):
+        if engine.architectures == "vllm":
+            return f"does not register {model.architecture} (not in the pinned vLLM's model registry)"
+        if engine.architectures == "transformers":
+            return f"cannot build {model.architecture} (transformers' AutoModelForCausalLM has no such class)"
+        return f"does not support family {model.family} (it serves {', '.join(engine.families)})"
+    if model.checkpoint_quantization is not None and model.quantization_method not in engine.checkpoint_quantizations:
+        loads = ", ".join(engine.checkpoint_quantizations)
+        return (f"does not load {model.quantization_method}-quantized checkpoints"
+                + (f" (it loads {loads})" if loads else " (lmc re-partitions weights in a 16-bit dtype for it)"))
     sizes = engine.head_sizes.get(hardware.kind)
     if sizes and model.head_dim not in sizes:
         return (f"has no {hardware.kind} attention kernel for head size {model.head_dim} "
@@ -210,7 +253,10 @@ def tp_degrees(engine: EngineFacts, hardware: HardwareFacts) -> list[int]:
 
 
 def engine_dtypes(engine: EngineFacts, model: ModelFacts) -> list[str]:
-    """The dtypes the engine serves this model in: no int8/fp8 for families it cannot quantize."""
+    """The dtypes the engine serves this model in: a quantized checkpoint's own, else no int8/fp8 for
+    families it cannot quantize."""
+    if model.checkpoint_quantization is not None:
+        return [model.checkpoint_quantization]
     if engine.quantization_families is None or model.family in engine.quantization_families:
         return list(engine.dtypes)
     return [d for d in engine.dtypes if d not in ("int8", "fp8")]
@@ -222,6 +268,10 @@ def splits_heads(engine: EngineFacts, model: ModelFacts) -> bool:
 
 
 def tp_unsupported(tp: int, engine: EngineFacts, model: ModelFacts) -> str | None:
+    allowed = engine.any_architecture_tp
+    if model.family not in engine.families and allowed is not None and tp not in allowed:
+        return (f"needs a tensor-parallel layout lmc has only for {', '.join(engine.families)}, not "
+                f"{model.family} ({engine.name} serves it at TP {_fmt_list(allowed)})")
     if splits_heads(engine, model) and model.attention_heads % tp:
         return f"does not divide the {model.attention_heads} attention heads"
     kv = model.kv_heads
@@ -346,7 +396,7 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
         for dtype in engine_dtypes(engine, model):
             if pin.dtype is not None and dtype != pin.dtype:
                 continue
-            why = allowed_dtype(dtype, hardware)
+            why = allowed_dtype(dtype, hardware, model)
             if why:
                 rejections.append(Rejection(name, dtype, 1, 0, why, (3,)))
                 continue
@@ -452,7 +502,7 @@ def goal_gap(goal, timing: Timing) -> float:
 def precision_tier(dtype: str, hardware: HardwareFacts) -> int:
     if hardware.kind == "cpu":
         return 0 if dtype == "fp32" else 1 if dtype in ("bf16", "fp16") else 2
-    return {"fp32": 0, "bf16": 0, "fp16": 0, "fp8": 1, "int8": 2}[dtype]
+    return {"fp32": 0, "bf16": 0, "fp16": 0, "fp8": 1, "int8": 2, "int4": 3, "mxfp4": 3}[dtype]
 
 
 def dtype_preference(dtype: str, model: ModelFacts, hardware: HardwareFacts) -> int:
@@ -503,6 +553,21 @@ def choose(spec, model: ModelFacts, hardware: HardwareFacts, feasible: list[Conf
 
 def quantization(dtype: str) -> str | None:
     return {"int8": "int8 weight-only (per-channel scales)", "fp8": "fp8 weight-only"}.get(dtype)
+
+
+def checkpoint_quantization(model: ModelFacts, hardware: HardwareFacts) -> str:
+    """What serving a quantized checkpoint as it is means on this hardware."""
+    method, weights = model.quantization_method, model.checkpoint_quantization
+    if weights in hardware.dtypes:
+        return f"{method} checkpoint: {weights} weights and {weights} compute ({hardware.accelerator} has it natively)"
+    return (f"{method} checkpoint: {weights} weights, 16-bit compute (weight-only: {hardware.accelerator} has no "
+            f"{weights} compute)")
+
+
+def plan_quantization(model: ModelFacts, chosen: Config, hardware: HardwareFacts) -> str | None:
+    if model.checkpoint_quantization is not None:
+        return checkpoint_quantization(model, hardware)
+    return vllm_quantization(chosen.dtype) if chosen.vllm else quantization(chosen.dtype)
 
 
 def batch_delay_ms(spec, batch: int) -> int:
@@ -597,10 +662,18 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
     if engine.kernel_injection_families:
         fused = ("; fused kernels (kernel injection) for " + model.family if model.family in engine.kernel_injection_families
                  else "; AutoTP (no fused kernels for " + model.family + ")")
+    if model.family not in engine.families:
+        fused += (f"; {model.architecture} from the {'pinned vLLM' if engine.architectures == 'vllm' else 'installed transformers'}'s "
+                  f"registry" + (f", at TP {_fmt_list(engine.any_architecture_tp)} (lmc has tensor-parallel layouts "
+                                 f"for {', '.join(engine.families)})" if engine.any_architecture_tp else ""))
     out.append(Decision(key="engine", value=chosen.engine, reason=f"{why}{fused}"))
 
     weights_total = model.parameters * DTYPE_BYTES[chosen.dtype]
-    if spec.pin.dtype:
+    if model.checkpoint_quantization is not None:
+        weights_total = model.checkpoint_weight_bytes or weights_total
+        dwhy = (f"the checkpoint is {model.quantization_method}-quantized and {chosen.engine} serves it as it is "
+                f"({model.parameters / 1e9:.1f} B parameters)")
+    elif spec.pin.dtype:
         dwhy = "pinned by the spec"
     elif chosen.dtype in WEIGHT_ONLY:
         dwhy = _why_quantized(spec, hardware, chosen, configs)
@@ -610,8 +683,9 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
             dwhy += f", bf16 native on {hardware.accelerator}"
     out.append(Decision(key="dtype", value=chosen.dtype,
                         reason=f"{dwhy}; {weights_total / 1e9:.1f} GB of weights in {chosen.dtype}"))
-    out.append(Decision(key="quantization", value=quantization(chosen.dtype),
-                        reason="weight-only: 1 byte per weight + fp16 per-channel scales; activations and KV in "
+    out.append(Decision(key="quantization", value=plan_quantization(model, chosen, hardware),
+                        reason="quantization_config of the checkpoint: vLLM reads it and picks the kernels"
+                        if model.checkpoint_quantization is not None else "weight-only: 1 byte per weight + fp16 per-channel scales; activations and KV in "
                                f"{compute_dtype(chosen.dtype, model, hardware)}" if chosen.dtype in WEIGHT_ONLY
                         else "none: weights served in their planned dtype"))
 
@@ -650,8 +724,7 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
     seq = load.max_input_tokens + load.max_output_tokens
     out.append(Decision(key="kv_cache", value=mem.kv_cache,
                         reason=f"{chosen.batch} sequences × {seq} tokens × {per_token / 1024:.1f} KiB per token "
-                               f"(2 · {model.layers} layers · {-(-model.kv_heads // chosen.tp) if model.kv_heads % chosen.tp else model.kv_heads // chosen.tp}"
-                               f" kv heads per device · {model.head_dim} · {DTYPE_BYTES[act]:g} bytes)"))
+                               f"({kv_formula(model, chosen.tp, act)})"))
     if chosen.engine == "neuronx":
         aot = model.family in engine.aot_compile_families
         out.append(Decision(key="neuron_compile", value="ahead-of-time" if aot else "at-start",
@@ -672,6 +745,21 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
     if chosen.vllm is not None:
         out = vllm_decisions(out, spec, model, hardware, chosen.vllm, chosen.memory, chosen.replicas)
     return out
+
+
+def kv_formula(model: ModelFacts, tp: int, act: str) -> str:
+    """How the KV bytes per token come about, for the decisions."""
+    size = f"{DTYPE_BYTES[act]:g} bytes"
+    if model.kv_lora_rank:
+        text = (f"MLA: {model.layers} layers · ({model.kv_lora_rank} latent + {model.qk_rope_head_dim} rotary) · {size}, "
+                "whole on every rank")
+    else:
+        text = (f"2 · {model.layers} layers · {kv_heads_per_device(model, tp)} kv heads per device · "
+                f"{model.head_dim} · {size}")
+    if model.sliding_window and model.sliding_window_layers:
+        text += (f"; {model.sliding_window_layers} sliding-window layers hold at most {model.sliding_window} tokens "
+                 "of each sequence")
+    return text
 
 
 def scale_decisions(spec, model: ModelFacts, hardware: HardwareFacts, chosen: Config) -> list[Decision]:

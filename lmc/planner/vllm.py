@@ -33,6 +33,7 @@ from lmc.planner.memory import (
     host_share,
     kv_bytes_per_token,
     kv_heads_per_device,
+    kv_sequence_bytes,
     lm_head_sharded,
     overhead_bytes,
     weight_bytes,
@@ -65,8 +66,12 @@ class VllmLayout:
     gpu_memory_utilization: float
     cpu_kvcache_space_gib: int | None  # VLLM_CPU_KVCACHE_SPACE on CPU plans
 
+    sequence_bytes: int = 0  # KV bytes one max_model_len sequence holds per rank (sliding layers: their window)
+
     @property
     def blocks_per_sequence(self) -> int:
+        if self.sequence_bytes:
+            return -(-self.sequence_bytes // self.bytes_per_block)
         return -(-self.max_model_len // self.block_size)
 
     @property
@@ -132,7 +137,8 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     utilization = gpu_memory_utilization(hardware, memory_fraction, memory_cap)
     block_size = BLOCK_SIZE["cpu" if hardware.kind == "cpu" else "gpu"]
     bytes_per_block = block_size * kv_bytes_per_token(model, tp, act_dtype)
-    needed = max_num_seqs * -(-max_model_len // block_size) * bytes_per_block
+    sequence = kv_sequence_bytes(model, tp, act_dtype, max_model_len, block_size)
+    needed = max_num_seqs * -(-sequence // bytes_per_block) * bytes_per_block
     space_gib = None
     if hardware.kind == "cpu":  # each rank allocates VLLM_CPU_KVCACHE_SPACE whole GiB
         capacity = capacity_bytes(hardware, memory_fraction, memory_cap) // host_share(hardware, tp)
@@ -145,7 +151,8 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     blocks = pool // bytes_per_block
     layout = VllmLayout(block_size=block_size, blocks=blocks, bytes_per_block=bytes_per_block, pool_bytes=pool,
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=batched,
-                        gpu_memory_utilization=utilization, cpu_kvcache_space_gib=space_gib)
+                        gpu_memory_utilization=utilization, cpu_kvcache_space_gib=space_gib,
+                        sequence_bytes=sequence)
     kv = pool if layout.max_concurrent_sequences >= max_num_seqs else needed
     total = weights + activations + runtime + kv
     return (MemoryPerDevice(weights=weights, kv_cache=kv, activations=activations, runtime_overhead=runtime,

@@ -1,0 +1,207 @@
+"""Model facts from a Hugging Face Hub id, through huggingface_hub (never hand-written HTTP).
+
+`lmc plan` needs only what planning needs: the commit a revision points at, `config.json` (and,
+best effort, `generation_config.json` and `tokenizer_config.json`, which the build uses) through the
+HF cache, and the safetensors metadata (`get_safetensors_metadata`: a few KB of headers by range
+request) for exact tensor names, dtypes and shapes. The user's Hugging Face setup is honoured as
+huggingface_hub reads it: HF_TOKEN (gated repos), HF_HOME / HF_HUB_CACHE, HF_HUB_OFFLINE, HF_ENDPOINT.
+
+The safetensors metadata is not in the HF cache, so lmc keeps its own summary per commit under
+`$HF_HOME/lmc/safetensors/<org>--<name>/<commit>.json`: a second plan of the same commit, online or
+offline, reads no header again. Offline with a cached config.json but no summary, the weights are
+computed from the config and the facts say so.
+
+Every failure is one line (a SpecValueError on `model.id` or `model.revision`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmc.errors import SpecValueError
+from lmc.planner.facts import ModelFacts
+
+# What planning reads besides the weights' metadata; only config.json must exist.
+PLAN_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class HubCheckpoint:
+    """A Hub revision as planning saw it: the commit, the config, the tensors per safetensors file."""
+
+    model_id: str
+    commit: str
+    config: dict[str, Any]
+    files: dict[str, list[tuple[str, str, tuple[int, ...]]]] | None  # file -> (name, dtype, shape); None: unknown
+
+
+def hub_model_facts(model_id: str, revision: str | None) -> ModelFacts:
+    """The facts of `model_id` at `revision` (default: main) on the Hub, or from the HF cache offline."""
+    from lmc.planner.checkpoint_facts import facts_from_config, with_tensors
+
+    checkpoint = resolve(model_id, revision)
+    from huggingface_hub import constants
+
+    where = f"{constants.ENDPOINT}/{model_id}/blob/{checkpoint.commit}/config.json"
+    facts = facts_from_config(checkpoint.config, model_id, source=f"Hub {model_id}@{checkpoint.commit}",
+                              config_file=where)
+    facts = facts.model_copy(update={"revision": checkpoint.commit})
+    if checkpoint.files is None:
+        return facts.model_copy(update={"source": f"{facts.source} (HF_HUB_OFFLINE: config.json from the HF cache; "
+                                                  "no safetensors metadata cached, so the weights are computed "
+                                                  "from the config)"})
+    tensors = [entry for entries in checkpoint.files.values() for entry in entries]
+    if not tensors:
+        raise SpecValueError("model.id", model_id, f"the Hub repo at {checkpoint.commit[:12]} has no safetensors "
+                                                   "weights (lmc does not read pickle *.bin checkpoints)")
+    facts = with_tensors(facts, tensors)
+    return facts.model_copy(update={"source": f"{facts.source} (config.json and the safetensors metadata of "
+                                              f"{len(checkpoint.files)} file(s))"})
+
+
+def resolve(model_id: str, revision: str | None) -> HubCheckpoint:
+    """The commit, config and tensor metadata of `model_id` at `revision`; one-line errors."""
+    from huggingface_hub import constants
+
+    offline = constants.HF_HUB_OFFLINE
+    with _errors(model_id, revision):
+        commit, config_path = (_cached_config(model_id, revision) if offline else _online_config(model_id, revision))
+    config = _read_json(config_path, model_id)
+    files = _cached_summary(model_id, commit)
+    if files is None and not offline:
+        with _errors(model_id, revision):
+            files = _safetensors_summary(model_id, commit)
+        _store_summary(model_id, commit, files)
+    return HubCheckpoint(model_id=model_id, commit=commit, config=config, files=files)
+
+
+def summary_path(model_id: str, commit: str) -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "lmc" / "safetensors" / model_id.replace("/", "--") / f"{commit}.json"
+
+
+def _online_config(model_id: str, revision: str | None) -> tuple[str, str]:
+    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    commit = HfApi().model_info(model_id, revision=revision).sha
+    if not commit:
+        raise SpecValueError("model.id", model_id, "the Hub answered without a commit for this revision")
+    config_path = hf_hub_download(model_id, "config.json", revision=commit)
+    for name in PLAN_FILES[1:]:  # best effort: not every repo has them
+        try:
+            hf_hub_download(model_id, name, revision=commit)
+        except EntryNotFoundError:
+            pass
+    return commit, config_path
+
+
+def _cached_config(model_id: str, revision: str | None) -> tuple[str, str]:
+    """Offline: config.json from the HF cache; the commit is the snapshot folder it lies in."""
+    from huggingface_hub import hf_hub_download
+
+    path = hf_hub_download(model_id, "config.json", revision=revision)
+    return Path(path).parent.name, path
+
+
+def _safetensors_summary(model_id: str, commit: str) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
+    from huggingface_hub import get_safetensors_metadata
+    from huggingface_hub.errors import NotASafetensorsRepoError
+
+    try:
+        metadata = get_safetensors_metadata(model_id, revision=commit)
+    except NotASafetensorsRepoError:
+        return {}
+    return {name: sorted((tensor, info.dtype, tuple(info.shape)) for tensor, info in file.tensors.items())
+            for name, file in sorted(metadata.files_metadata.items())}
+
+
+def _cached_summary(model_id: str, commit: str) -> dict[str, list[tuple[str, str, tuple[int, ...]]]] | None:
+    path = summary_path(model_id, commit)
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+        return {name: [(t[0], t[1], tuple(t[2])) for t in tensors] for name, tensors in body["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None  # absent or damaged: read the headers again
+
+
+def _store_summary(model_id: str, commit: str, files: dict) -> None:
+    """Write the summary atomically (a crash leaves the old one or none, never half of one)."""
+    path = summary_path(model_id, commit)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".tmp{os.getpid()}")
+        body = {"model_id": model_id, "commit": commit,
+                "files": {name: [[t[0], t[1], list(t[2])] for t in tensors] for name, tensors in files.items()}}
+        temporary.write_text(json.dumps(body, separators=(",", ":")), encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError:
+        pass  # a read-only HF_HOME only costs the next plan the header reads
+
+
+def _read_json(path: str, model_id: str) -> dict[str, Any]:
+    try:
+        body = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SpecValueError("model.id", model_id, f"config.json in the HF cache ({path}) is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise SpecValueError("model.id", model_id, f"config.json in the HF cache ({path}) is not a JSON object")
+    return body
+
+
+class _errors:
+    """Turns huggingface_hub's exceptions into one line that says what to do."""
+
+    def __init__(self, model_id: str, revision: str | None):
+        self.model_id, self.revision = model_id, revision
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or isinstance(exc, SpecValueError):
+            return False
+        from huggingface_hub import constants
+        from huggingface_hub import errors
+
+        endpoint, model_id = constants.ENDPOINT, self.model_id
+        if isinstance(exc, errors.GatedRepoError):
+            raise SpecValueError("model.id", model_id, f"a gated repo: accept its terms at {endpoint}/{model_id} and "
+                                                       "set HF_TOKEN to a token of that account") from None
+        if isinstance(exc, errors.RevisionNotFoundError):
+            raise SpecValueError("model.revision", self.revision, f"no such revision of {model_id} on the Hub "
+                                                                  "(a branch, tag or commit)") from None
+        if isinstance(exc, errors.RepositoryNotFoundError):
+            raise SpecValueError("model.id", model_id, f"no such model on the Hub ({endpoint}), or it is private: "
+                                                       "check the id, set HF_TOKEN, or give model.path") from None
+        if isinstance(exc, errors.EntryNotFoundError):
+            raise SpecValueError("model.id", model_id, "the Hub repo has no config.json (not a transformers "
+                                                       "model)") from None
+        if isinstance(exc, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)) and constants.HF_HUB_OFFLINE:
+            raise SpecValueError("model.id", model_id, f"HF_HUB_OFFLINE is set and the HF cache "
+                                                       f"({constants.HF_HUB_CACHE}) has no config.json for it"
+                                 + (f" at {self.revision}" if self.revision else "")
+                                 + "; plan once online, or give model.path") from None
+        if isinstance(exc, (errors.LocalEntryNotFoundError, OSError, ConnectionError)) or _is_network(exc):
+            raise SpecValueError("model.id", model_id, f"cannot reach the Hub at {endpoint} ({_one_line(exc)}); "
+                                                       "check the network or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to "
+                                                       "plan from the HF cache") from None
+        return False
+
+
+def _is_network(exc: BaseException) -> bool:
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - huggingface_hub depends on it
+        return False
+    return isinstance(exc, (httpx.TransportError, httpx.HTTPStatusError))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."

@@ -1,0 +1,304 @@
+"""Model facts from any decoder-only config.json, read by what the config says, not by family.
+
+A family list would have to grow with every release; these rules read the keys transformers' own
+configs use for the same things:
+
+- attention: `num_key_value_heads` (GQA/MQA), an explicit `head_dim`, MLA (`kv_lora_rank`,
+  `q_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`: DeepSeek-V2/V3/R1, Kimi K2),
+  biases (`attention_bias`; Qwen2's q/k/v biases), per-head q/k norms (Qwen3, Gemma 3, OLMo 2),
+  attention sinks (gpt-oss);
+- per-layer attention kinds: `layer_types` ("sliding_attention" / "full_attention"), else
+  `sliding_window_pattern` (Gemma 3: every n-th layer full), else `sliding_window` with
+  `use_sliding_window` (Qwen2-style: `max_window_layers`);
+- mixture of experts: the expert count under any of its names (`num_local_experts`, `num_experts`,
+  `n_routed_experts`), top-k, the expert width (`moe_intermediate_size`), shared experts
+  (`n_shared_experts`, `shared_expert_intermediate_size`, Llama 4's one), dense first layers
+  (`first_k_dense_replace`, `mlp_only_layers`, `decoder_sparse_step`, `interleave_moe_layer_step`);
+- multimodal wrappers: the language model from `text_config`, the vision tower (`vision_config`)
+  counted as a ViT of its dimensions;
+- the checkpoint's quantization (`quantization_config`).
+
+`parameters` counts what transformers builds from the config (tests/test_architecture.py builds
+each committed config on the meta device and compares). Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lmc.errors import CheckpointError
+
+# model_types whose q/k/v projections carry biases without an `attention_bias` key.
+_QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
+# model_types with a per-head RMSNorm on queries and keys (width head_dim; OLMo 2's spans all heads).
+_QK_NORM_HEAD = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "qwen3_next")
+_QK_NORM_ALL = ("olmo2", "olmo3")
+# model_types with four norms per block (before and after attention and MLP).
+_FOUR_NORMS = ("gemma2", "gemma3", "gemma3_text", "olmo2", "olmo3")
+_SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """A checkpoint's quantization as lmc plans it."""
+
+    method: str  # quant_method as written (fp8, awq, gptq, compressed-tensors, mxfp4, bitsandbytes)
+    weights: str  # lmc's name for the stored weights: fp8, int8, int4, mxfp4
+    bits_per_weight: float  # including scales and zeros, averaged over the quantized weights
+    experts_only: bool  # only the routed experts are quantized (gpt-oss MXFP4)
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: `text_config` of a multimodal wrapper, else the config itself.
+
+    Keys the wrapper sets for the whole model (`architectures`, `quantization_config`, dtype,
+    `tie_word_embeddings`) are kept where the text config lacks them.
+    """
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return config
+    merged = dict(text)
+    for key in ("quantization_config", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if key in config and key not in merged:
+            merged[key] = config[key]
+    return merged
+
+
+def quantization(config: dict[str, Any], where: str = "config.json") -> Quantization | None:
+    """The checkpoint's quantization from `quantization_config`, or None; an unknown scheme is an error."""
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{where}: quantization_config must be an object, got {q!r}")
+    method = str(q.get("quant_method", "")).lower()
+    if method == "fp8" or method == "fbgemm_fp8":
+        block = q.get("weight_block_size") or [0, 0]
+        # Block-wise scales (DeepSeek-V3: one fp32 per 128 × 128 block) add 32 / block area bits.
+        scale_bits = 32 / (block[0] * block[1]) if block and all(block) else 0.0
+        return Quantization(method, "fp8", 8 + scale_bits, False)
+    if method == "mxfp4":
+        return Quantization(method, "mxfp4", 4 + 8 / 32, True)  # 4-bit values, one 8-bit scale per 32
+    if method in ("awq", "gptq", "autoround", "auto-round"):
+        bits = int(q.get("bits", q.get("w_bit", 4)))
+        group = int(q.get("group_size", q.get("q_group_size", 128)) or 128)
+        weights = {4: "int4", 8: "int8"}.get(bits)
+        if weights is None:
+            raise CheckpointError(f"{where}: quantization_config: {method} with {bits} bits is not supported (4 or 8)")
+        return Quantization(method, weights, bits + (16 + bits) / max(group, 1), False)  # fp16 scale + zero per group
+    if method == "compressed-tensors":
+        groups = q.get("config_groups") or {}
+        first = next(iter(groups.values()), {}) if isinstance(groups, dict) else {}
+        weights = (first or {}).get("weights") or {}
+        bits, kind = int(weights.get("num_bits", 8)), str(weights.get("type", "int"))
+        name = "fp8" if kind == "float" and bits == 8 else {4: "int4", 8: "int8"}.get(bits)
+        if name is None:
+            raise CheckpointError(f"{where}: quantization_config: compressed-tensors with {bits}-bit {kind} "
+                                  "weights is not supported")
+        group = int(weights.get("group_size") or 0)
+        return Quantization(method, name, bits + (16 / group if group else 0), False)
+    if method == "bitsandbytes":
+        if q.get("load_in_4bit"):
+            return Quantization(method, "int4", 4 + 32 / 64, False)  # fp32 absmax per 64 (no double quant)
+        return Quantization(method, "int8", 8 + 0.25, False)
+    raise CheckpointError(f"{where}: quantization_config: unknown quant_method {method!r} "
+                          "(lmc knows fp8, mxfp4, awq, gptq, compressed-tensors, bitsandbytes)")
+
+
+class Reader:
+    """Typed access to config keys; a missing or ill-typed required key is a one-line error."""
+
+    _MISSING = object()
+
+    def __init__(self, config: dict[str, Any], where: str, what: str):
+        self.config, self.where, self.what = config, where, what
+
+    def int(self, *keys: str, default: Any = _MISSING) -> Any:
+        for key in keys:
+            value = self.config.get(key)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise CheckpointError(f"{self.where}: `{key}` must be an integer, got {value!r}")
+                return value
+        if default is self._MISSING:
+            raise CheckpointError(f"{self.where}: missing `{keys[0]}` (needed for a {self.what} model)")
+        return default
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.config.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{self.where}: `{key}` must be true or false, got {value!r}")
+        return value
+
+
+def sliding_layers(config: dict[str, Any], layers: int) -> tuple[int | None, int]:
+    """(window, how many blocks slide): (None, 0) where every block attends to the whole sequence."""
+    window = config.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None, 0
+    types = config.get("layer_types")
+    if isinstance(types, list) and types:
+        count = sum(1 for kind in types[:layers] if kind == _SLIDING)
+        return (window, count) if count else (None, 0)
+    pattern = config.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0:  # Gemma 2/3: every pattern-th block is full
+        count = layers - layers // pattern
+        return (window, count) if count else (None, 0)
+    if "use_sliding_window" in config:  # Qwen2-style: blocks from max_window_layers on slide
+        if not config.get("use_sliding_window"):
+            return None, 0
+        first = config.get("max_window_layers")
+        first = first if isinstance(first, int) else 0
+        return window, max(layers - first, 0)
+    return window, layers  # Mistral v0.1: every block slides
+
+
+@dataclass(frozen=True)
+class Moe:
+    experts: int
+    top_k: int
+    width: int  # one routed expert's MLP width
+    moe_layers: int
+    shared_width: int  # the shared experts' MLP width together (0 = none)
+    shared_experts: int
+    dense_width: int  # MLP width of the dense blocks
+
+
+def moe_layout(get: Reader, model_type: str, layers: int) -> Moe | None:
+    """Experts, routing and which blocks have them; None for a dense model."""
+    experts = get.int("num_local_experts", "num_experts", "n_routed_experts", default=0)
+    if experts <= 1:
+        return None
+    top_k = get.int("num_experts_per_tok", "experts_per_token", "moe_topk", default=2)
+    dense_width = get.int("intermediate_size_mlp", "intermediate_size", default=0)
+    width = get.int("moe_intermediate_size", "intermediate_size")
+    moe_layers = layers
+    first_dense = get.int("first_k_dense_replace", default=0)
+    if first_dense:
+        frequency = get.int("moe_layer_freq", default=1)
+        moe_layers = len([i for i in range(first_dense, layers) if (i - first_dense) % frequency == 0])
+    step = get.int("decoder_sparse_step", "interleave_moe_layer_step", default=1)
+    only_dense = get.config.get("mlp_only_layers") or []
+    if step > 1 or only_dense:
+        if "interleave_moe_layer_step" in get.config:  # Llama 4: every step-th block, counting from step-1
+            moe_layers = len([i for i in range(layers) if (i + 1) % step == 0])
+        else:  # Qwen2/3-MoE: (i + 1) % step == 0 and not in mlp_only_layers
+            moe_layers = len([i for i in range(layers) if (i + 1) % step == 0 and i not in only_dense])
+    shared_experts = get.int("n_shared_experts", default=0)
+    shared_width = shared_experts * width
+    if shared_experts == 0 and get.int("shared_expert_intermediate_size", default=0):
+        shared_experts, shared_width = 1, get.int("shared_expert_intermediate_size")
+    if shared_experts == 0 and model_type in ("llama4", "llama4_text"):
+        shared_experts, shared_width = 1, width  # Llama 4: one shared expert as wide as a routed one
+    return Moe(experts, top_k, width, moe_layers, shared_width, shared_experts, dense_width)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Parameters of a decoder-only language model, by what a token reads of them."""
+
+    total: int
+    experts: int  # routed expert weights (and their biases)
+    embedding: int
+
+
+def decoder_fields(config: dict[str, Any], where: str) -> tuple[dict[str, Any], Counts]:
+    """ModelFacts fields and parameter counts for the decoder-only language model in `config`."""
+    model_type = str(config.get("model_type") or "")
+    get = Reader(config, where, model_type or "decoder-only")
+    h = get.int("hidden_size", "n_embd", "d_model")
+    layers = get.int("num_hidden_layers", "n_layer", "num_layers")
+    heads = get.int("num_attention_heads", "n_head")
+    kv_heads = get.int("num_key_value_heads", default=heads)
+    head_dim = get.int("head_dim", default=h // heads if heads else 0)
+    vocab = get.int("vocab_size")
+    inter = get.int("intermediate_size", "ffn_dim", "n_inner", default=4 * h)
+    tie = get.flag("tie_word_embeddings", model_type in ("gemma", "gemma2", "gemma3", "gemma3_text"))
+    window, sliding = sliding_layers(config, layers)
+    moe = moe_layout(get, model_type, layers)
+    bias = get.flag("attention_bias", False)
+
+    kv_lora = get.int("kv_lora_rank", default=0)
+    rope_dim = 0
+    if kv_lora:  # MLA
+        q_lora = get.int("q_lora_rank", default=0)
+        rope_dim = get.int("qk_rope_head_dim")
+        nope = get.int("qk_nope_head_dim")
+        v_dim = get.int("v_head_dim", default=nope)
+        q_width = heads * (nope + rope_dim)
+        query = (h * q_lora + q_lora + q_lora * q_width) if q_lora else h * q_width
+        attention = query + h * (kv_lora + rope_dim) + kv_lora + kv_lora * heads * (nope + v_dim) + heads * v_dim * h
+        head_dim = nope + rope_dim
+    else:
+        q_width, kv_width = heads * head_dim, kv_heads * head_dim
+        attention = 2 * h * q_width + 2 * h * kv_width
+        if bias or model_type in _QKV_BIAS_TYPES:
+            attention += q_width + 2 * kv_width
+        if bias or model_type == "gpt_oss":
+            attention += h  # o_proj bias
+        if model_type in _QK_NORM_HEAD:
+            attention += 2 * head_dim
+        elif model_type in _QK_NORM_ALL:
+            attention += q_width + kv_width
+        if model_type == "gpt_oss":
+            attention += heads  # attention sinks
+    norms = (4 if model_type in _FOUR_NORMS else 2) * h
+
+    experts = 0
+    if moe is None:
+        mlp_total = layers * 3 * h * inter
+    else:
+        per_expert = 3 * h * moe.width + (2 * moe.width + h if model_type == "gpt_oss" else 0)
+        router = h * moe.experts + (moe.experts if model_type in ("gpt_oss", "deepseek_v3", "deepseek_v2", "kimi_k2") else 0)
+        shared = 3 * h * moe.shared_width + (h if "shared_expert_intermediate_size" in config else 0)
+        experts = moe.moe_layers * moe.experts * per_expert
+        mlp_total = experts + moe.moe_layers * (router + shared) + (layers - moe.moe_layers) * 3 * h * moe.dense_width
+    embedding = vocab * h
+    total = embedding + layers * (attention + norms) + mlp_total + h + (0 if tie else vocab * h)
+
+    fields: dict[str, Any] = dict(
+        layers=layers, hidden_size=h, attention_heads=heads, kv_heads=1 if kv_lora else kv_heads, head_dim=head_dim,
+        intermediate_size=moe.width if moe else inter, vocab_size=vocab,
+        max_position_embeddings=get.int("max_position_embeddings", "n_positions", default=None),
+        tie_word_embeddings=tie, kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim,
+        sliding_window=window, sliding_window_layers=sliding,
+    )
+    if moe is not None:
+        fields.update(num_experts=moe.experts, experts_per_token=moe.top_k, shared_experts=moe.shared_experts,
+                      moe_layers=moe.moe_layers)
+    return fields, Counts(total=total, experts=experts, embedding=embedding)
+
+
+def vision_parameters(config: dict[str, Any], text_hidden: int) -> int:
+    """A multimodal wrapper's parameters outside the language model: a ViT of `vision_config`'s
+    dimensions (patch embedding, position embeddings, blocks with biases, norms) and a projector."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict):
+        return 0
+    h = int(vision.get("hidden_size", 0) or 0)
+    if not h:
+        return 0
+    layers = int(vision.get("num_hidden_layers", 0) or 0)
+    inter = int(vision.get("intermediate_size", 4 * h) or 4 * h)
+    patch = int(vision.get("patch_size", 14) or 14)
+    channels = int(vision.get("num_channels", 3) or 3)
+    image = int(vision.get("image_size", 224) or 224)
+    positions = (image // patch) ** 2
+    block = 4 * h * h + 4 * h + 2 * h * inter + inter + h + 4 * h
+    projector = h * text_hidden + h
+    return channels * patch * patch * h + h + positions * h + layers * block + 2 * h + projector
+
+
+def checkpoint_weight_bytes(total: int, experts: int, embedding: int, tied: bool, q: Quantization,
+                            plain_bytes: float) -> int:
+    """The bytes of a quantized checkpoint computed from its config (when no safetensors metadata is
+    at hand): the quantized weights at their bits (scales included), embeddings and the rest at
+    `plain_bytes` (bf16)."""
+    if q.experts_only:
+        quantized = experts
+    else:  # every matrix but the embedding and LM head (what quantizers leave alone)
+        quantized = total - embedding * (1 if tied else 2)
+    return int(quantized * q.bits_per_weight / 8 + (total - quantized) * plain_bytes)
