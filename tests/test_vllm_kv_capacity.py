@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,11 +37,15 @@ def checkpoint():
                            intermediate_size=256)
 
 
-def _plan(tmp_path: Path, budget: str):
+def _plan(tmp_path: Path, budget: str, model: Path = ROOT / "specs" / "models" / "tiny-llama-vllm",
+          dtype: str | None = None):
     text = SPEC.read_text().replace('memory_per_device = "4GiB"', f'memory_per_device = "{budget}"')
     assert budget in text
-    spec = tmp_path / f"spec-{budget}.toml"
-    spec.write_text(text.replace('path = "models/tiny-llama-vllm"', f'path = "{ROOT / "specs" / "models" / "tiny-llama-vllm"}"')
+    if dtype is not None:
+        text = text.replace('[pin]\n', f'[pin]\ndtype = "{dtype}"\n')
+        assert f'dtype = "{dtype}"' in text
+    spec = tmp_path / f"spec-{budget}-{dtype}.toml"
+    spec.write_text(text.replace('path = "models/tiny-llama-vllm"', f'path = "{model}"')
                     .replace('profile = "profiles/cpu-2core.toml"', f'profile = "{ROOT / "specs" / "profiles" / "cpu-2core.toml"}"'))
     return plan_from_spec(load_spec(spec)).plan
 
@@ -48,6 +53,11 @@ def _plan(tmp_path: Path, budget: str):
 def _vllm_blocks(checkpoint: Path, plan, how: str) -> dict:
     """vLLM's blocks with the pool given as the environment variable or as serving.properties'
     option.kv_cache_memory_bytes (an engine argument)."""
+    return _vllm_probe(checkpoint, plan, how)[0]
+
+
+def _vllm_probe(checkpoint: Path, plan, how: str) -> tuple[dict, str]:
+    """_vllm_blocks' figures and what vLLM logged (its log goes to stdout, its engine process's too)."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     argv = [sys.executable, str(Path(__file__).with_name("_vllm_kv_probe.py")), str(checkpoint),
             VLLM_DTYPES[plan.dtype], str(plan.vllm.max_model_len), str(plan.vllm.max_num_seqs)]
@@ -58,7 +68,7 @@ def _vllm_blocks(checkpoint: Path, plan, how: str) -> dict:
     probe = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in probe.stdout.splitlines() if line.startswith("KV ")]
     assert probe.returncode == 0 and lines, probe.stderr[-3000:]
-    return json.loads(lines[-1][3:])
+    return json.loads(lines[-1][3:]), probe.stdout + probe.stderr
 
 
 def _kv_cache_memory_bytes(plan) -> int:
@@ -79,3 +89,23 @@ def test_plan_kv_blocks_match_what_vllm_allocates_for_two_budgets(checkpoint, tm
         reported = _vllm_blocks(checkpoint, plan, how)
         assert reported["block_size"] == plan.kv_cache.block_size
         assert abs(plan.kv_cache.blocks - reported["blocks"]) <= 0.10 * reported["blocks"], (plan.kv_cache, reported)
+
+
+def test_bf16_plan_pool_is_the_tokens_vllm_allocates(tmp_path_factory):
+    """bf16 on a 256-wide, 2-layer Llama (heads of 64, 2 KV heads) at a 4 GiB budget: the plan's pool,
+    blocks × block_size tokens, is exactly what vLLM allocates. vLLM's log line "CPU KV cache size: N
+    tokens" is not that pool but max concurrency × max_model_len (vllm/v1/core/kv_cache_utils.py
+    `get_kv_cache_capacity`): a request of max_model_len (96) tokens takes whole 128-token blocks, so N is
+    96/128 of the pool (1,572,864 of 2,097,152 tokens here), in fp32 as in bf16."""
+    from lmc.testing.checkpoints import make_checkpoint
+
+    checkpoint = make_checkpoint("llama", tmp_path_factory.mktemp("llama-256") / "ckpt", seed=0, hidden_size=256,
+                                 intermediate_size=512)
+    plan = _plan(tmp_path_factory.mktemp("spec"), "4GiB", model=checkpoint, dtype="bf16")
+    assert (plan.engine, plan.dtype) == ("vllm", "bf16")
+    reported, log = _vllm_probe(checkpoint, plan, "env")
+    pool_tokens = plan.kv_cache.blocks * plan.kv_cache.block_size
+    assert (plan.kv_cache.block_size, pool_tokens) == (reported["block_size"], reported["blocks"] * reported["block_size"])
+    assert pool_tokens == plan.vllm.cpu_kvcache_space_gib * 2**30 // (2 * 2 * 2 * 64 * 2)  # 1 KiB a token in bf16
+    logged = [int(m.replace(",", "")) for m in re.findall(r"KV cache size: ([\d,]+) tokens", log)]
+    assert logged == [plan.kv_cache.max_concurrent_sequences * plan.vllm.max_model_len], log[-3000:]
