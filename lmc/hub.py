@@ -29,6 +29,11 @@ from lmc.planner.facts import ModelFacts
 PLAN_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")
 
 
+class HubUnavailable(SpecValueError):
+    """The Hub could not answer (no network, offline with nothing cached, a gated repo without a
+    token): for an id the built-in catalog holds, planning goes on from the catalog."""
+
+
 @dataclass(frozen=True)
 class HubCheckpoint:
     """A Hub revision as planning saw it: the commit, the config, the tensors per safetensors file."""
@@ -171,7 +176,7 @@ class _errors:
 
         endpoint, model_id = constants.ENDPOINT, self.model_id
         if isinstance(exc, errors.GatedRepoError):
-            raise SpecValueError("model.id", model_id, f"a gated repo: accept its terms at {endpoint}/{model_id} and "
+            raise HubUnavailable("model.id", model_id, f"a gated repo: accept its terms at {endpoint}/{model_id} and "
                                                        "set HF_TOKEN to a token of that account") from None
         if isinstance(exc, errors.RevisionNotFoundError):
             raise SpecValueError("model.revision", self.revision, f"no such revision of {model_id} on the Hub "
@@ -179,27 +184,25 @@ class _errors:
         if isinstance(exc, errors.RepositoryNotFoundError):
             raise SpecValueError("model.id", model_id, f"no such model on the Hub ({endpoint}), or it is private: "
                                                        "check the id, set HF_TOKEN, or give model.path") from None
-        if isinstance(exc, errors.EntryNotFoundError):
-            raise SpecValueError("model.id", model_id, "the Hub repo has no config.json (not a transformers "
-                                                       "model)") from None
         if isinstance(exc, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)) and constants.HF_HUB_OFFLINE:
-            raise SpecValueError("model.id", model_id, f"HF_HUB_OFFLINE is set and the HF cache "
+            raise HubUnavailable("model.id", model_id, f"HF_HUB_OFFLINE is set and the HF cache "
                                                        f"({constants.HF_HUB_CACHE}) has no config.json for it"
                                  + (f" at {self.revision}" if self.revision else "")
                                  + "; plan once online, or give model.path") from None
-        if isinstance(exc, (errors.LocalEntryNotFoundError, OSError, ConnectionError)) or _is_network(exc):
-            raise SpecValueError("model.id", model_id, f"cannot reach the Hub at {endpoint} ({_one_line(exc)}); "
+        if isinstance(exc, errors.RemoteEntryNotFoundError):
+            raise SpecValueError("model.id", model_id, "the Hub repo has no config.json (not a transformers "
+                                                       "model)") from None
+        if isinstance(exc, (errors.LocalEntryNotFoundError, errors.HfHubHTTPError, ConnectionError)) or _is_network(exc):
+            raise HubUnavailable("model.id", model_id, f"cannot reach the Hub at {endpoint} ({_one_line(exc)}); "
                                                        "check the network or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to "
                                                        "plan from the HF cache") from None
         return False
 
 
 def _is_network(exc: BaseException) -> bool:
-    try:
-        import httpx
-    except ImportError:  # pragma: no cover - huggingface_hub depends on it
-        return False
-    return isinstance(exc, (httpx.TransportError, httpx.HTTPStatusError))
+    """A transport failure of huggingface_hub's HTTP client (httpx, or httpx2 in huggingface_hub 2.x),
+    which it raises unwrapped when the Hub cannot be reached."""
+    return type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "requests", "urllib3")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -35,8 +35,17 @@ _QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
 _QK_NORM_HEAD = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "qwen3_next")
 _QK_NORM_ALL = ("olmo2", "olmo3")
 # model_types with four norms per block (before and after attention and MLP).
-_FOUR_NORMS = ("gemma2", "gemma3", "gemma3_text", "olmo2", "olmo3")
+_FOUR_NORMS = ("gemma2", "gemma3", "gemma3_text")
 _SLIDING = "sliding_attention"
+
+
+# Keys published configs leave to the transformers config class's defaults (the file on the Hub omits
+# them), per model_type: the defaults of that class in transformers 5.19.
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"vocab_size": 262_208, "max_position_embeddings": 131_072, "sliding_window": 4096,
+                    "sliding_window_pattern": 6},
+    "gpt_oss": {"sliding_window_pattern": 2},  # layer_types' default: even blocks slide, odd ones are full
+}
 
 
 @dataclass(frozen=True)
@@ -57,8 +66,8 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """
     text = config.get("text_config")
     if not isinstance(text, dict):
-        return config
-    merged = dict(text)
+        return {**CONFIG_DEFAULTS.get(str(config.get("model_type")), {}), **config}
+    merged = {**CONFIG_DEFAULTS.get(str(text.get("model_type")), {}), **text}
     for key in ("quantization_config", "torch_dtype", "dtype", "tie_word_embeddings"):
         if key in config and key not in merged:
             merged[key] = config[key]
@@ -219,7 +228,7 @@ def decoder_fields(config: dict[str, Any], where: str) -> tuple[dict[str, Any], 
     tie = get.flag("tie_word_embeddings", model_type in ("gemma", "gemma2", "gemma3", "gemma3_text"))
     window, sliding = sliding_layers(config, layers)
     moe = moe_layout(get, model_type, layers)
-    bias = get.flag("attention_bias", False)
+    bias = get.flag("attention_bias", model_type == "gpt_oss")
 
     kv_lora = get.int("kv_lora_rank", default=0)
     rope_dim = 0
@@ -252,7 +261,8 @@ def decoder_fields(config: dict[str, Any], where: str) -> tuple[dict[str, Any], 
         mlp_total = layers * 3 * h * inter
     else:
         per_expert = 3 * h * moe.width + (2 * moe.width + h if model_type == "gpt_oss" else 0)
-        router = h * moe.experts + (moe.experts if model_type in ("gpt_oss", "deepseek_v3", "deepseek_v2", "kimi_k2") else 0)
+        # gpt-oss's router has a bias; DeepSeek's e_score_correction_bias is a buffer, not a parameter.
+        router = h * moe.experts + (moe.experts if model_type == "gpt_oss" else 0)
         shared = 3 * h * moe.shared_width + (h if "shared_expert_intermediate_size" in config else 0)
         experts = moe.moe_layers * moe.experts * per_expert
         mlp_total = experts + moe.moe_layers * (router + shared) + (layers - moe.moe_layers) * 3 * h * moe.dense_width
@@ -289,7 +299,11 @@ def vision_parameters(config: dict[str, Any], text_hidden: int) -> int:
     positions = (image // patch) ** 2
     block = 4 * h * h + 4 * h + 2 * h * inter + inter + h + 4 * h
     projector = h * text_hidden + h
-    return channels * patch * patch * h + h + positions * h + layers * block + 2 * h + projector
+    # SigLIP's attention-pooling head (probe, attention, norm, MLP) where the config keeps it.
+    head = (h + 4 * h * h + 4 * h + 2 * h + 2 * h * inter + inter + h
+            if vision.get("model_type", "siglip_vision_model") == "siglip_vision_model"
+            and vision.get("vision_use_head", True) else 0)
+    return channels * patch * patch * h + h + positions * h + layers * block + 2 * h + head + projector
 
 
 def checkpoint_weight_bytes(total: int, experts: int, embedding: int, tied: bool, q: Quantization,

@@ -1,8 +1,11 @@
 """The built-in catalogs: model facts and hardware facts, read from the data files beside this module.
 
-Models live one per file in data/models/<org>--<name>.toml (lower case); instance families one per
-file in data/hardware/<family>.toml, with per-device figures in data/hardware/accelerators.toml.
-Every file carries its `source`. Parsed files are cached; a lookup by canonical name reads one file,
+Models are a cache of published config.json files, one directory each,
+data/models/<org>--<name>/ (lower case): the model's config.json as the Hub publishes it, read by the
+same rules as any checkpoint's (planner/architecture.py), and model.toml with its id, aliases, where
+the config came from, the published parameter count, and what the published checkpoint holds where the
+config cannot say it. Instance families live one per file in data/hardware/<family>.toml, with
+per-device figures in data/hardware/accelerators.toml. Every file carries its `source`. Parsed files are cached; a lookup by canonical name reads one file,
 so `lmc plan` stays fast. The only fact read from the machine is the local target's RAM.
 """
 
@@ -41,17 +44,10 @@ _SIZE_FIELDS = ("device_memory_bytes", "host_memory_bytes", "instance_storage_by
 def model_facts(model_id: str) -> ModelFacts:
     """The catalog's facts for `model_id`: case-insensitive, with or without the org prefix, or an alias."""
     key = model_id.strip().lower()
-    direct = MODELS_DIR / f"{key.replace('/', '--')}.toml"
-    if "/" in key and direct in _toml_files():
-        return _model_from_file(direct)
     match = _model_index().get(key)
-    if match is not None and match[1].is_dir():
-        return _model_from_config_dir(match[1], match[0])
     if match is None:
         raise SpecValueError("model.id", model_id, _unknown_model_message(key))
-    name, path = match
-    facts = _model_from_file(path)
-    return facts if name == facts.id else facts.model_copy(update={"id": name})
+    return _model_from_config_dir(*reversed(match))
 
 
 def list_models() -> list[str]:
@@ -61,26 +57,32 @@ def list_models() -> list[str]:
 
 def has_model(model_id: str) -> bool:
     """Whether the catalog holds `model_id` (an id, alias or name without its org)."""
-    key = model_id.strip().lower()
-    return key in _model_index() or ("/" in key and (MODELS_DIR / f"{key.replace('/', '--')}.toml") in _toml_files())
+    return model_id.strip().lower() in _model_index()
 
 
 @functools.cache
 def _model_from_config_dir(path: Path, name: str) -> ModelFacts:
-    """Facts from a cached published config.json (and, where recorded, the checkpoint's safetensors
-    element counts per dtype), read as a checkpoint's config is."""
+    """Facts from a cached published config.json, read as a checkpoint's config is, with what model.toml
+    records of the published checkpoint: its count and dtype where the config cannot give them
+    ([checkpoint]), its safetensors element counts per dtype ([safetensors])."""
     from lmc.planner.checkpoint_facts import facts_from_config, read_config, with_tensors
 
     meta = _read_toml(path / "model.toml")
     source = f"catalog {path.name}/config.json: {meta.get('config_source', 'published config.json')}"
     facts = facts_from_config(read_config(path / "config.json"), name, source=source,
                               config_file=path / "config.json")
+    checkpoint = meta.get("checkpoint") or {}
     counts = (meta.get("safetensors") or {}).get("parameters") or {}
     if counts:
         facts = with_tensors(facts, [(f"{dtype} tensors", dtype, (int(count),)) for dtype, count in sorted(counts.items())])
-        facts = facts.model_copy(update={"source": f"{source}; parameters: the checkpoint's safetensors metadata "
-                                                   f"({(meta.get('safetensors') or {}).get('source', 'Hub')})"})
-    return facts
+        source += (f"; parameters: the checkpoint's safetensors metadata "
+                   f"({(meta.get('safetensors') or {}).get('source', 'Hub')})")
+    elif checkpoint:
+        facts = facts.model_copy(update={key: checkpoint[key] for key in ("parameters", "torch_dtype") if key in checkpoint})
+        source += f"; parameters: {checkpoint.get('source', 'the published checkpoint')}"
+    else:
+        source += "; parameters: computed from config.json as transformers builds it"
+    return facts.model_copy(update={"source": source})
 
 
 def _config_dir_ids(path: Path) -> tuple[str, list[str]]:
@@ -89,41 +91,23 @@ def _config_dir_ids(path: Path) -> tuple[str, list[str]]:
 
 
 @functools.cache
-def _model_from_file(path: Path) -> ModelFacts:
-    data = dict(_read_toml(path))
-    data.pop("aliases", None)
-    try:
-        return ModelFacts(**data)
-    except ValidationError as exc:
-        raise InternalError(f"catalog file {path} is invalid: {_first_error(exc)}") from None
-
-
-@functools.cache
 def _all_models() -> tuple[ModelFacts, ...]:
-    dirs = tuple(_model_from_config_dir(path, _config_dir_ids(path)[0]) for path in _config_dirs())
-    return tuple(_model_from_file(path) for path in _toml_files()) + dirs
-
-
-@functools.cache
-def _toml_files() -> tuple[Path, ...]:
-    """Hand-typed catalog entries (the older form), except those a published config.json replaces."""
-    return tuple(path for path in sorted(MODELS_DIR.glob("*.toml")) if not (path.with_suffix("") / "config.json").is_file())
+    return tuple(_model_from_config_dir(path, _config_dir_ids(path)[0]) for path in _config_dirs())
 
 
 @functools.cache
 def _config_dirs() -> tuple[Path, ...]:
-    """Catalog entries that are published config.json files (a directory each, with model.toml)."""
+    """Catalog entries: published config.json files, one directory each, with model.toml."""
     return tuple(path for path in sorted(MODELS_DIR.iterdir()) if (path / "config.json").is_file())
 
 
 @functools.cache
 def _model_index() -> dict[str, tuple[str, Path]]:
-    """Lower-cased name -> (name as shown, file): ids, aliases, and names without the org prefix."""
+    """Lower-cased name -> (name as shown, directory): ids, aliases, and names without the org prefix."""
     index: dict[str, tuple[str, Path]] = {}
     short: dict[str, list[tuple[str, Path]]] = {}
-    entries = [(_model_from_file(path).id, _read_toml(path).get("aliases", []), path) for path in _toml_files()]
-    entries += [(*_config_dir_ids(path), path) for path in _config_dirs()]
-    for model_id, aliases, path in entries:
+    for path in _config_dirs():
+        model_id, aliases = _config_dir_ids(path)
         for name in [model_id, *aliases]:
             if name.lower() in index and index[name.lower()][1] != path:
                 raise InternalError(f"catalog name {name!r} is claimed by {index[name.lower()][1].name} and {path.name}")
