@@ -89,13 +89,15 @@ class Split:
     stop: int = 0
 
 
+def has_layout(family: str) -> bool:
+    """Whether lmc can split `family` across TP ranks (others are served whole, at TP 1)."""
+    return family in _COMPILED
+
+
 def kind_of(family: str, name: str) -> Kind:
-    """The layout kind of checkpoint tensor `name` for `family`."""
-    try:
-        rules = _COMPILED[family]
-    except KeyError:
-        raise ValueError(f"no tensor-parallel layout for family {family!r}") from None
-    for pattern, kind in rules:
+    """The layout kind of checkpoint tensor `name` for `family`: for a family without a layout every
+    tensor is whole (`replicate`), which is its TP 1 file (the planner plans no other degree for it)."""
+    for pattern, kind in _COMPILED.get(family, ()):
         if pattern.search(name):
             return kind
     return "replicate"

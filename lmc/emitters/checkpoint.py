@@ -246,7 +246,7 @@ def _stack_layers(facts: ModelFacts, stack: str) -> int:
 def expected_shape(facts: ModelFacts, name: str) -> tuple[tuple[int | None, ...], str] | None:
     """The shape config.json implies for tensor `name` (None dims unchecked) and its description."""
     dims = _dims(facts)
-    for pattern, spec in SHAPE_RULES[facts.family]:
+    for pattern, spec in SHAPE_RULES.get(facts.family, ()):
         if pattern.search(name):
             shape, words = [], []
             for token in spec.split():

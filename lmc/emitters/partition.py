@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from lmc.emitters.checkpoint import CheckpointInfo
 from lmc.emitters.safetensors_stream import StreamingWriter, TensorEntry, mapped_tensor
 from lmc.errors import CheckpointError, InternalError
-from lmc.layouts import Split, kind_of, local_shape, rank_split, shard_path
+from lmc.layouts import Split, has_layout, kind_of, local_shape, rank_split, shard_path
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -71,6 +71,8 @@ def partition_checkpoint(info: CheckpointInfo, *, family: str, dtype: str, tp: i
 
     `progress`: True/False forces the tqdm bar; None (or a message callback) shows it when stderr is a TTY.
     """
+    if tp > 1 and not has_layout(family):
+        raise InternalError(f"TP {tp} for {family}, which has no tensor-parallel layout; the planner plans it at TP 1")
     paths = [Path(out_dir) / shard_path(tp, rank) for rank in range(tp)]
     _write_rank_files(info, sorted(info.tensors), paths, family=family, dtype=dtype, tp=tp, head_dim=head_dim,
                       kv_heads=kv_heads, metadata={}, progress=progress)

@@ -15,7 +15,7 @@ from typing import Any
 
 from lmc import __version__
 from lmc.emitters import neuron
-from lmc.emitters.vllm_weights import packed_dtype
+from lmc.emitters.vllm_weights import LMC_DTYPES
 from lmc.errors import InternalError, SpecError
 from lmc.planner.plan import Plan
 from lmc.schema import Spec
@@ -130,7 +130,7 @@ def context(plan: Plan, spec: Spec, vllm_weights: str | None = None) -> dict[str
         "djl_engine": engine_name,
         "djl_engine_reason": engine_reason,
         "dtype": plan.dtype,
-        "lmi_dtype": LMI_DTYPES[plan.dtype],
+        "lmi_dtype": LMI_DTYPES[lmi_dtype(plan)],
         "tensor_parallel_degree": plan.tensor_parallel_degree,
         "replicas": plan.replicas,
         "replicas_per_instance": -(-plan.replicas // instances),
@@ -155,9 +155,17 @@ def context(plan: Plan, spec: Spec, vllm_weights: str | None = None) -> dict[str
         "vllm": plan.vllm,
         "kv_cache": plan.kv_cache,
         "vllm_weights": (vllm_weights or vllm_weights_format(plan)) if plan.engine == "vllm" else None,
-        "vllm_quantization": "fp8" if plan.engine == "vllm" and plan.dtype == "fp8" else None,
-        "vllm_dtype": LMI_DTYPES[packed_dtype(plan)] if plan.engine == "vllm" else None,
+        "vllm_quantization": plan.vllm.quantization if plan.vllm else None,
+        "vllm_dtype": LMI_DTYPES[LMC_DTYPES[plan.vllm.dtype]] if plan.vllm else None,
     }
+
+
+def lmi_dtype(plan: Plan) -> str:
+    """LMI's option.dtype: the plan's, or for a quantized checkpoint (weights LMI does not name) the compute
+    dtype vLLM runs it in."""
+    if plan.model.checkpoint_quantization is not None and plan.vllm is not None:
+        return LMC_DTYPES[plan.vllm.dtype]
+    return plan.dtype
 
 
 def render_text_files(plan: Plan, spec: Spec, vllm_weights: str | None = None) -> dict[str, bytes]:

@@ -24,12 +24,15 @@ from lmc.planner.plan import Plan
 
 SHARDED_PATTERN = VLLM_SHARDED_STATE  # vLLM's TP-only default pattern
 SHARD_MAX_BYTES = 5 * 2**30  # parts of at most 5 GiB, as vLLM's save_sharded_state example
-# vLLM's --dtype spelling of the plan's compute dtype; fp8 is quantization on top of 16-bit weights.
-VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}
+# lmc's name of vLLM's --dtype.
+LMC_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-def packed_dtype(plan: Plan) -> str:
-    """The dtype of the weights a vLLM artifact carries: the plan's, 16-bit for fp8 (vLLM quantizes as it loads)."""
+def packed_dtype(plan: Plan) -> str | None:
+    """The dtype of the weights a vLLM artifact carries: the plan's, 16-bit for fp8 (vLLM quantizes as it
+    loads); None for a quantized checkpoint, whose files go in as they are."""
+    if plan.model.checkpoint_quantization is not None:
+        return None
     return "bf16" if plan.dtype == "fp8" else plan.dtype
 
 
@@ -54,14 +57,14 @@ def engine_arguments(plan: Plan, checkpoint: Path) -> dict[str, Any]:
     arguments: dict[str, Any] = {
         "model": str(checkpoint),
         "tensor_parallel_size": plan.tensor_parallel_degree,
-        "dtype": VLLM_DTYPES[plan.dtype],
+        "dtype": plan.vllm.dtype,
         "max_model_len": plan.vllm.max_model_len,
         "max_num_seqs": plan.vllm.max_num_seqs,
         "gpu_memory_utilization": plan.vllm.gpu_memory_utilization,
         "enforce_eager": True,  # saving needs the weights, not compiled graphs
     }
-    if plan.dtype == "fp8":
-        arguments["quantization"] = "fp8"
+    if plan.vllm.quantization:
+        arguments["quantization"] = plan.vllm.quantization
     return arguments
 
 

@@ -77,11 +77,12 @@ def _model_from_config_dir(path: Path, name: str) -> ModelFacts:
         facts = with_tensors(facts, [(f"{dtype} tensors", dtype, (int(count),)) for dtype, count in sorted(counts.items())])
         source += (f"; parameters: the checkpoint's safetensors metadata "
                    f"({(meta.get('safetensors') or {}).get('source', 'Hub')})")
-    elif checkpoint:
-        facts = facts.model_copy(update={key: checkpoint[key] for key in ("parameters", "torch_dtype") if key in checkpoint})
+    elif "parameters" in checkpoint:
         source += f"; parameters: {checkpoint.get('source', 'the published checkpoint')}"
     else:
         source += "; parameters: computed from config.json as transformers builds it"
+    if checkpoint:
+        facts = facts.model_copy(update={key: checkpoint[key] for key in ("parameters", "torch_dtype") if key in checkpoint})
     return facts.model_copy(update={"source": source})
 
 

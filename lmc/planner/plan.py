@@ -91,6 +91,8 @@ class VllmConfig(_Frozen):
     max_num_batched_tokens: int = Field(ge=0, description="Tokens per scheduler step; longer prefills are chunked.")
     gpu_memory_utilization: float = Field(ge=0, le=1, description="Share of device memory vLLM may use.")
     cpu_kvcache_space_gib: int | None = Field(default=None, ge=1, description="CPU plans: VLLM_CPU_KVCACHE_SPACE, the KV pool per rank in whole GiB (None on GPUs).")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(default="bfloat16", description="vLLM --dtype: the compute dtype (activations, KV cache, unquantized weights).")
+    quantization: Literal["fp8"] | None = Field(default=None, description="vLLM --quantization: fp8 is its online quantization of 16-bit weights; None for unquantized weights and for a quantized checkpoint (vLLM reads its quantization_config).")
 
 
 class Deployment(_Frozen):

@@ -148,7 +148,7 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         max_sequence_length=spec.workload.max_input_tokens + spec.workload.max_output_tokens,
         scheduling=scheduling,
         kv_cache=kv_cache,
-        vllm=vllm_section(chosen.vllm) if chosen.vllm else None,
+        vllm=vllm_section(chosen.vllm, model, hardware, chosen.dtype) if chosen.vllm else None,
         deployment=deployment(spec, chosen),
         memory_per_device=chosen.memory,
         predicted=predicted(chosen.timing),
@@ -257,7 +257,9 @@ def engine_dtypes(engine: EngineFacts, model: ModelFacts) -> list[str]:
     families it cannot quantize."""
     if model.checkpoint_quantization is not None:
         return [model.checkpoint_quantization]
-    if engine.quantization_families is None or model.family in engine.quantization_families:
+    # lmc quantizes weights itself only for the families it has layouts for; vLLM's online fp8 takes any.
+    known = model.family in engine.families or engine.architectures == "vllm"
+    if known and (engine.quantization_families is None or model.family in engine.quantization_families):
         return list(engine.dtypes)
     return [d for d in engine.dtypes if d not in ("int8", "fp8")]
 

@@ -209,11 +209,20 @@ def kv_cache_section(layout: VllmLayout) -> KvCache:
                    max_concurrent_sequences=layout.max_concurrent_sequences)
 
 
-def vllm_section(layout: VllmLayout) -> VllmConfig:
+# vLLM's --dtype spelling of lmc's compute dtypes.
+VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts, dtype: str) -> VllmConfig:
+    """The engine arguments of a vLLM plan: sizes, the compute dtype and vLLM's quantization flag (fp8 online
+    quantization of 16-bit weights; none for a quantized checkpoint, whose quantization_config vLLM reads)."""
+    online_fp8 = dtype == "fp8" and model.checkpoint_quantization is None
     return VllmConfig(max_num_seqs=layout.max_num_seqs, max_model_len=layout.max_model_len,
                       max_num_batched_tokens=layout.max_num_batched_tokens,
                       gpu_memory_utilization=layout.gpu_memory_utilization,
-                      cpu_kvcache_space_gib=layout.cpu_kvcache_space_gib)
+                      cpu_kvcache_space_gib=layout.cpu_kvcache_space_gib,
+                      dtype=VLLM_DTYPES[compute_dtype(dtype, model, hardware)],
+                      quantization="fp8" if online_fp8 else None)
 
 
 def weights_format(hardware: HardwareFacts, remote: bool = False) -> tuple[str, str]:

@@ -89,7 +89,11 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         args["max_num_batched_tokens"] = int(section["max_num_batched_tokens"])
     if kv_cache.get("block_size"):
         args["block_size"] = int(kv_cache["block_size"])
-    if dtype == "fp8":  # vLLM's online fp8 quantization of the bf16 weights the build packed
+    if section.get("dtype"):  # the plan's engine arguments (a quantized checkpoint: vLLM reads its config)
+        args["dtype"] = str(section["dtype"])
+        if section.get("quantization"):
+            args["quantization"] = str(section["quantization"])
+    elif dtype == "fp8":  # vLLM's online fp8 quantization of the bf16 weights the build packed
         args["dtype"] = "bfloat16"
         args["quantization"] = "fp8"
     elif dtype in VLLM_DTYPES:
