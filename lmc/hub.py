@@ -1,6 +1,6 @@
 """Model facts from a Hugging Face Hub id, through huggingface_hub (never hand-written HTTP).
 
-`lmc plan` needs only what planning needs: the commit a revision points at, `config.json` (and,
+`lmc plan` needs only what planning needs: the commit a revision points at (from downloading `config.json` into the HF cache), `config.json` (and,
 best effort, `generation_config.json` and `tokenizer_config.json`, which the build uses) through the
 HF cache, and the safetensors metadata (`get_safetensors_metadata`: a few KB of headers by range
 request) for exact tensor names, dtypes and shapes. The user's Hugging Face setup is honoured as
@@ -91,13 +91,16 @@ def summary_path(model_id: str, commit: str) -> Path:
 
 
 def _online_config(model_id: str, revision: str | None) -> tuple[str, str]:
+    """config.json at `revision` (main by default) through the HF cache: the snapshot folder it lands in
+    is the commit the revision points at (huggingface_hub records the branch's ref too, so an offline
+    plan of the same revision finds it)."""
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
-    commit = HfApi().model_info(model_id, revision=revision).sha
-    if not commit:
-        raise SpecValueError("model.id", model_id, "the Hub answered without a commit for this revision")
-    config_path = hf_hub_download(model_id, "config.json", revision=commit)
+    # model_info first: it fails at once when the Hub cannot be reached (hf_hub_download retries for
+    # ~20 s), and names an unknown repo or revision.
+    HfApi().model_info(model_id, revision=revision)
+    commit, config_path = _commit_of(hf_hub_download(model_id, "config.json", revision=revision))
     for name in PLAN_FILES[1:]:  # best effort: not every repo has them
         try:
             hf_hub_download(model_id, name, revision=commit)
@@ -106,12 +109,15 @@ def _online_config(model_id: str, revision: str | None) -> tuple[str, str]:
     return commit, config_path
 
 
+def _commit_of(path: str) -> tuple[str, str]:
+    return Path(path).parent.name, path
+
+
 def _cached_config(model_id: str, revision: str | None) -> tuple[str, str]:
     """Offline: config.json from the HF cache; the commit is the snapshot folder it lies in."""
     from huggingface_hub import hf_hub_download
 
-    path = hf_hub_download(model_id, "config.json", revision=revision)
-    return Path(path).parent.name, path
+    return _commit_of(hf_hub_download(model_id, "config.json", revision=revision))
 
 
 def _safetensors_summary(model_id: str, commit: str) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:

@@ -1,0 +1,208 @@
+"""`lmc plan` of a Hub id through the real huggingface_hub against the local Hub stand-in
+(lmc.testing.hub_server, HF_ENDPOINT pointed at it): online, from the HF cache offline, and every
+failure as one line. Each plan runs `lmc` in a subprocess with the user's environment variables, as a
+user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmc.planner import catalog
+from lmc.planner.checkpoint_facts import facts_from_config
+from lmc.testing.hub_server import HubStandIn
+
+QWEN = "Qwen/Qwen3-8B"
+TOKEN = "hf_stand_in_token"
+ST_SIZES = {"BF16": 2, "F32": 4}
+
+
+def published_config(model_id: str) -> dict:
+    path = catalog._model_index()[model_id.lower()][1]
+    return json.loads((path / "config.json").read_text())
+
+
+def transformers_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint's tensor names and shapes, as transformers builds the model (meta device)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    return sorted((name, tuple(t.shape)) for name, t in model.state_dict().items())
+
+
+def write_header_only(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: str) -> None:
+    """A safetensors file whose header is a real checkpoint's and whose data is absent: what
+    get_safetensors_metadata reads (a range request on the header) is exact, at a few KB."""
+    header, offset = {}, 0
+    for name, shape in tensors:
+        size = ST_SIZES[dtype]
+        for dim in shape:
+            size *= dim
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    body = json.dumps(header, separators=(",", ":")).encode()
+    path.write_bytes(struct.pack("<Q", len(body)) + body)
+
+
+@pytest.fixture(scope="module")
+def qwen_tensors():
+    return transformers_tensors(published_config(QWEN))
+
+
+def make_repo(root: Path, model_id: str, config: dict, tensors, *, shards: int = 2) -> None:
+    repo = root / model_id
+    repo.mkdir(parents=True)
+    (repo / "config.json").write_text(json.dumps(config, indent=2))
+    (repo / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6}))
+    (repo / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    per = -(-len(tensors) // shards)
+    weight_map = {}
+    for index in range(shards):
+        name = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        part = tensors[index * per:(index + 1) * per]
+        write_header_only(repo / name, part, "BF16")
+        weight_map.update({tensor: name for tensor, _ in part})
+    (repo / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def spec_file(tmp_path: Path, model_id: str, *, revision: str | None = None, instance: str = "ml.g5.2xlarge") -> Path:
+    lines = ["[model]", f'id = "{model_id}"']
+    if revision:
+        lines.append(f'revision = "{revision}"')
+    lines += ["[target]", f'instance = "{instance}"', "[workload]", "max_input_tokens = 1024",
+              "max_output_tokens = 256", "concurrency = 4"]
+    path = tmp_path / "spec.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def lmc_plan(spec: Path, hub: HubStandIn | None, hf_home: Path, *, offline: bool = False,
+             token: str | None = None, endpoint: str | None = None) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("HF_", "HUGGING")) and key != "TRANSFORMERS_OFFLINE"}
+    env.update(HF_HOME=str(hf_home), HF_ENDPOINT=endpoint or (hub.url if hub else "http://127.0.0.1:9"))
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    if token:
+        env["HF_TOKEN"] = token
+    code = ("import sys; from lmc.cli.main import main; code = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'lmc plan imported torch'; sys.exit(code)")
+    return subprocess.run([sys.executable, "-c", code, "plan", "--json", str(spec)], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def safetensors_requests(hub: HubStandIn) -> list[tuple[str, str, dict]]:
+    return [r for r in hub.requests if r[1].split("?")[0].endswith(".safetensors")]
+
+
+@pytest.fixture
+def hub(tmp_path, qwen_tensors):
+    root = tmp_path / "repos"
+    make_repo(root, QWEN, published_config(QWEN), qwen_tensors)
+    tiny = dict(published_config(QWEN), hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=128, vocab_size=1024)
+    make_repo(root, "acme/gated-model", tiny, transformers_tensors(tiny), shards=1)
+    with HubStandIn(root, gated={"acme/gated-model": TOKEN}) as server:
+        yield server
+
+
+def test_plan_of_a_hub_id_reads_config_and_headers_only(hub, tmp_path, qwen_tensors):
+    result = lmc_plan(spec_file(tmp_path, QWEN), hub, tmp_path / "hf")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    exact = sum(_count(shape) for _, shape in qwen_tensors)
+    assert plan["model"]["revision"] == hub.commit(QWEN)
+    assert plan["model"]["parameters"] == exact
+    assert plan["model"]["architecture"] == "Qwen3ForCausalLM"
+    assert plan["model"]["kv_bytes_per_token"] == 2 * 36 * 8 * 128 * 2  # 36 layers, 8 kv heads of 128, bf16
+    # The weights were never downloaded: only the headers, by range requests.
+    reads = safetensors_requests(hub)
+    assert reads and all(r[0] == "HEAD" or "Range" in r[2] for r in reads), reads
+    # The summary lmc keeps per commit, so the next plan reads no header again.
+    summary = tmp_path / "hf" / "lmc" / "safetensors" / "Qwen--Qwen3-8B" / f"{hub.commit(QWEN)}.json"
+    assert summary.is_file()
+    hub.requests.clear()
+    again = lmc_plan(spec_file(tmp_path, QWEN), hub, tmp_path / "hf")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["model"] == plan["model"]
+    assert safetensors_requests(hub) == []
+
+
+def test_offline_plans_from_the_hf_cache(hub, tmp_path):
+    online = lmc_plan(spec_file(tmp_path, QWEN), hub, tmp_path / "hf")
+    assert online.returncode == 0, online.stderr
+    hub.set_down(True)
+    offline = lmc_plan(spec_file(tmp_path, QWEN), None, tmp_path / "hf", offline=True)
+    assert offline.returncode == 0, offline.stderr
+    assert json.loads(offline.stdout)["model"] == json.loads(online.stdout)["model"]
+    # With config.json cached but no weights metadata, the weights are computed from the config.
+    for summary in (tmp_path / "hf" / "lmc" / "safetensors").rglob("*.json"):
+        summary.unlink()
+    computed = lmc_plan(spec_file(tmp_path, QWEN), None, tmp_path / "hf", offline=True)
+    assert computed.returncode == 0, computed.stderr
+    model = json.loads(computed.stdout)["model"]
+    assert model["revision"] == hub.commit(QWEN)
+    assert model["parameters"] == facts_from_config(published_config(QWEN), QWEN, source="t").parameters
+
+
+def test_a_pinned_revision_is_the_commit_the_plan_records(hub, tmp_path):
+    commit = hub.commit(QWEN)
+    result = lmc_plan(spec_file(tmp_path, QWEN, revision=commit), hub, tmp_path / "hf")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["model"]["revision"] == commit
+    bad = lmc_plan(spec_file(tmp_path, QWEN, revision="v9"), hub, tmp_path / "hf")
+    assert bad.returncode == 1
+    assert one_line(bad.stderr).endswith(':3: model.revision = "v9": no such revision of Qwen/Qwen3-8B on the Hub '
+                                         "(a branch, tag or commit)")
+
+
+def test_gated_repo_needs_hf_token(hub, tmp_path):
+    refused = lmc_plan(spec_file(tmp_path, "acme/gated-model"), hub, tmp_path / "hf")
+    assert refused.returncode == 1
+    line = one_line(refused.stderr)
+    assert f"a gated repo: accept its terms at {hub.url}/acme/gated-model and set HF_TOKEN" in line
+    allowed = lmc_plan(spec_file(tmp_path, "acme/gated-model"), hub, tmp_path / "hf", token=TOKEN)
+    assert allowed.returncode == 0, allowed.stderr
+    assert json.loads(allowed.stdout)["model"]["revision"] == hub.commit("acme/gated-model")
+
+
+def test_unknown_repo_offline_without_cache_and_hub_down_are_one_line(hub, tmp_path):
+    unknown = lmc_plan(spec_file(tmp_path, "acme/no-such-model"), hub, tmp_path / "hf")
+    assert unknown.returncode == 1
+    assert "no such model on the Hub" in one_line(unknown.stderr)
+    empty = lmc_plan(spec_file(tmp_path, "acme/no-such-model"), hub, tmp_path / "empty", offline=True)
+    assert empty.returncode == 1
+    assert "HF_HUB_OFFLINE is set and the HF cache" in one_line(empty.stderr)
+    hub.set_down(True)
+    down = lmc_plan(spec_file(tmp_path, "acme/gated-model"), hub, tmp_path / "hf2")
+    assert down.returncode == 1
+    assert f"cannot reach the Hub at {hub.url}" in one_line(down.stderr)
+
+
+def test_a_catalog_id_plans_from_the_catalog_when_the_hub_cannot_answer(tmp_path):
+    # No Hub (nothing listens on the endpoint) and nothing cached: the built-in published config.
+    result = lmc_plan(spec_file(tmp_path, QWEN), None, tmp_path / "hf")
+    assert result.returncode == 0, result.stderr
+    model = json.loads(result.stdout)["model"]
+    assert model["revision"] is None
+    assert model["parameters"] == catalog.model_facts(QWEN).parameters
+
+
+def one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
