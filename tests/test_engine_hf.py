@@ -52,6 +52,31 @@ def test_greedy_equals_hf_generate(family, tmp_path):
         assert result.finish_reason == ("length" if len(reference) == 10 else "eos")
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma3_text", "granite", "phi3", "gpt_oss", "deepseek_v3"])
+def test_any_architecture_at_tp_1_equals_hf_generate(family, tmp_path):
+    # Architectures lmc has no tensor-parallel layout for are served whole at TP 1 (any class
+    # AutoModelForCausalLM builds): a batch of two prompts answers as HF generate on each alone.
+    checkpoint = make_checkpoint(family, tmp_path / "ckpt")
+    engine = _engine(family, build_artifact(checkpoint, tmp_path / "art", 1))
+    results = engine.generate([_req(i, p, max_new_tokens=10) for i, p in enumerate(PROMPTS)])
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == hf_greedy(checkpoint, prompt, 10), (family, prompt)
+
+
+def test_a_whole_model_shard_missing_a_tensor_is_an_artifact_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = make_checkpoint("qwen3", tmp_path / "ckpt")
+    artifact = build_artifact(checkpoint, tmp_path / "art", 1)
+    shard = artifact / "shards" / "tp1" / "rank0.safetensors"
+    state = load_file(shard)
+    del state["model.layers.1.self_attn.q_norm.weight"]
+    save_file(state, shard, metadata={"format": "pt"})
+    with pytest.raises(ArtifactError, match=r"rank0.safetensors: does not match the model config.json builds: "
+                                            r"missing keys model.layers.1.self_attn.q_norm.weight"):
+        _engine("qwen3", artifact)
+
+
 def test_artifact_from_the_build_partitioner_matches_hf(tmp_path):
     checkpoint = make_checkpoint("gpt_neox", tmp_path / "ckpt")
     engine = _engine("gpt_neox", build_artifact(checkpoint, tmp_path / "art", 1, "fp32"))

@@ -340,7 +340,10 @@ def check_complete(path: Path, facts: ModelFacts, tensors: dict[str, TensorInfo]
         for suffixes in layers.values():
             for suffix in suffixes:
                 counts[suffix] = counts.get(suffix, 0) + 1
-        common = {s for s, n in counts.items() if 2 * n >= count and not _FIRST_LAYER_ONLY.search(s)}
+        # Families with a layout: what half the layers have, all must. Others may mix kinds of layers
+        # (DeepSeek's dense first blocks before MoE ones, Llama 4's interleaved experts): a strict majority.
+        quorum = (lambda n: 2 * n >= count) if facts.family in _LAYER_REQUIRED else (lambda n: 2 * n > count)
+        common = {s for s, n in counts.items() if quorum(n) and not _FIRST_LAYER_ONLY.search(s)}
         for index in range(count):
             have = layers.get(index)
             if have is None:

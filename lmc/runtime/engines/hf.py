@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from lmc.errors import ArtifactError, InternalError, MissingDependencyError
-from lmc.layouts import shard_path
+from lmc.layouts import has_layout, shard_path
 from lmc.runtime.engines.base import CancelProbe, GenerationRequest, GenerationResult, TokenCallback
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,30 @@ def _cast(tensor, dtype):
     return tensor.to(dtype)
 
 
+def load_whole(model_dir: Path, shard: Path, dtype):
+    """A model lmc has no tensor-parallel layout for, served whole (TP 1): transformers' own
+    from_pretrained builds it from config.json and loads the shard with its name and layout conversions
+    (fused experts, renamed keys), through a folder of links (config.json, model.safetensors). Every
+    parameter must come from the shard: a missing or unexpected key is an ArtifactError naming it, never
+    a randomly initialised weight."""
+    import tempfile
+
+    import transformers
+
+    if not Path(shard).is_file():
+        raise ArtifactError(f"{shard}: shard file missing; was the artifact built for this tensor-parallel degree?")
+    with tempfile.TemporaryDirectory(prefix="lmc-whole-") as folder:
+        os.symlink(Path(model_dir, "config.json").resolve(), Path(folder, "config.json"))
+        os.symlink(Path(shard).resolve(), Path(folder, "model.safetensors"))
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(str(key) for key in info.get(kind) or ())
+        if keys:
+            raise ArtifactError(f"{shard}: does not match the model config.json builds: {kind.replace('_', ' ')} "
+                                f"{', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}")
+    return model
+
+
 class HFEngine:
     """One TP rank of a transformers model; see the Engine protocol in base.py."""
 
@@ -173,12 +197,17 @@ class HFEngine:
         device = resolve_device(self.device_kind, rank)
         config = transformers.AutoConfig.from_pretrained(model_dir)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-        state = read_shard(model_dir / shard_path(self.tp, rank))
-        compute_dtype = self._compute_dtype(state)
-        state = {name: _cast(tensor, compute_dtype) for name, tensor in state.items()}
-        model = build_skeleton(config, self.task, compute_dtype)
-        apply_shard(model, normalise_names(state, model, self.family), family=self.family, config=config, rank=rank,
-                    world_size=world_size)
+        shard = model_dir / shard_path(self.tp, rank)
+        if has_layout(self.family):
+            state = read_shard(shard)
+            compute_dtype = self._compute_dtype(state)
+            state = {name: _cast(tensor, compute_dtype) for name, tensor in state.items()}
+            model = build_skeleton(config, self.task, compute_dtype)
+            apply_shard(model, normalise_names(state, model, self.family), family=self.family, config=config,
+                        rank=rank, world_size=world_size)
+        else:
+            compute_dtype = self._compute_dtype({})
+            model = load_whole(model_dir, shard, compute_dtype)
         model = self._finish(model, compute_dtype, device)
         self.model = model
         self.loop = DecodeLoop(model, self.tokenizer, max_sequence_length=self.max_sequence_length, device=device,
