@@ -115,13 +115,21 @@ def test_kv_bytes_per_token_equal_vllms_page_sizes():
         assert kv_bytes_per_token(gqa, tp, "fp32") == gqa.layers * page // block
 
 
-def test_sliding_layers_hold_their_window():
+@pytest.mark.parametrize("tokens, in_flight", [(1000, 0), (10, 0), (5000, 2048), (100_000, 16_384)])
+def test_sliding_layers_hold_what_vllm_admits(tokens, in_flight):
+    # Per layer, the pages vLLM's own specs reserve for one sequence: a full-attention layer every token,
+    # a sliding one its window plus the in-flight tokens (and a page for the window's misalignment).
+    torch, FullAttentionSpec, _ = _vllm_spec()
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
     gemma = facts_from_config(CONFIGS["gemma3_text"], "x", source="test")
-    per_layer = kv_bytes_per_token(gemma, 1, "bf16") // gemma.layers
-    full = gemma.layers - gemma.sliding_window_layers
-    # 1000 tokens in 16-token blocks: full layers hold all 63 blocks, sliding ones the window's 1 block + 1.
-    assert kv_sequence_bytes(gemma, 1, "bf16", 1000, 16) == per_layer * (full * 1008 + gemma.sliding_window_layers * 32)
-    assert kv_sequence_bytes(gemma, 1, "bf16", 10, 16) == per_layer * gemma.layers * 16  # shorter than the window
+    block = 16
+    common = dict(block_size=block, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    full = -(-tokens // block)  # a full-attention layer: every token (FullAttentionSpec: max_model_len's pages)
+    window = SlidingWindowSpec(sliding_window=16, **common).max_admission_blocks_per_request(in_flight, tokens)
+    page = FullAttentionSpec(**common).page_size_bytes
+    expected = page * ((gemma.layers - gemma.sliding_window_layers) * full + gemma.sliding_window_layers * window)
+    assert kv_sequence_bytes(gemma, 1, "bf16", tokens, block, in_flight) == expected
 
 
 @pytest.mark.parametrize("config, expected", [

@@ -74,15 +74,17 @@ def kv_bytes_per_token(model: ModelFacts, tp: int, kv_dtype: str) -> int:
     return int(2 * model.layers * kv_heads_per_device(model, tp) * model.head_dim * DTYPE_BYTES[kv_dtype])
 
 
-def kv_sequence_bytes(model: ModelFacts, tp: int, kv_dtype: str, tokens: int, block: int = 1) -> int:
-    """KV bytes one sequence of `tokens` holds per device: full-attention layers keep every token,
-    sliding-window layers at most the window (plus the block being filled, in `block`-token pages,
-    as vLLM's sliding-window manager frees the blocks that fall out of the window)."""
+def kv_sequence_bytes(model: ModelFacts, tp: int, kv_dtype: str, tokens: int, block: int = 1,
+                      in_flight: int = 0) -> int:
+    """KV bytes one sequence of `tokens` holds per device, in `block`-token pages per layer: full-attention
+    layers keep every token; a sliding-window layer the window's last window−1 tokens plus the tokens
+    scheduled but not yet settled (`in_flight`), never more than the sequence, and one page more (the
+    window need not start at a page boundary): vLLM's SlidingWindowSpec.max_admission_blocks_per_request."""
     per_layer = kv_bytes_per_token(model, tp, kv_dtype) / model.layers
-    pages = -(-tokens // block) * block
+    pages = -(-tokens // block)
     sliding = model.sliding_window_layers if model.sliding_window else 0
-    window = min(pages, (-(-model.sliding_window // block) + 1) * block) if sliding else 0
-    return int(per_layer * ((model.layers - sliding) * pages + sliding * window))
+    window_pages = (-(-min(model.sliding_window - 1 + in_flight, tokens) // block) + 1) if sliding else 0
+    return int(per_layer * block * ((model.layers - sliding) * pages + sliding * window_pages))
 
 
 def kv_cache_bytes(model: ModelFacts, tp: int, kv_dtype: str, batch: int, input_tokens: int, output_tokens: int) -> int:

@@ -52,6 +52,20 @@ BATCHED_TOKENS = 2048
 LARGE_GPU_BYTES = 70 * GIB
 
 
+def in_flight_tokens(hardware: HardwareFacts, batched_tokens: int) -> int:
+    """Tokens scheduled but not yet settled (VllmConfig.max_in_flight_tokens): one step's budget per
+    concurrent batch, two on GPUs (async scheduling overlaps them), one on CPU."""
+    return batched_tokens * (2 if hardware.kind == "gpu" else 1)
+
+
+def block_size_for(model: ModelFacts, hardware: HardwareFacts) -> int:
+    """Tokens per KV block as vLLM sets them: 16 on GPUs; 128 on CPU, except 16 for MLA, whose CPU
+    backend requires it (vllm/platforms/cpu.py, check_and_update_config)."""
+    if hardware.kind == "cpu" and not model.kv_lora_rank:
+        return BLOCK_SIZE["cpu"]
+    return BLOCK_SIZE["gpu"]
+
+
 @dataclass(frozen=True)
 class VllmLayout:
     """What vLLM does with one replica's memory; the plan's kv_cache and vllm sections come from it."""
@@ -76,7 +90,10 @@ class VllmLayout:
 
     @property
     def max_concurrent_sequences(self) -> int:
-        """Sequences of max_model_len tokens the pool holds at once."""
+        """Sequences of max_model_len tokens the pool holds at once (vLLM's "Maximum concurrency": the pool
+        over what one sequence holds in every layer)."""
+        if self.sequence_bytes:
+            return self.pool_bytes // self.sequence_bytes
         return self.blocks // self.blocks_per_sequence
 
 
@@ -135,9 +152,9 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     activations = activation_bytes(model, engine, tp, act_dtype, batched, max_num_seqs)
     runtime = runtime_bytes(efficiency, hardware, tp)
     utilization = gpu_memory_utilization(hardware, memory_fraction, memory_cap)
-    block_size = BLOCK_SIZE["cpu" if hardware.kind == "cpu" else "gpu"]
+    block_size = block_size_for(model, hardware)
     bytes_per_block = block_size * kv_bytes_per_token(model, tp, act_dtype)
-    sequence = kv_sequence_bytes(model, tp, act_dtype, max_model_len, block_size)
+    sequence = kv_sequence_bytes(model, tp, act_dtype, max_model_len, block_size, in_flight_tokens(hardware, batched))
     needed = max_num_seqs * -(-sequence // bytes_per_block) * bytes_per_block
     space_gib = None
     if hardware.kind == "cpu":  # each rank allocates VLLM_CPU_KVCACHE_SPACE whole GiB
