@@ -84,6 +84,56 @@ def resolve(model_id: str, revision: str | None) -> HubCheckpoint:
     return HubCheckpoint(model_id=model_id, commit=commit, config=config, files=files)
 
 
+# What `lmc build` downloads of a Hub repo: the weights (safetensors, pickle only when allowed), the
+# config, generation config, tokenizer and chat template; never optimizer states, READMEs, other formats.
+DOWNLOAD_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                     "preprocessor_config.json")
+PICKLE_PATTERNS = ("pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+def download_checkpoint(model_id: str, commit: str, *, allow_pickle: bool = False) -> Path:
+    """The checkpoint at `commit` in the HF cache (downloaded as needed: resumable, with huggingface_hub's
+    progress bars), every safetensors file checked against the metadata the plan read."""
+    import sys
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import disable_progress_bars
+
+    if not sys.stderr.isatty():  # bars for a person watching; logs and pipes get the one line
+        disable_progress_bars()
+    patterns = list(DOWNLOAD_PATTERNS) + (list(PICKLE_PATTERNS) if allow_pickle else [])
+    with _errors(model_id, commit):
+        folder = Path(snapshot_download(model_id, revision=commit, allow_patterns=patterns))
+    if folder.name != commit:
+        raise SpecValueError("model.revision", commit, f"the Hub served {model_id} at {folder.name}, not the "
+                                                       f"commit {commit} the plan read; plan again")
+    expected = _cached_summary(model_id, commit)
+    if expected is not None:
+        check_against_summary(folder, expected)
+    return folder
+
+
+def check_against_summary(folder: Path, expected: dict[str, list[tuple[str, str, tuple[int, ...]]]]) -> None:
+    """Every safetensors file the plan read the headers of is there with the same tensors (names, dtypes,
+    shapes), and no other: a one-line CheckpointError naming the first difference."""
+    from lmc.errors import CheckpointError
+    from lmc.planner.checkpoint_facts import read_safetensors_header
+
+    present = sorted(path.name for path in folder.glob("*.safetensors"))
+    if present != sorted(expected):
+        missing, extra = sorted(set(expected) - set(present)), sorted(set(present) - set(expected))
+        raise CheckpointError(f"{folder}: the downloaded weights are not the files the plan read "
+                              + (f"(missing {missing[0]})" if missing else f"(unexpected {extra[0]})"))
+    for name in present:
+        got = sorted((tensor, dtype, tuple(shape)) for tensor, dtype, shape in read_safetensors_header(folder / name))
+        if got != sorted(expected[name]):
+            differ = next((g, e) for g, e in zip(got + [None], sorted(expected[name]) + [None]) if g != e)
+            raise CheckpointError(f"{folder / name}: differs from the safetensors metadata the plan read "
+                                  f"(downloaded {differ[0]}, planned {differ[1]})")
+
+
 def summary_path(model_id: str, commit: str) -> Path:
     from huggingface_hub import constants
 

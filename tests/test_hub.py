@@ -206,3 +206,95 @@ def _count(shape: tuple[int, ...]) -> int:
     for dim in shape:
         total *= dim
     return total
+
+
+# --- lmc build of a Hub id ---------------------------------------------------------------------------
+
+def tiny_repo(root: Path) -> Path:
+    """A tiny real qwen3 checkpoint as a Hub repo, with files a build must not fetch beside it."""
+    from lmc.testing.checkpoints import make_checkpoint
+
+    repo = make_checkpoint("qwen3", root / "acme" / "tiny-qwen3")
+    (repo / "README.md").write_text("# tiny\n")
+    (repo / "optimizer.pt").write_bytes(b"\x80\x04not weights")
+    (repo / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
+    return repo
+
+
+def tiny_spec(tmp_path: Path) -> Path:
+    profile = Path(__file__).resolve().parents[1] / "specs" / "profiles" / "cpu-2core.toml"
+    path = tmp_path / "tiny.toml"
+    path.write_text(f"""[model]
+id = "acme/tiny-qwen3"
+[target]
+instance = "local"
+profile = "{profile.as_posix()}"
+[budget]
+memory_per_device = "4GiB"
+[workload]
+max_input_tokens = 64
+max_output_tokens = 32
+[pin]
+engine = "hf"
+dtype = "fp32"
+""")
+    return path
+
+
+def lmc_cli(args: list[str], hub: HubStandIn, hf_home: Path) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("HF_", "HUGGING")) and key != "TRANSFORMERS_OFFLINE"}
+    env.update(HF_HOME=str(hf_home), HF_ENDPOINT=hub.url)
+    return subprocess.run([sys.executable, "-m", "lmc", *args], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+
+
+def test_build_downloads_only_what_it_needs_and_packs_it(tmp_path):
+    from safetensors.numpy import load_file
+
+    repo = tiny_repo(tmp_path / "repos")
+    with HubStandIn(tmp_path / "repos") as hub:
+        plan = lmc_cli(["plan", "--json", str(tiny_spec(tmp_path))], hub, tmp_path / "hf")
+        assert plan.returncode == 0, plan.stderr
+        (tmp_path / "plan.json").write_text(plan.stdout)
+        built = lmc_cli(["build", str(tiny_spec(tmp_path)), "--format", "dir", "-o", str(tmp_path / "art"),
+                         "--plan", str(tmp_path / "plan.json")], hub, tmp_path / "hf")
+        assert built.returncode == 0, built.stderr
+        fetched = {r[1].split("?")[0].rsplit("/", 1)[-1] for r in hub.requests if "/resolve/" in r[1]}
+    assert "model.safetensors" in fetched and "tokenizer.json" in fetched
+    assert not fetched & {"README.md", "optimizer.pt", "pytorch_model.bin"}, fetched
+    packed = load_file(str(tmp_path / "art" / "shards" / "tp1" / "rank0.safetensors"))
+    original = load_file(str(repo / "model.safetensors"))
+    assert sorted(packed) == sorted(original)
+    assert all((packed[name] == original[name]).all() for name in original)
+    manifest = json.loads((tmp_path / "art" / "lmc.json").read_text())
+    assert manifest["plan"]["model"]["revision"] == json.loads(plan.stdout)["model"]["revision"]
+
+
+def test_build_refuses_a_revision_that_moved_and_weights_that_differ(tmp_path):
+    repo = tiny_repo(tmp_path / "repos")
+    with HubStandIn(tmp_path / "repos") as hub:
+        plan = lmc_cli(["plan", "--json", str(tiny_spec(tmp_path))], hub, tmp_path / "hf")
+        assert plan.returncode == 0, plan.stderr
+        (tmp_path / "plan.json").write_text(plan.stdout)
+        before = hub.commit("acme/tiny-qwen3")
+        (repo / "generation_config.json").write_text(json.dumps({"temperature": 0.5}))  # a new commit on main
+        after = hub.commit("acme/tiny-qwen3")
+        moved = lmc_cli(["build", str(tiny_spec(tmp_path)), "-o", str(tmp_path / "a.tar.gz"),
+                         "--plan", str(tmp_path / "plan.json")], hub, tmp_path / "hf")
+        assert moved.returncode == 1
+        assert one_line(moved.stderr) == (f"lmc: error: model.revision: the reviewed plan read acme/tiny-qwen3 at {before}; "
+                                          f"the Hub now serves {after} for this spec: plan again and review, or pin "
+                                          f'model.revision = "{before}"')
+        assert not (tmp_path / "a.tar.gz").exists()
+        # The metadata the plan read (lmc's per-commit summary) no longer matches the weights: refused.
+        summary = tmp_path / "hf" / "lmc" / "safetensors" / "acme--tiny-qwen3" / f"{after}.json"
+        replan = lmc_cli(["plan", "--json", str(tiny_spec(tmp_path))], hub, tmp_path / "hf")
+        assert replan.returncode == 0 and summary.is_file(), replan.stderr
+        body = json.loads(summary.read_text())
+        body["files"]["model.safetensors"][0][2][0] += 1
+        summary.write_text(json.dumps(body))
+        differs = lmc_cli(["build", str(tiny_spec(tmp_path)), "-o", str(tmp_path / "b.tar.gz")], hub, tmp_path / "hf")
+        assert differs.returncode == 1
+        assert "differs from the safetensors metadata the plan read" in one_line(differs.stderr)
+        assert not (tmp_path / "b.tar.gz").exists()

@@ -1,4 +1,4 @@
-"""`lmc build SPEC [-o OUT] [--format tar.gz|dir] [--allow-pickle]`: write the deployable artifact."""
+"""`lmc build SPEC [-o OUT] [--format tar.gz|dir] [--plan PLAN_JSON] [--allow-pickle]`: write the deployable artifact."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write the artifact (default: model.tar.gz, or model/ with --format dir)")
     parser.add_argument("--format", choices=FORMATS, default="tar.gz", dest="fmt",
                         help="tar.gz (default) or dir: the same tree uncompressed, for S3-prefix deployments")
+    parser.add_argument("--plan", metavar="PLAN_JSON", default=None, dest="plan_json",
+                        help="the reviewed plan (lmc plan --json): stop if planning again gives another one "
+                             "(e.g. the model's Hub revision moved)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="accept pickle checkpoints (*.bin); they can run code when loaded, so only for trusted files")
 
@@ -28,10 +31,11 @@ def run(args: argparse.Namespace) -> int:
 
     loaded = load_spec(args.spec)
     out = Path(args.output) if args.output else Path(DEFAULT_OUT[args.fmt])
+    expected = _read_plan(args.plan_json) if args.plan_json else None
     # Stage messages only for a person watching; logs and pipes get the summary (or the one error line).
     progress = (lambda message: print(f"lmc: {message}", file=sys.stderr)) if sys.stderr.isatty() else None
     result = _interruptible(lambda: build_artifact(loaded, out, fmt=args.fmt, allow_pickle=args.allow_pickle,
-                                                   progress=progress))
+                                                   progress=progress, expected_plan=expected))
     plan = result.plan
     print(f"plan: {plan.model.id} on {plan.target.instance}: {plan.engine} {plan.dtype}, "
           f"TP {plan.tensor_parallel_degree} x {plan.replicas} replica(s), batch {plan.batch_size}, "
@@ -47,6 +51,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {result.out}/ ({format_bytes(result.archive_bytes)}, {len(result.files)} files)")
     return 0
+
+
+def _read_plan(path: str) -> dict:
+    import json
+
+    from lmc.errors import LmcError
+
+    try:
+        body = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise LmcError(f"{path}: not a plan (lmc plan --json): {exc}") from None
+    if not isinstance(body, dict) or "plan_sha256" not in body:
+        raise LmcError(f"{path}: not a plan (lmc plan --json): no plan_sha256")
+    return body
 
 
 def _interruptible(work):

@@ -21,14 +21,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 from lmc import __version__
 from lmc.emitters import neuron
 from lmc.emitters.render import render_neuron_readme, render_text_files
-from lmc.errors import ArtifactError, InternalError
+from lmc.errors import ArtifactError, InternalError, SpecValueError
 from lmc.manifest import MANIFEST_NAME, build_manifest, manifest_bytes, sha256_file, verify_artifact
 from lmc.planner.plan import Plan
 from lmc.schema import LoadedSpec
@@ -56,8 +56,11 @@ class BuildResult:
 
 
 def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_pickle: bool = False,
-                   progress: Progress | None = None) -> BuildResult:
-    """Plan `loaded`, then write the artifact at `out`. Raises LmcError (one line); leaves nothing on failure."""
+                   progress: Progress | None = None, expected_plan: dict | None = None) -> BuildResult:
+    """Plan `loaded`, then write the artifact at `out`. Raises LmcError (one line); leaves nothing on failure.
+
+    `expected_plan`: the plan JSON that was reviewed (`lmc plan --json`); the build stops when planning
+    again gives another plan, naming both commits when the model's revision moved."""
     from lmc.pipeline import plan_from_spec
 
     if fmt not in FORMATS:
@@ -66,6 +69,8 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
     out = Path(out)
     result = plan_from_spec(loaded)
     plan, spec = result.plan, loaded.spec
+    if expected_plan is not None:
+        check_expected_plan(plan, expected_plan)
     profile = loaded.source.base_dir / spec.target.profile if spec.target.profile else None
     _check_output(out, fmt, inputs=[loaded.source.path, profile], checkpoint=result.checkpoint)
 
@@ -76,14 +81,25 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
     sdk = neuron.load_neuron_sdk() if precompile else None
 
     info = None
+    checkpoint = result.checkpoint
     if not weights_remote:
-        if result.checkpoint is None:
+        if checkpoint is None and plan.model.revision is not None:  # planned from the Hub: fetch that commit
+            from lmc.hub import download_checkpoint
+
+            say(f"downloading {plan.model.id} at {plan.model.revision} (the files the plan needs)")
+            try:
+                checkpoint = download_checkpoint(plan.model.id, plan.model.revision, allow_pickle=allow_pickle)
+            except SpecValueError as exc:
+                raise loaded.source.error(exc.key_path, exc.detail, exc.value) from None
+        if checkpoint is None:
             raise loaded.source.error(
-                "model", "nothing to pack: give `path` (a local checkpoint to pack) or `uri` (remote weights the container loads)")
+                "model", "nothing to pack: give `path` (a local checkpoint to pack) or `uri` (remote weights the "
+                         "container loads), or let lmc download the model from the Hub (HF_ENDPOINT reachable)")
         from lmc.emitters.checkpoint import validate_checkpoint
 
-        say(f"validating checkpoint {result.checkpoint}")
-        info = validate_checkpoint(result.checkpoint, result.model, allow_pickle=allow_pickle)
+        say(f"validating checkpoint {checkpoint}")
+        info = validate_checkpoint(checkpoint, result.model, allow_pickle=allow_pickle)
+        result = replace(result, checkpoint=checkpoint)
 
     staging = _make_staging(out)
     vllm_format = vllm_note = None  # what a vLLM build packed (sharded_state or checkpoint), and why
@@ -136,6 +152,20 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
                            archive_sha256=sha256_file(written), archive_bytes=written.stat().st_size, notes=notes)
     return BuildResult(out=written, format=fmt, plan=plan, files=files, archive_sha256=None,
                        archive_bytes=sum(files.values()), notes=notes)
+
+
+def check_expected_plan(plan: Plan, expected: dict) -> None:
+    """The plan being built is the reviewed one (same digest), or a one-line error saying what moved."""
+    from lmc.errors import LmcError
+
+    if expected.get("plan_sha256") == plan.plan_sha256:
+        return
+    was = (expected.get("model") or {}).get("revision")
+    if was != plan.model.revision:
+        raise LmcError(f"model.revision: the reviewed plan read {plan.model.id} at {was}; the Hub now serves "
+                       f"{plan.model.revision} for this spec: plan again and review, or pin model.revision = \"{was}\"")
+    raise LmcError(f"the plan differs from the reviewed one (plan_sha256 {str(expected.get('plan_sha256'))[:12]} "
+                   f"reviewed, {plan.plan_sha256[:12]} now): plan again and review it")
 
 
 def _check_output(out: Path, fmt: str, inputs: list[Path | None] = (), checkpoint: Path | None = None) -> None:
