@@ -160,7 +160,11 @@ def expected_files(manifest: dict[str, Any]) -> list[str]:
     if not (isinstance(tp, int) and not isinstance(tp, bool) and 0 < tp <= 1024):
         tp = None  # no rank files to expect
     stages = pipeline_degree(plan)
-    if vllm and "model.safetensors" not in manifest["files"] and tp:
+    quantized = vllm and (plan.get("model") or {}).get("checkpoint_quantization")
+    if quantized:  # the quantized checkpoint as published: one file, or its shards and their index
+        sharded = "model.safetensors.index.json" in manifest["files"]
+        names.append("model.safetensors.index.json" if sharded else "model.safetensors")
+    elif vllm and "model.safetensors" not in manifest["files"] and tp:
         names += [VLLM_SHARDED_STATE.format(rank=rank, part=0) for rank in range(tp)]  # each rank's first part
     elif vllm or plan.get("engine") == "neuronx":
         names.append("model.safetensors")  # the whole checkpoint, cast

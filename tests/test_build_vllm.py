@@ -174,3 +174,60 @@ def test_sharded_state_on_a_gpu(tmp_path, llama_checkpoint, capsys):
     expected = LLM(model=str(llama_checkpoint), enforce_eager=True, max_model_len=48, gpu_memory_utilization=0.3)
     prompt = ["the quick brown fox"]
     assert loaded.generate(prompt, greedy)[0].outputs[0].token_ids == expected.generate(prompt, greedy)[0].outputs[0].token_ids
+
+
+def fp8_checkpoint(root: Path) -> Path:
+    """A tiny qwen3 quantized as DeepSeek-V3's checkpoints are: block-wise fp8 linear weights with fp32
+    `weight_scale_inv` per 128 × 128 block, the rest bf16, and quantization_config saying so."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from lmc.testing.checkpoints import make_checkpoint
+
+    path = make_checkpoint("qwen3", root / "qwen3-fp8", dtype="bfloat16")
+    state = load_file(path / "model.safetensors")
+    quantized = {}
+    for name, tensor in state.items():
+        if name.endswith("_proj.weight"):
+            out, inp = tensor.shape
+            quantized[name] = tensor.to(torch.float8_e4m3fn)
+            quantized[name + "_scale_inv"] = torch.ones(-(-out // 128), -(-inp // 128), dtype=torch.float32)
+        else:
+            quantized[name] = tensor
+    save_file(quantized, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return path
+
+
+def test_a_quantized_checkpoint_is_packed_as_it_is(tmp_path, capsys):
+    import hashlib
+    import json
+
+    checkpoint = fp8_checkpoint(tmp_path)
+    out, printed = build(tmp_path, checkpoint, capsys, "ml.g6e.xlarge")  # L40S: fp8 compute
+    plan = json.loads((out / "lmc.json").read_text())["plan"]
+    assert plan["dtype"] == "fp8" and plan["model"]["checkpoint_quantization"] == "fp8 (fp8)"
+    assert plan["vllm"]["quantization"] is None and plan["vllm"]["dtype"] == "bfloat16"  # vLLM reads the config
+    digest = lambda path: hashlib.sha256(path.read_bytes()).hexdigest()  # noqa: E731
+    assert digest(out / "model.safetensors") == digest(checkpoint / "model.safetensors")
+    properties = (out / "serving.properties").read_text()
+    assert "option.dtype=bf16" in properties and "option.quantize" not in properties
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    verify_artifact(out)
+
+
+def test_a_quantized_checkpoint_is_refused_where_lmc_would_cast_it(tmp_path, capsys):
+    checkpoint = fp8_checkpoint(tmp_path)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(path=checkpoint.as_posix(), instance="ml.g6e.xlarge").replace('engine = "vllm"',
+                                                                                               'engine = "hf"'))
+    assert main(["plan", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert ('pin.engine = "hf": does not load fp8-quantized checkpoints (lmc re-partitions weights in a 16-bit '
+            "dtype for it); engines that can: vllm") in err

@@ -98,7 +98,8 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
         from lmc.emitters.checkpoint import validate_checkpoint
 
         say(f"validating checkpoint {checkpoint}")
-        info = validate_checkpoint(checkpoint, result.model, allow_pickle=allow_pickle)
+        info = validate_checkpoint(checkpoint, result.model, allow_pickle=allow_pickle,
+                                   quantized=plan.model.checkpoint_quantization is not None)
         result = replace(result, checkpoint=checkpoint)
 
     staging = _make_staging(out)
@@ -256,6 +257,16 @@ def _stage_vllm_weights(info: Any, plan: Plan, result: Any, staging: Path, say: 
     and for a GPU plan that could not get sharded_state, the note saying so."""
     from lmc.emitters import vllm_weights
 
+    if plan.model.checkpoint_quantization is not None:
+        # A quantized checkpoint goes in as it is: vLLM reads its quantization_config and loads the
+        # quantized tensors with their scales (lmc neither casts nor re-partitions them).
+        say(f"packing the {plan.model.checkpoint_quantization} checkpoint as it is")
+        for file in info.files:
+            shutil.copyfile(file, staging / file.name)
+        index = info.path / "model.safetensors.index.json"
+        if index.is_file():
+            shutil.copyfile(index, staging / index.name)
+        return "checkpoint", None
     why_not = vllm_weights.sharded_state_unavailable(plan)
     if why_not is None:
         say(f"writing vLLM sharded_state for tensor parallel degree {plan.tensor_parallel_degree} (vLLM loads the model)")

@@ -72,8 +72,12 @@ class CheckpointInfo:
         return max((t.offsets[1] - t.offsets[0] for t in self.tensors.values()), default=0)
 
 
-def validate_checkpoint(path: Path, facts: ModelFacts, *, allow_pickle: bool = False) -> CheckpointInfo:
-    """Check the checkpoint in directory `path` against `facts` (from its config.json). Reads no weights."""
+def validate_checkpoint(path: Path, facts: ModelFacts, *, allow_pickle: bool = False,
+                        quantized: bool = False) -> CheckpointInfo:
+    """Check the checkpoint in directory `path` against `facts` (from its config.json). Reads no weights.
+
+    `quantized`: the plan serves the checkpoint in its own quantization (vLLM): its packed tensors and
+    scales are expected, and their shapes are the quantizer's, not the config's."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
@@ -81,7 +85,7 @@ def validate_checkpoint(path: Path, facts: ModelFacts, *, allow_pickle: bool = F
     if not config_file.is_file():
         raise CheckpointError(f"{config_file}: missing (a HF checkpoint directory needs its config.json)")
     config = _read_json(config_file)
-    if isinstance(config, dict) and config.get("quantization_config"):
+    if isinstance(config, dict) and config.get("quantization_config") and not quantized:
         method = (config["quantization_config"] or {}).get("quant_method", "?") \
             if isinstance(config["quantization_config"], dict) else "?"
         raise CheckpointError(f"{config_file}: the checkpoint is already quantized (quantization_config, method "
@@ -90,8 +94,9 @@ def validate_checkpoint(path: Path, facts: ModelFacts, *, allow_pickle: bool = F
     headers = [read_header(file) for file in files]
     tensors = _tensor_table(path, headers)
     _check_index_agrees(path, tensors)
-    _check_not_quantized(tensors)
-    check_shapes(facts, tensors)
+    if not quantized:
+        _check_not_quantized(tensors)
+        check_shapes(facts, tensors)
     check_complete(path, facts, tensors)
     tokenizer_files = _tokenizer_files(path)
     extras = sorted(set(tokenizer_files) | {name for name in _OTHER_EXTRAS if (path / name).is_file()})
