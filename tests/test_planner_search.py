@@ -223,3 +223,30 @@ def test_plan_json_is_the_same_under_any_hash_seed():
         assert run.returncode == 0, run.stderr
         outputs.add(run.stdout)
     assert len(outputs) == 1
+
+
+def test_an_architecture_no_engine_runs_is_refused_with_every_engines_reason():
+    from lmc.planner.checkpoint_facts import facts_from_config
+
+    bert = facts_from_config({"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 768,
+                              "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+                              "vocab_size": 30522, "max_position_embeddings": 512}, "x/bert", source="test")
+    with pytest.raises(NoFeasiblePlanError) as caught:
+        plan(spec(workload={"max_input_tokens": 128, "max_output_tokens": 32}), model=bert)
+    message = str(caught.value)
+    for reason in ("vllm does not register BertForMaskedLM", "hf cannot build BertForMaskedLM",
+                   "deepspeed does not support family bert", "neuronx runs only on neuron hardware"):
+        assert reason in message, message
+    assert caught.value.details == ["BertForMaskedLM (bert) is in no engine's registry: vLLM's and transformers' are "
+                                    "generated from the installed packages (python -m lmc.testing.architectures)"]
+
+
+def test_a_new_architecture_plans_on_vllm_and_on_hf_at_tp_1_only():
+    qwen3 = catalog.model_facts("Qwen/Qwen3-8B")
+    chosen = plan(spec(pin={"engine": "hf"}, workload={"max_input_tokens": 512, "max_output_tokens": 64}), model=qwen3)
+    assert chosen.tensor_parallel_degree == 1 and chosen.scheduling == "dynamic"
+    assert "TP 1 (lmc has tensor-parallel layouts for" in chosen.decision("engine").reason
+    with pytest.raises(SpecValueError, match="needs a tensor-parallel layout lmc has only for"):
+        plan(spec(pin={"engine": "hf", "tensor_parallel_degree": 2}), model=qwen3)
+    vllm = plan(spec(pin={"engine": "vllm", "tensor_parallel_degree": 4}), model=qwen3)
+    assert vllm.tensor_parallel_degree == 4

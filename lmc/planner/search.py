@@ -875,7 +875,13 @@ def no_feasible_plan(spec, model: ModelFacts, hardware: HardwareFacts, engines: 
                        f"${price:.2f}/h > max_cost_per_hour ${budget.max_cost_per_hour:g}")
     else:
         reasons = sorted({r.reason for r in rejections})
-        message = f"no engine can serve {model.id} on {hardware.name}: " + "; ".join(reasons[:3])
+        message = f"no engine can serve {model.id} on {hardware.name}: " + "; ".join(reasons)
+        if not any(engine_unsupported(e, model, h) is None for e in engines.values()
+                   for h in (candidates or _catalog_candidates(hardware)) + [hardware]):
+            # No engine runs the architecture anywhere: other hardware would not help.
+            return NoFeasiblePlanError(message, [f"{model.architecture} ({model.family}) is in no engine's registry: "
+                                                 "vLLM's and transformers' are generated from the installed packages "
+                                                 "(python -m lmc.testing.architectures)"])
     details += nearest_options(spec, model, hardware, engines, candidates)
     if len(details) <= 1 and not rate_bound:
         details.append("no nearby option fits: a larger instance type or a smaller model is needed")

@@ -273,7 +273,10 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
                       f"over {replicas} replica(s)",
         "max_batch_delay_ms": "continuous batching: a request joins the running batch at the next step, no wait",
         "kv_cache": f"{pool}; {layout.blocks} blocks of {layout.block_size} tokens × {per_token / 1024:.1f} KiB per "
-                    f"token per rank = {layout.blocks * layout.block_size} tokens",
+                    f"token per rank = {layout.blocks * layout.block_size} tokens; {layout.max_concurrent_sequences} "
+                    f"sequences of {layout.max_model_len} tokens (vLLM logs the pool as their "
+                    f"{layout.max_concurrent_sequences * layout.max_model_len} tokens: its maximum concurrency × "
+                    "max_model_len)",
     }
     values = {"max_batch_delay_ms": 0}
     out = [Decision(key=d.key, value=values.get(d.key, d.value), reason=replaced.get(d.key, d.reason)) for d in out]
