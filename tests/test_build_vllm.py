@@ -211,7 +211,7 @@ def test_a_quantized_checkpoint_is_packed_as_it_is(tmp_path, capsys):
     checkpoint = fp8_checkpoint(tmp_path)
     out, printed = build(tmp_path, checkpoint, capsys, "ml.g6e.xlarge")  # L40S: fp8 compute
     plan = json.loads((out / "lmc.json").read_text())["plan"]
-    assert plan["dtype"] == "fp8" and plan["model"]["checkpoint_quantization"] == "fp8 (fp8)"
+    assert plan["dtype"] == "fp8" and plan["model"]["checkpoint_quantization"] == "fp8"
     assert plan["vllm"]["quantization"] is None and plan["vllm"]["dtype"] == "bfloat16"  # vLLM reads the config
     digest = lambda path: hashlib.sha256(path.read_bytes()).hexdigest()  # noqa: E731
     assert digest(out / "model.safetensors") == digest(checkpoint / "model.safetensors")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lmc.errors import NoFeasiblePlanError, SpecValueError
@@ -250,3 +252,32 @@ def test_a_new_architecture_plans_on_vllm_and_on_hf_at_tp_1_only():
         plan(spec(pin={"engine": "hf", "tensor_parallel_degree": 2}), model=qwen3)
     vllm = plan(spec(pin={"engine": "vllm", "tensor_parallel_degree": 4}), model=qwen3)
     assert vllm.tensor_parallel_degree == 4
+
+
+def test_expert_parallelism_is_an_option_for_moe_models_on_vllm():
+    from lmc.emitters.render import render_text_files
+    from lmc.runtime.vllm_backend import engine_arguments
+
+    qwen_moe = catalog.model_facts("Qwen/Qwen3-30B-A3B")
+    g6e = catalog.hardware_facts("ml.g6e.12xlarge")
+    body = {"workload": {"max_input_tokens": 1024, "max_output_tokens": 256, "concurrency": 8}}
+    default = plan(spec(**body), model=qwen_moe, hardware=g6e)
+    assert default.vllm.enable_expert_parallel is False and default.decision("expert_parallel").value is False
+    ep_spec = spec(pin={"expert_parallel": True}, **body)
+    ep = plan(ep_spec, model=qwen_moe, hardware=g6e)
+    assert ep.engine == "vllm" and ep.vllm.enable_expert_parallel is True
+    assert "whole experts on each tensor-parallel rank" in ep.decision("expert_parallel").reason
+    assert 128 % ep.tensor_parallel_degree == 0
+    properties = render_text_files(ep, ep_spec)["serving.properties"].decode()
+    assert "option.enable_expert_parallel=true" in properties
+    assert "option.enable_expert_parallel" not in render_text_files(default, spec(**body))["serving.properties"].decode()
+    assert engine_arguments(ep.to_dict(), Path("/m"))["enable_expert_parallel"] is True
+    assert "enable_expert_parallel" not in engine_arguments(default.to_dict(), Path("/m"))
+    with pytest.raises(SpecValueError, match="has no experts"):
+        plan(spec(pin={"expert_parallel": True}), model=catalog.model_facts("Qwen/Qwen3-8B"))
+    with pytest.raises(SpecValueError, match="expert parallelism is vLLM's"):
+        plan(spec(pin={"expert_parallel": True, "engine": "hf"}, **body), model=qwen_moe, hardware=g6e)
+    mixtral = catalog.model_facts("mistralai/Mixtral-8x7B-v0.1")  # 8 experts: TP 16 divides the heads, not them
+    with pytest.raises(SpecValueError, match="TP 16 does not divide the 8 experts"):
+        plan(spec(pin={"expert_parallel": True, "tensor_parallel_degree": 16}), model=mixtral,
+             hardware=catalog.accelerator_facts("a100-80gb", 16))

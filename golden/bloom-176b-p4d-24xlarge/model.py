@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 7df02b674b921cbb211578ae73735c12b51cc0c6cb0eaac8777b587a1148830d
-plan sha256 8ef8815c6130831d954357617f0ecb52ccaec48024c39fc0d0294bdac9cbc19f
+spec sha256 59379bef2a4e8a2547065cb692d7630d29b26a75b109d1647339d982674ba681
+plan sha256 151550a01ea694ebd7647043fe76d29ac29648b14dbea1c6b33b653861d70a22
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

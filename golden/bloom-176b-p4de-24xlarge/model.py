@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 a75eee0cdb9630c9d5b70616e29c809f580d44a0eeec962c0c994c44e00d44bc
-plan sha256 6af249157733fbc5915c98952636fbd1ab37d7f7e34f48c725721cc7086991e5
+spec sha256 1e59ed38c47d57bb4152da465bfb55cd056564f5a1e14497495d1dffc804e38d
+plan sha256 769e27ee37659c9467fa94b95934c1465f3d0de75c286bbe6fa7323d61c0ae44
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

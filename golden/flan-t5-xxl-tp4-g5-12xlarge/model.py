@@ -4,8 +4,8 @@ Serves google/flan-t5-xxl (t5, text2text-generation) with the deepspeed engine i
 tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
-spec sha256 3968c615910fadee39173f3288a6cccb375bb5eb853b7303b4fd68648865ddd5
-plan sha256 c28120f74856763c740a462cb07762581f882365cd6c3a8aa9e8008a3ad4eab6
+spec sha256 bf4d3c2e3e725d46c9a4266a741bc0046f7734b6d13fd1e15e55b9c9655f19dc
+plan sha256 93e67d3d2d9a81bc2efa6fdf6e6f028d19b9b71aef1fdd9e7fd2dc94b7fdf795
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 50 ms),
 sequences of up to 640 tokens, on cuda.
 
-spec sha256 b3567178d4681350d2c812beee65923e8a1fa69d1c9bbb3f9b69e71e62e50301
-plan sha256 86b9e27d51a82e67f9322afd8e65eca659cba2989db69e988b0640ca10b3f99c
+spec sha256 87ccd28427247cfc1e51345844b89712878d606c75cb64368e0514bcc7595c01
+plan sha256 a0e41df4a6eb2ce1c18967335425590865f0a1ed1b63d4c8bf4e981a95829525
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 32 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waiting at most 50 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 08d953476add034e1984e57856c68463c18e6bac9dbc26c1919c05cbe1a4a02e
-plan sha256 3c18bdadfa06c10f47d17fbe26c0eae9d98a355377da63cbf36378c390cf4bf5
+spec sha256 81c02be3075657a310adc9f487de7f27e6e93ddf8ba73927f874c5a496b77e49
+plan sha256 31e8dae8d18c35d1cc43a214a2cbaa6413d0cdbe8c95091bdb76a0ad80c4f213
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -4,8 +4,8 @@ Serves EleutherAI/gpt-j-6b (gptj, text-generation) with the deepspeed engine in 
 tensor parallel degree 1, dynamic batches of up to 4 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
-spec sha256 dc7e1e991cd2bc5475e94be22b5a0c9960900f4667b3ab7c62d36b730b2275b6
-plan sha256 0563b3b2d460faa2056bc9dabcacf2b85aef69c51a72adc7ea4af096e898b6f3
+spec sha256 247f6e15b3ce75a02cd757aea95032a2cdd8181ac3aa0597a9ea140e33267f05
+plan sha256 002ccdd2b09afc6e3e120d36c24ee2a852699d1279bd0222a0f354636f54ddbd
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

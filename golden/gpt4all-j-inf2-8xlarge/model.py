@@ -6,8 +6,8 @@ tensor parallel degree 2, dynamic batches of up to 4 requests
 No compiled Neuron graphs are packed: transformers-neuronx cannot serialize compiled GPTJForSampling graphs, so they are compiled when the container starts
 (predicted load time including the compile: 378.9 s).
 
-spec sha256 841c358efdab6a35e906971d5101300b168ce98162b82776b2a52135b9c98ee3
-plan sha256 e3fe3535713ebbfbbff4a317ba35c432fd1fafe8325dbe1c87a0011c5b364b80
+spec sha256 6224c75a096a0fe158000091d7c66aa15f5e4bd7bacddc0ce155a468d45fb73e
+plan sha256 e2261beeb6d24bddd62e106459522730794cac14f3261c534b3d51b18ef9043f
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

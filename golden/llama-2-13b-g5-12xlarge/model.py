@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 16 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waiting at most 50 ms),
 sequences of up to 2560 tokens, on cuda.
 
-spec sha256 d1a13e51a923f5f05045b399c2b5f91812686a65c6920ba8c17221a69c8f5551
-plan sha256 da18c5d6d4d690c551fdb6103584e8009522200e78f2e04497a6c9ebd2010abb
+spec sha256 0c48b41f7ab860d298253fc9c066980c646ae75b7e4cb77ebf4b876976167b69
+plan sha256 c642f265cdcce3362b90cc118a0d27584d6f1f5629e8332b003527f4efda22d6
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 2048 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 9a6ed61e4f08cb16645c7d17545e328a8d7e89837ef6e83c5952f03248ec2b9b
-plan sha256 93674d7c122023d90c9a8cf3153c92061d9c76357aff63572571532dfb77b8d2
+spec sha256 8d7f4282f78ed3217607491f16a5531e24417c45fdfd88f07b161c89fe5dc794
+plan sha256 5e127fef36abaf1b12728e7f8eedfdfe2b1e65c49ef427901b9dcf75740819e3
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

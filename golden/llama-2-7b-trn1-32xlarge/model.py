@@ -5,8 +5,8 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 1536 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 c3fb834bad214ecbe7d13e02ee6dfd9cd9f6dc176cc2c8f2772ee425ebd77c32
-plan sha256 1adc559ca09193114a5c7e4e31cbb42849b211f7f94c8424ce3a89cb1b1fb5a1
+spec sha256 9fe70ab55aeade6019ecfd5d04c0afaeb0d0b6003da345ff7d143bdd4219fb6c
+plan sha256 770817d050aff81d070c9fdb9c0bed4f59f9c8637969fd7281316bf4cfe385da
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -4,8 +4,8 @@ Serves meta-llama/Llama-3.1-405B-Instruct (llama, text-generation) with the hf e
 tensor parallel degree 8, dynamic batches of up to 4 requests
 (waiting at most 10 ms), sequences of up to 2560 tokens, on cuda.
 
-spec sha256 aca9d2101b434cb53ca4fb27c67bd479b0e91e87ac3d2952328ca431b44c8dc3
-plan sha256 cfaaaddf23d3e95eec2c8469b5da22f332eae73b9cf51abd454f4188e7fef02d
+spec sha256 a002d31597df1033cb9f0c3f0861905ae07b28c4b258226fc766b3401f100b33
+plan sha256 7f053f31b73971de3cbb2cb58e380e95ccdf0ca93eac9e18589fe82f39ddc3ac
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 64 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 64 requests waiting at most 50 ms),
 sequences of up to 5120 tokens, on cuda.
 
-spec sha256 4228949ec537b9a56d104af3ef593a98e98d94ea7454c8e8d92dcedd5bca5d69
-plan sha256 6c31454c3c6088fdcbc8a3151ac30d33066b3cb60b53610823b7672316308832
+spec sha256 76412ec1ae8ef35068f8efb1fd2892a06ef452dd78a02c69ae981ddf48be2dd0
+plan sha256 ff08138256ea2b0ef3860ea850502f92fd8ddf96511e52a437a9c37af52de84d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -4,8 +4,8 @@ Serves meta-llama/Llama-3.1-8B-Instruct (llama, text-generation) with the deepsp
 tensor parallel degree 1, dynamic batches of up to 8 requests
 (waiting at most 50 ms), sequences of up to 1280 tokens, on cuda.
 
-spec sha256 204ff8d219fe800f68d11af2e6d8553a20e1258e7acd530dafc5da70ef4ae958
-plan sha256 d7fe44fb55c5ee293fff988a8511b3f678af65d0ea28c7d1a6a3e3fa3db38224
+spec sha256 6002dfbf63efda2164fcfd0bc73f6c6844d28b528936db572f88de48a730e02f
+plan sha256 9f8c407b2242ddef7a76ef81b1c08cda27bb550c49eac7ce08f8e3198bdc04ba
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

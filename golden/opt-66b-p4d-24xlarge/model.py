@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 16 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 64b32496a1793acbdf0c3e346573151c75aee2f94026c79b69cd8e5aa2e62f2f
-plan sha256 806757e6bf47bbc498f5e7d2464489cf0752360e26abe23a05cbb85c7af2a755
+spec sha256 38bb0f23269888e9280363e305f5cbaf7ab9ae02823e88148c96d910acf82786
+plan sha256 bb87c502c1bbec2f20b66d41ed583cb9befa0390c042e012ef9ea3457bfb832d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 2, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 96 tokens, on cpu.
 
-spec sha256 577f45c861188cfe71ac17bb7892239e05857d22d672a307815137382a936d0e
-plan sha256 8e3d7d55dafe5f17a415b077236c7c4621a4e57ef959ddd8bc1d3f1f2df76fda
+spec sha256 ed02ded0aa1a5de1885c4346ff24ccaeb5f0ca70a22a539fed49c113d9318eb7
+plan sha256 35e8eb4e6b287424912c795c1888be1b5e5724112351b0792ec5223a2a8b8030
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

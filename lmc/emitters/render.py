@@ -156,6 +156,7 @@ def context(plan: Plan, spec: Spec, vllm_weights: str | None = None) -> dict[str
         "kv_cache": plan.kv_cache,
         "vllm_weights": (vllm_weights or vllm_weights_format(plan)) if plan.engine == "vllm" else None,
         "vllm_quantization": plan.vllm.quantization if plan.vllm else None,
+        "checkpoint_quantization": plan.model.checkpoint_quantization,
         "vllm_dtype": LMI_DTYPES[LMC_DTYPES[plan.vllm.dtype]] if plan.vllm else None,
     }
 

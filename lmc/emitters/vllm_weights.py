@@ -65,6 +65,8 @@ def engine_arguments(plan: Plan, checkpoint: Path) -> dict[str, Any]:
     }
     if plan.vllm.quantization:
         arguments["quantization"] = plan.vllm.quantization
+    if plan.vllm.enable_expert_parallel:
+        arguments["enable_expert_parallel"] = True
     return arguments
 
 

@@ -93,6 +93,7 @@ class VllmConfig(_Frozen):
     cpu_kvcache_space_gib: int | None = Field(default=None, ge=1, description="CPU plans: VLLM_CPU_KVCACHE_SPACE, the KV pool per rank in whole GiB (None on GPUs).")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(default="bfloat16", description="vLLM --dtype: the compute dtype (activations, KV cache, unquantized weights).")
     quantization: Literal["fp8"] | None = Field(default=None, description="vLLM --quantization: fp8 is its online quantization of 16-bit weights; None for unquantized weights and for a quantized checkpoint (vLLM reads its quantization_config).")
+    enable_expert_parallel: bool = Field(default=False, description="vLLM --enable-expert-parallel: whole experts on each TP rank instead of every expert split across them (MoE models, pin.expert_parallel).")
 
 
 class Deployment(_Frozen):

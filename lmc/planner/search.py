@@ -148,7 +148,7 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         max_sequence_length=spec.workload.max_input_tokens + spec.workload.max_output_tokens,
         scheduling=scheduling,
         kv_cache=kv_cache,
-        vllm=vllm_section(chosen.vllm, model, hardware, chosen.dtype) if chosen.vllm else None,
+        vllm=vllm_section(chosen.vllm, model, hardware, chosen.dtype, bool(spec.pin.expert_parallel)) if chosen.vllm else None,
         deployment=deployment(spec, chosen),
         memory_per_device=chosen.memory,
         predicted=predicted(chosen.timing),
@@ -174,8 +174,16 @@ def plan_model(model: ModelFacts, chosen: Config, hardware: HardwareFacts) -> Pl
         kv_bytes_per_token=kv_bytes_per_token(model, chosen.tp, compute_dtype(chosen.dtype, model, hardware)),
         active_parameters=model.active, experts=experts, sliding_window=model.sliding_window,
         sliding_window_layers=model.sliding_window_layers, vision_parameters=model.vision_parameters,
-        checkpoint_quantization=(f"{model.quantization_method} ({model.checkpoint_quantization})"
-                                 if model.checkpoint_quantization else None))
+        checkpoint_quantization=checkpoint_quantization_name(model))
+
+
+def checkpoint_quantization_name(model: ModelFacts) -> str | None:
+    """The checkpoint's quantization as the plan names it: the method, and its weights where they differ
+    (fp8, mxfp4, "awq (int4 weights)")."""
+    method, weights = model.quantization_method, model.checkpoint_quantization
+    if weights is None:
+        return None
+    return method if method == weights else f"{method} ({weights} weights)"
 
 
 # --- checks on the spec against the facts ----------------------------------------------------------
@@ -338,6 +346,16 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             options = _all_usable_tps(usable, model, hardware)
             hint = f"try {_fmt_list(options)}" if options else "no TP degree works on this hardware"
             raise SpecValueError("pin.tensor_parallel_degree", tp, f"{reasons[0]}; {hint}")
+    if pin.expert_parallel:
+        if model.num_experts <= 1:
+            raise SpecValueError("pin.expert_parallel", True, f"{model.id} has no experts (a dense model); drop the pin")
+        if "vllm" not in usable:
+            raise SpecValueError("pin.expert_parallel", True, "expert parallelism is vLLM's (enable_expert_parallel); "
+                                                              "the engines left cannot run it: drop the pin or pin.engine")
+        tp = pin.tensor_parallel_degree
+        if tp is not None and model.num_experts % tp:
+            raise SpecValueError("pin.expert_parallel", True, f"TP {tp} does not divide the {model.num_experts} experts "
+                                                              "into whole experts per rank; pick a TP degree that does")
     if pin.pipeline_parallel_degree is not None and pin.pipeline_parallel_degree > 1:
         pp = pin.pipeline_parallel_degree
         if pp > spec.target.instances:
@@ -389,6 +407,10 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
     for name in names:
         if pin.engine is not None and name != pin.engine:
             continue
+        if pin.expert_parallel and name != "vllm":
+            rejections.append(Rejection(name, model.torch_dtype, 1, 0,
+                                        f"{name}: pin.expert_parallel is vLLM's enable_expert_parallel", (3,)))
+            continue
         engine = engines[name]
         why = engine_unsupported(engine, model, hardware)
         if why:
@@ -406,6 +428,8 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
                 if pin.tensor_parallel_degree is not None and tp != pin.tensor_parallel_degree:
                     continue
                 why = tp_unsupported(tp, engine, model)
+                if why is None and pin.expert_parallel and model.num_experts % tp:
+                    why = f"does not divide the {model.num_experts} experts (pin.expert_parallel: whole experts per rank)"
                 if why:
                     rejections.append(Rejection(name, dtype, tp, max(hardware.devices // tp, 1) * spec.target.instances,
                                                 f"TP {tp} {why}", (3,)))

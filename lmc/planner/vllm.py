@@ -230,7 +230,8 @@ def kv_cache_section(layout: VllmLayout) -> KvCache:
 VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts, dtype: str) -> VllmConfig:
+def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts, dtype: str,
+                 expert_parallel: bool = False) -> VllmConfig:
     """The engine arguments of a vLLM plan: sizes, the compute dtype and vLLM's quantization flag (fp8 online
     quantization of 16-bit weights; none for a quantized checkpoint, whose quantization_config vLLM reads)."""
     online_fp8 = dtype == "fp8" and model.checkpoint_quantization is None
@@ -239,11 +240,15 @@ def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts,
                       gpu_memory_utilization=layout.gpu_memory_utilization,
                       cpu_kvcache_space_gib=layout.cpu_kvcache_space_gib,
                       dtype=VLLM_DTYPES[compute_dtype(dtype, model, hardware)],
-                      quantization="fp8" if online_fp8 else None)
+                      quantization="fp8" if online_fp8 else None,
+                      enable_expert_parallel=expert_parallel)
 
 
-def weights_format(hardware: HardwareFacts, remote: bool = False) -> tuple[str, str]:
+def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str | None = None) -> tuple[str, str]:
     """How a vLLM artifact carries its weights, and why (the build follows this; README has the details)."""
+    if quantized and not remote:
+        return ("checkpoint", f"the {quantized}-quantized checkpoint as published: vLLM reads its "
+                              "quantization_config and partitions it as it loads")
     if remote:
         return ("remote", "model.uri: the container loads the checkpoint from there and vLLM partitions it as it loads")
     if hardware.kind == "cpu":
@@ -280,7 +285,8 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
     }
     values = {"max_batch_delay_ms": 0}
     out = [Decision(key=d.key, value=values.get(d.key, d.value), reason=replaced.get(d.key, d.reason)) for d in out]
-    fmt, why = weights_format(hardware, remote=spec.model.uri is not None)
+    fmt, why = weights_format(hardware, remote=spec.model.uri is not None, quantized=model.quantization_method
+                              if model.checkpoint_quantization else None)
     goal_at = next(i for i, d in enumerate(out) if d.key == "goal")
     out[goal_at:goal_at] = [
         Decision(key="scheduling", value="continuous",
@@ -296,4 +302,13 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
                  "the budget's share (vLLM on CPU sizes its KV pool from VLLM_CPU_KVCACHE_SPACE instead)"),
         Decision(key="weights", value=fmt, reason=why),
     ]
+    if model.num_experts > 1:
+        ep = bool(spec.pin.expert_parallel)
+        out.insert(goal_at + 5, Decision(
+            key="expert_parallel", value=ep,
+            reason=("pinned by the spec: vLLM places whole experts on each tensor-parallel rank "
+                    f"({model.num_experts} experts over the ranks; the same bytes per rank as splitting each, with "
+                    "whole-expert GEMMs)") if ep else
+            (f"{model.num_experts} experts split across the tensor-parallel ranks (vLLM's default); "
+             "pin.expert_parallel = true places whole experts on each rank instead")))
     return out

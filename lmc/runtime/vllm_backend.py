@@ -89,6 +89,8 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         args["max_num_batched_tokens"] = int(section["max_num_batched_tokens"])
     if kv_cache.get("block_size"):
         args["block_size"] = int(kv_cache["block_size"])
+    if section.get("enable_expert_parallel"):
+        args["enable_expert_parallel"] = True
     if section.get("dtype"):  # the plan's engine arguments (a quantized checkpoint: vLLM reads its config)
         args["dtype"] = str(section["dtype"])
         if section.get("quantization"):

@@ -103,6 +103,7 @@ class PinSpec(_Strict):
     tensor_parallel_degree: int | None = Field(default=None, ge=1, le=1024, description="Devices per replica.")
     replicas: int | None = Field(default=None, ge=1, le=100_000, description="Model copies across the instances.")
     pipeline_parallel_degree: int | None = Field(default=None, ge=1, le=64, description="Pipeline stages, one instance each, per model copy.")
+    expert_parallel: bool | None = Field(default=None, description="vLLM, mixture-of-experts models: whole experts on each tensor-parallel rank (vLLM's enable_expert_parallel) instead of every expert split across the ranks.")
 
 
 class DeploySpec(_Strict):
