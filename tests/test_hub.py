@@ -83,11 +83,18 @@ def spec_file(tmp_path: Path, model_id: str, *, revision: str | None = None, ins
     return path
 
 
-def lmc_plan(spec: Path, hub: HubStandIn | None, hf_home: Path, *, offline: bool = False,
-             token: str | None = None, endpoint: str | None = None) -> subprocess.CompletedProcess:
+def hf_environment(hf_home: Path, endpoint: str) -> dict[str, str]:
+    """This process's environment without the user's (or the test run's) Hugging Face settings, pointed
+    at `endpoint` with `hf_home` as HF_HOME."""
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("HF_", "HUGGING")) and key != "TRANSFORMERS_OFFLINE"}
-    env.update(HF_HOME=str(hf_home), HF_ENDPOINT=endpoint or (hub.url if hub else "http://127.0.0.1:9"))
+    env.update(HF_HOME=str(hf_home), HF_ENDPOINT=endpoint)
+    return env
+
+
+def lmc_plan(spec: Path, hub: HubStandIn | None, hf_home: Path, *, offline: bool = False,
+             token: str | None = None, endpoint: str | None = None) -> subprocess.CompletedProcess:
+    env = hf_environment(hf_home, endpoint or (hub.url if hub else "http://127.0.0.1:9"))
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     if token:
@@ -242,11 +249,16 @@ dtype = "fp32"
 
 
 def lmc_cli(args: list[str], hub: HubStandIn, hf_home: Path) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("HF_", "HUGGING")) and key != "TRANSFORMERS_OFFLINE"}
-    env.update(HF_HOME=str(hf_home), HF_ENDPOINT=hub.url)
-    return subprocess.run([sys.executable, "-m", "lmc", *args], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[1])
+    return subprocess.run([sys.executable, "-m", "lmc", *args], env=hf_environment(hf_home, hub.url),
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+
+
+def reviewed_plan(hub: HubStandIn, tmp_path: Path) -> dict:
+    """`lmc plan --json` of the tiny spec, kept as tmp_path/plan.json (what `lmc build --plan` takes)."""
+    plan = lmc_cli(["plan", "--json", str(tiny_spec(tmp_path))], hub, tmp_path / "hf")
+    assert plan.returncode == 0, plan.stderr
+    (tmp_path / "plan.json").write_text(plan.stdout)
+    return json.loads(plan.stdout)
 
 
 def test_build_downloads_only_what_it_needs_and_packs_it(tmp_path):
@@ -254,9 +266,7 @@ def test_build_downloads_only_what_it_needs_and_packs_it(tmp_path):
 
     repo = tiny_repo(tmp_path / "repos")
     with HubStandIn(tmp_path / "repos") as hub:
-        plan = lmc_cli(["plan", "--json", str(tiny_spec(tmp_path))], hub, tmp_path / "hf")
-        assert plan.returncode == 0, plan.stderr
-        (tmp_path / "plan.json").write_text(plan.stdout)
+        plan = reviewed_plan(hub, tmp_path)
         built = lmc_cli(["build", str(tiny_spec(tmp_path)), "--format", "dir", "-o", str(tmp_path / "art"),
                          "--plan", str(tmp_path / "plan.json")], hub, tmp_path / "hf")
         assert built.returncode == 0, built.stderr
@@ -268,15 +278,13 @@ def test_build_downloads_only_what_it_needs_and_packs_it(tmp_path):
     assert sorted(packed) == sorted(original)
     assert all((packed[name] == original[name]).all() for name in original)
     manifest = json.loads((tmp_path / "art" / "lmc.json").read_text())
-    assert manifest["plan"]["model"]["revision"] == json.loads(plan.stdout)["model"]["revision"]
+    assert manifest["plan"]["model"]["revision"] == plan["model"]["revision"]
 
 
 def test_build_refuses_a_revision_that_moved_and_weights_that_differ(tmp_path):
     repo = tiny_repo(tmp_path / "repos")
     with HubStandIn(tmp_path / "repos") as hub:
-        plan = lmc_cli(["plan", "--json", str(tiny_spec(tmp_path))], hub, tmp_path / "hf")
-        assert plan.returncode == 0, plan.stderr
-        (tmp_path / "plan.json").write_text(plan.stdout)
+        reviewed_plan(hub, tmp_path)
         before = hub.commit("acme/tiny-qwen3")
         (repo / "generation_config.json").write_text(json.dumps({"temperature": 0.5}))  # a new commit on main
         after = hub.commit("acme/tiny-qwen3")

@@ -177,30 +177,14 @@ def facts_from_config(config: dict[str, Any], model_id: str, *, source: str,
     return facts.model_copy(update=update)
 
 
-class _Getter:
-    """Reads config keys, trying aliases in order; a missing required key is a one-line error."""
-
-    _MISSING = object()
+class _Getter(architecture.Reader):
+    """architecture.Reader in the family readers' call shape, get("key", "alias", default=...)."""
 
     def __init__(self, config: dict[str, Any], config_file: Path | str, family: str):
-        self.config, self.config_file, self.family = config, config_file, family
+        super().__init__(config, str(config_file), family)
+        self.family, self.config_file = family, config_file
 
-    def __call__(self, *keys: str, default: Any = _MISSING) -> Any:
-        for key in keys:
-            value = self.config.get(key)
-            if value is not None:
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise CheckpointError(f"{self.config_file}: `{key}` must be an integer, got {value!r}")
-                return value
-        if default is self._MISSING:
-            raise CheckpointError(f"{self.config_file}: missing `{keys[0]}` (needed for a {self.family} model)")
-        return default
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self.config.get(key, default)
-        if not isinstance(value, bool):
-            raise CheckpointError(f"{self.config_file}: `{key}` must be true or false, got {value!r}")
-        return value
+    __call__ = architecture.Reader.int
 
 
 def _decoder_only(get: _Getter) -> dict[str, Any]:
