@@ -89,11 +89,10 @@ def with_tensors(facts: ModelFacts, tensors: list[tuple[str, str, tuple[int, ...
         update["checkpoint_weight_bytes"] = weight_bytes
     if dtype_elements:
         update["torch_dtype"] = dtype_elements.most_common(1)[0][0]
-    if facts.num_experts > 1 and facts.checkpoint_quantization is None and facts.parameters:
-        # Keep the split between experts and the rest the config gives, scaled to the exact total.
-        scale = parameters / facts.parameters
-        update["expert_parameters"] = round(facts.expert_parameters * scale)
-        update["active_parameters"] = round(facts.active_parameters * scale)
+    if facts.expert_parameters and facts.checkpoint_quantization is None:
+        # The experts are the config's (their shapes are exact); what the exact total adds is outside them.
+        experts = facts.expert_parameters
+        update["active_parameters"] = parameters - experts + experts * facts.experts_per_token // facts.num_experts
     return facts.model_copy(update=update)
 
 

@@ -30,7 +30,7 @@ from lmc.planner.memory import (
     decode_weight_bytes,
     decoder_share,
     host_share,
-    kv_bytes_per_token,
+    kv_sequence_bytes,
     materializes_attention_scores,
     param_split,
     weight_bytes,
@@ -165,7 +165,8 @@ def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
         context = input_tokens + output_tokens / 2  # cross-attention over the input + self-attention so far
     else:
         context = input_tokens + output_tokens / 2
-    kv = batch * context * kv_bytes_per_token(model, tp, act)
+    # Sliding-window layers read at most their window of each sequence.
+    kv = batch * kv_sequence_bytes(model, tp, act, math.ceil(context))
     memory_ms = (weights + kv) / effective_bandwidth(hardware, efficiency, tp) * 1e3
     flops = 2 * active_decode_parameters(model) / tp * batch
     flops += 4 * batch * context * model.attention_heads * model.head_dim * model.layers / tp

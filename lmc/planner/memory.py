@@ -79,11 +79,16 @@ def kv_sequence_bytes(model: ModelFacts, tp: int, kv_dtype: str, tokens: int, bl
     """KV bytes one sequence of `tokens` holds per device, in `block`-token pages per layer: full-attention
     layers keep every token; a sliding-window layer the window's last window−1 tokens plus the tokens
     scheduled but not yet settled (`in_flight`), never more than the sequence, and one page more (the
-    window need not start at a page boundary): vLLM's SlidingWindowSpec.max_admission_blocks_per_request."""
+    window need not start at a page boundary): vLLM's SlidingWindowSpec.max_admission_blocks_per_request.
+    With `block` 1 (what attention reads, or a cache without pages) a sliding layer holds its window."""
     per_layer = kv_bytes_per_token(model, tp, kv_dtype) / model.layers
     pages = -(-tokens // block)
     sliding = model.sliding_window_layers if model.sliding_window else 0
-    window_pages = (-(-min(model.sliding_window - 1 + in_flight, tokens) // block) + 1) if sliding else 0
+    window_pages = 0
+    if sliding and block == 1:  # tokens, not pages: the window itself
+        window_pages = min(model.sliding_window, tokens)
+    elif sliding:
+        window_pages = -(-min(model.sliding_window - 1 + in_flight, tokens) // block) + 1
     return int(per_layer * block * ((model.layers - sliding) * pages + sliding * window_pages))
 
 
