@@ -41,7 +41,9 @@ def test_stage_model_holds_its_share_of_the_blocks_and_one_vocabulary_matrix():
 
 
 def test_405b_bf16_spans_instances_with_a_stated_pipeline_degree():
-    s = spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 4})
+    # lmc's own hf pipeline (a batch passes the stages in turn); vLLM's is below.
+    s = spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 4},
+             pin={"engine": "hf"})
     p = plan(s, LLAMA_405B, P4D)
     pp = p.deployment.pipeline_parallel_degree
     assert pp >= 2 and p.dtype == "bf16"
@@ -62,10 +64,11 @@ def test_without_room_for_stages_the_405b_has_no_plan_and_is_told_how_many_insta
     with pytest.raises(NoFeasiblePlanError) as err:
         plan(spec(), LLAMA_405B, P4D)
     across = [line for line in err.value.details if line.startswith("target.instances = ")]
-    assert len(across) == 1 and across[0].startswith("target.instances = 2: hf int8 in 2 pipeline stages × TP 8 fits")
+    # vLLM's fp8, weight-only on the A100s (Marlin), halves the weights: two instances hold them
+    assert len(across) == 1 and across[0].startswith("target.instances = 2: vllm fp8 in 2 pipeline stages × TP 8 fits")
     # and that option is what planning with two instances gives
     two = plan(spec(target={"instance": "ml.p4d.24xlarge", "instances": 2}), LLAMA_405B, P4D)
-    assert (two.deployment.pipeline_parallel_degree, two.dtype) == (2, "int8")
+    assert (two.engine, two.deployment.pipeline_parallel_degree, two.dtype) == ("vllm", 2, "fp8")
 
 
 def test_a_model_that_fits_one_instance_stays_on_one_unless_pinned():
@@ -142,3 +145,32 @@ def test_one_stage_keeps_the_engines_own_prediction():
     across = scale_timing(timing, LLAMA_8B, G5, engine, "bf16", 4, 2, 1, 4, 1024, 100)
     assert across.timing.throughput_tokens_per_s == pytest.approx(4 / across.timing.tpot_ms * 1e3)
     assert across.timing.instances_used == 2 and across.timing.load_seconds == 25.0
+
+
+def test_vllm_across_instances_keeps_a_micro_batch_per_stage_in_flight():
+    # vLLM's pipeline: pp micro-batches in flight, so a token's time is the whole model's step for its
+    # micro-batch plus the hand-overs, and throughput is every micro-batch's sequences over it; lmc's hf
+    # pipeline passes one batch through the stages in turn.
+    from lmc.planner.vllm import vllm_predict
+
+    s = spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 32},
+             pin={"engine": "vllm", "dtype": "bf16"})
+    p = plan(s, LLAMA_405B, P4D)
+    pp, tp = p.deployment.pipeline_parallel_degree, p.tensor_parallel_degree
+    assert (pp, tp, p.engine) == (4, 8, "vllm")
+    running = min(p.vllm.max_num_seqs * pp, 32)
+    micro = -(-running // pp)
+    engine = engine_facts()["vllm"]
+    from lmc.planner.search import vllm_memory  # the layout the plan chose
+    from lmc.planner.scale import stage_model
+
+    _, layout = vllm_memory(stage_model(LLAMA_405B, pp), P4D, engine, engine.efficiency["gpu"], "bf16", tp,
+                            p.vllm.max_num_seqs, 1024, 256, 0.9, None)
+    whole = vllm_predict(LLAMA_405B, P4D, engine, "bf16", tp, 1, layout, 1024, 256, micro)
+    hops = (pp - 1) * hop_ms(P4D.network, micro * LLAMA_405B.hidden_size * 2)
+    assert p.predicted.tpot_ms == pytest.approx(whole.tpot_ms + hops, abs=0.01)
+    mean_step = micro / whole.throughput_tokens_per_s * 1e3 + hops
+    assert p.predicted.throughput_tokens_per_s == pytest.approx(running / mean_step * 1e3, rel=1e-3)
+    hf = plan(spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 32},
+                   pin={"engine": "hf", "dtype": "bf16"}), LLAMA_405B, P4D)
+    assert p.predicted.throughput_tokens_per_s > 2 * hf.predicted.throughput_tokens_per_s

@@ -106,8 +106,12 @@ def test_goal_missed_but_fits_returns_closest_with_goal_met_false():
 def test_no_needless_quantization_but_int8_when_16_bit_misses():
     relaxed = plan(spec(goal={"tpot_ms": 100}))
     assert relaxed.dtype in ("fp16", "bf16") and relaxed.quantization is None
-    tight = plan(spec(goal={"tpot_ms": 8}, workload={"concurrency": 1}))  # fp16 TP4: ~9 ms
+    tight = plan(spec(goal={"tpot_ms": 8}, workload={"concurrency": 1}, pin={"engine": "hf"}))  # fp16 TP4: ~9 ms
     assert tight.dtype == "int8" and tight.quantization.startswith("int8 weight-only")
+    # Unpinned, vLLM's fp8 comes first (more precision than int8): weight-only on the A10G, which has no fp8.
+    vllm = plan(spec(goal={"tpot_ms": 8}, workload={"concurrency": 1}))
+    assert (vllm.engine, vllm.dtype) == ("vllm", "fp8")
+    assert vllm.quantization.startswith("fp8 weight-only (vLLM --quantization fp8 on a10g, which has no fp8 compute")
 
 
 def test_fp8_before_int8_when_both_meet_a_goal_16_bit_misses():

@@ -132,7 +132,7 @@ def test_p50_tpot_is_the_decode_step_and_throughput_pays_the_prefills():
 
 def test_max_num_seqs_is_what_the_pool_holds_when_that_is_short_of_the_concurrency():
     g5 = catalog.hardware_facts("ml.g5.2xlarge")
-    p = plan(spec(instance="ml.g5.2xlarge", pin={"engine": "vllm"},
+    p = plan(spec(instance="ml.g5.2xlarge", pin={"engine": "vllm", "dtype": "bf16"},
                   workload={"max_input_tokens": 2048, "max_output_tokens": 512, "concurrency": 16}), hardware=g5)
     assert p.kv_cache.max_concurrent_sequences < 16  # an 8B leaves room for fewer on 24 GiB
     assert p.vllm.max_num_seqs == p.batch_size == p.kv_cache.max_concurrent_sequences

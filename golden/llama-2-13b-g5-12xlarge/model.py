@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waitin
 sequences of up to 2560 tokens, on cuda.
 
 spec sha256 0c48b41f7ab860d298253fc9c066980c646ae75b7e4cb77ebf4b876976167b69
-plan sha256 c642f265cdcce3362b90cc118a0d27584d6f1f5629e8332b003527f4efda22d6
+plan sha256 f66b5008404618fbbf6c74bae9a8cde762d488eb78d75535538e7036d4088233
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

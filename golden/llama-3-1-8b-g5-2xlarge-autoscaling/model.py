@@ -5,7 +5,7 @@ tensor parallel degree 1, dynamic batches of up to 8 requests
 (waiting at most 50 ms), sequences of up to 1280 tokens, on cuda.
 
 spec sha256 6002dfbf63efda2164fcfd0bc73f6c6844d28b528936db572f88de48a730e02f
-plan sha256 9f8c407b2242ddef7a76ef81b1c08cda27bb550c49eac7ce08f8e3198bdc04ba
+plan sha256 5bed157e270c12e3b7c74888606ea3b3c7e22d276f21d31f18681b1a7820e9fd
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

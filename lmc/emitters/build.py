@@ -219,7 +219,8 @@ def check_pipeline_plan(plan: Plan) -> None:
     if plan.engine != "hf":
         raise ArtifactError(f"pipeline parallel degree {stages}: lmc runs plans across instances only on the hf engine "
                             f"(torch.distributed between the instances), not {plan.engine}"
-                            + ("; vLLM's multi-node mode needs its Ray cluster, which lmc does not start"
+                            + ("; `lmc runtime` does not start vLLM's multi-node mode yet: pin engine = \"hf\" "
+                               "for lmc's own pipeline, or serve the plan with vLLM's multi-node mode yourself"
                                if plan.engine == "vllm" else ""))
     if plan.model.family not in PIPELINE_FAMILIES:
         raise ArtifactError(f"pipeline parallel degree {stages}: lmc cuts only the {', '.join(PIPELINE_FAMILIES)} "

@@ -207,6 +207,7 @@ class EngineFacts(_Facts):
     shards_lm_head: bool = Field(default=True, description="Whether the LM head is split across TP ranks (else replicated).")
     prepartitioned_loading: bool = Field(description="Can load weights pre-split per TP rank.")
     pipeline_families: list[Family] = Field(default_factory=list, description="Families the engine can split into pipeline stages across instances (empty = none).")
+    pipeline_any_architecture: bool = Field(default=False, description="The engine splits any architecture it runs into pipeline stages across instances (vLLM's multi-node mode).")
     aot_compile_families: list[Family] = Field(default_factory=list, description="Families whose graphs can be compiled and serialized ahead of time (Neuron).")
     compile_seconds_per_billion_params: float = Field(default=0, ge=0, description="Graph compile time, when compilation happens at start (Neuron).")
     efficiency: dict[DeviceKind, EngineEfficiency] = Field(description="Efficiency figures per device kind.")

@@ -42,14 +42,22 @@ def stage_model(model: ModelFacts, pp: int) -> ModelFacts:
         replicated += layers * model.num_experts * model.hidden_size
     sharded = round(split.sharded * layers / model.layers)
     parameters = split.embedding + replicated + sharded
-    return model.model_copy(update={"layers": layers, "parameters": parameters, "tie_word_embeddings": True})
+    update = {"layers": layers, "parameters": parameters, "tie_word_embeddings": True,
+              "expert_parameters": round(model.expert_parameters * layers / model.layers),
+              "active_parameters": 0, "moe_layers": None if model.moe_layers is None else
+              min(model.moe_layers, layers)}
+    if model.checkpoint_weight_bytes:  # a quantized checkpoint: the stage's share of its bytes
+        update["checkpoint_weight_bytes"] = round(model.checkpoint_weight_bytes * parameters / model.parameters)
+    if model.sliding_window_layers:
+        update["sliding_window_layers"] = round(model.sliding_window_layers * layers / model.layers)
+    return model.model_copy(update=update)
 
 
 def pipeline_unsupported(pp: int, engine: EngineFacts, model: ModelFacts, hardware: HardwareFacts) -> str | None:
     """None when `engine` can run `model` as `pp` stages across instances of `hardware`, else why not."""
     if pp <= 1:
         return None
-    if model.family not in engine.pipeline_families:
+    if model.family not in engine.pipeline_families and not engine.pipeline_any_architecture:
         can = ", ".join(engine.pipeline_families) or "no family"
         return f"{engine.name} cannot split {model.family} into pipeline stages (it splits {can})"
     if model.is_encoder_decoder:
@@ -93,12 +101,15 @@ class Scaled:
 
 def scale_timing(timing: Timing, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str,
                  tp: int, pp: int, replicas: int, batch: int, input_tokens: int, output_tokens: int,
-                 peak_rate: float | None = None) -> Scaled:
+                 peak_rate: float | None = None, staged: bool = False) -> Scaled:
     """`timing` (one instance per replica's stages, from latency.predict) across `pp` stages and the
-    instances `replicas` need: hand-overs added to TPOT and TTFT, load per stage, instances and cost."""
+    instances `replicas` need: hand-overs added to TPOT and TTFT, load per stage, instances and cost.
+    `staged`: `timing` is already across the stages (vLLM's pipeline, planner/vllm.py), with `batch`
+    sequences in each of its `pp` micro-batches."""
     per_instance = max(hardware.devices // tp, 1)
-    if pp == 1:  # one instance per replica group: the engine's own prediction stands (vLLM's included)
+    if pp == 1 or staged:  # the engine's own prediction stands (vLLM's, across its stages, included)
         scaled = timing
+        batch = batch * pp if staged else batch
     else:
         scaled = _across_stages(timing, model, hardware, engine, dtype, tp, pp, replicas, batch, input_tokens)
     rps = replicas * batch / request_seconds(scaled, output_tokens)

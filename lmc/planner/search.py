@@ -46,6 +46,7 @@ from lmc.planner.vllm import (
     kv_cache_section,
     vllm_decisions,
     vllm_memory,
+    vllm_pipeline_predict,
     vllm_predict,
     vllm_quantization,
     vllm_section,
@@ -205,7 +206,8 @@ def check_workload(spec, model: ModelFacts) -> None:
             f"the {limit} positions of {model.id}; lower them to at most {limit} together")
 
 
-def allowed_dtype(dtype: str, hardware: HardwareFacts, model: ModelFacts | None = None) -> str | None:
+def allowed_dtype(dtype: str, hardware: HardwareFacts, model: ModelFacts | None = None,
+                  engine: EngineFacts | None = None) -> str | None:
     """None when the hardware can serve `dtype`, else why not. A checkpoint quantized in `dtype` runs
     weight-only (16-bit compute) on GPUs without native support: vLLM's Marlin kernels take fp8 on
     Ampere; 4-bit formats (AWQ, GPTQ, MXFP4) always compute in 16 bits."""
@@ -220,6 +222,9 @@ def allowed_dtype(dtype: str, hardware: HardwareFacts, model: ModelFacts | None 
             f"{hardware.accelerator} has no 16-bit compute for int8 weight-only matmuls"
     if dtype == "fp32" and hardware.kind in ("gpu", "cpu"):
         return None
+    if (dtype == "fp8" and engine is not None and engine.name == "vllm" and hardware.kind == "gpu"
+            and {"fp16", "bf16"} & set(hardware.dtypes)):
+        return None  # vLLM's fp8 runs weight-only (Marlin kernels, 16-bit compute) where the GPU has no fp8
     if dtype in hardware.dtypes:
         return None
     return f"{hardware.accelerator} has no {dtype} support"
@@ -420,7 +425,7 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
         for dtype in engine_dtypes(engine, model):
             if pin.dtype is not None and dtype != pin.dtype:
                 continue
-            why = allowed_dtype(dtype, hardware, model)
+            why = allowed_dtype(dtype, hardware, model, engine)
             if why:
                 rejections.append(Rejection(name, dtype, 1, 0, why, (3,)))
                 continue
@@ -458,7 +463,7 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
         return []
     staged = stage_model(model, pp)
     out = []
-    sizes = (vllm_batch_sizes(spec, model, hardware, engine, efficiency, dtype, tp) if engine.name == "vllm"
+    sizes = (vllm_batch_sizes(spec, staged, hardware, engine, efficiency, dtype, tp) if engine.name == "vllm"
              else batch_sizes(load.concurrency))
     for batch in sizes:
         replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / batch))
@@ -490,6 +495,11 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
 
 def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout: VllmLayout | None = None):
     load = spec.workload
+    if layout is not None and pp > 1:  # vLLM's pipeline: micro-batches in flight, hand-overs inside
+        base = vllm_pipeline_predict(model, hardware, engine, dtype, tp, pp, replicas, layout, load.max_input_tokens,
+                                     load.max_output_tokens, load.concurrency)
+        return scale_timing(base, model, hardware, engine, dtype, tp, pp, replicas, batch, load.max_input_tokens,
+                            load.max_output_tokens, load.peak_requests_per_second, staged=True)
     if layout is not None:
         base = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, load.max_input_tokens,
                             load.max_output_tokens, load.concurrency)
@@ -593,7 +603,7 @@ def checkpoint_quantization(model: ModelFacts, hardware: HardwareFacts) -> str:
 def plan_quantization(model: ModelFacts, chosen: Config, hardware: HardwareFacts) -> str | None:
     if model.checkpoint_quantization is not None:
         return checkpoint_quantization(model, hardware)
-    return vllm_quantization(chosen.dtype) if chosen.vllm else quantization(chosen.dtype)
+    return vllm_quantization(chosen.dtype, hardware) if chosen.vllm else quantization(chosen.dtype)
 
 
 def batch_delay_ms(spec, batch: int) -> int:
@@ -797,6 +807,9 @@ def scale_decisions(spec, model: ModelFacts, hardware: HardwareFacts, chosen: Co
         why = ("pinned by the spec" if spec.pin.pipeline_parallel_degree is not None else
                f"no layout fits one {hardware.name} ({hardware.devices} devices)")
         hop = f"; each stage hands its hidden states to the next over {network.name}" if network and pp > 1 else ""
+        if chosen.engine == "vllm" and pp > 1:
+            hop += (f"; vLLM's multi-node mode keeps {pp} micro-batches in flight, one per stage, so the stages "
+                    "work at once (lmc's hf pipeline passes one batch through them in turn)")
         out.append(Decision(key="pipeline_parallel_degree", value=pp,
                             reason=f"{why}: {pp} stage(s) of up to {stage_layers(model, pp)} of {model.layers} "
                                    f"layers, one instance each, TP {chosen.tp} within it{hop}"))

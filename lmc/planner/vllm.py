@@ -214,11 +214,45 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
                    cost_per_million_tokens=cost_million)
 
 
+def vllm_pipeline_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
+                          pp: int, replicas: int, layout: VllmLayout, input_tokens: int, output_tokens: int,
+                          concurrency: int) -> Timing:
+    """vLLM across `pp` instances (docs/planner.md, "Across instances"): the stages hold 1/pp of the layers
+    each and vLLM keeps `pp` micro-batches in flight (one per stage, up to max_num_seqs sequences each),
+    so the stages work at once instead of in turn. A micro-batch's token passes every stage: its TPOT is
+    the whole model's step for the micro-batch plus (pp − 1) hand-overs, and a replica's throughput is its
+    running sequences (all micro-batches) over that. Each instance loads only its stage."""
+    from lmc.planner.scale import hop_ms, instances_for, stage_model
+
+    assert hardware.network is not None  # pipeline_unsupported said so
+    running = max(1, min(layout.max_num_seqs * pp, -(-concurrency // replicas)))
+    micro = -(-running // pp)
+    whole = vllm_predict(model, hardware, engine, dtype, tp, 1, layout, input_tokens, output_tokens, micro)
+    width = model.hidden_size * DTYPE_BYTES[compute_dtype(dtype, model, hardware)]
+    hops = (pp - 1) * hop_ms(hardware.network, micro * width)
+    mean_step = micro / whole.throughput_tokens_per_s * 1e3 + hops
+    throughput = replicas * running / mean_step * 1e3
+    ttft = whole.ttft_ms + (pp - 1) * hop_ms(hardware.network, input_tokens * width)
+    load = vllm_predict(stage_model(model, pp), hardware, engine, dtype, tp, 1, layout, input_tokens,
+                        output_tokens, micro).load_seconds
+    instances = instances_for(replicas, max(hardware.devices // tp, 1), pp)
+    cost_hour, cost_million = cost_figures(hardware, instances, throughput)
+    return replace(whole, ttft_ms=ttft, tpot_ms=whole.tpot_ms + hops, throughput_tokens_per_s=throughput,
+                   load_seconds=load, instances_used=instances, cost_per_hour=cost_hour,
+                   cost_per_million_tokens=cost_million)
+
+
 # --- plan sections and decisions --------------------------------------------------------------------
 
-def vllm_quantization(dtype: str) -> str | None:
-    """vLLM's name for what the dtype means: fp8 is its online quantization, not lmc's weight-only fp8."""
-    return "fp8 (vLLM --quantization fp8: per-tensor fp8 weights, dynamic fp8 activations)" if dtype == "fp8" else None
+def vllm_quantization(dtype: str, hardware: HardwareFacts) -> str | None:
+    """vLLM's name for what the dtype means: fp8 is its online quantization, not lmc's weight-only fp8;
+    weight-only (Marlin kernels, 16-bit compute) on a GPU without fp8 compute (Ampere)."""
+    if dtype != "fp8":
+        return None
+    if "fp8" in hardware.dtypes:
+        return "fp8 (vLLM --quantization fp8: per-tensor fp8 weights, dynamic fp8 activations)"
+    return (f"fp8 weight-only (vLLM --quantization fp8 on {hardware.accelerator}, which has no fp8 compute: "
+            "Marlin kernels, 16-bit activations)")
 
 
 def kv_cache_section(layout: VllmLayout) -> KvCache:
