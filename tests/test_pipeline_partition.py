@@ -98,9 +98,9 @@ def _plan(golden: str, **changes):
 
 
 @pytest.mark.parametrize("golden, changes, message", [
-    ("gpt-j-6b-deepspeed-p3-2xlarge", {}, "pipeline parallel degree 2: lmc runs plans across instances only on the hf "
-                                          "engine (torch.distributed between the instances), not deepspeed"),
-    ("tiny-llama-cpu", {"engine": "vllm"}, "not vllm; `lmc runtime` does not start vLLM's multi-node mode yet"),
+    ("gpt-j-6b-deepspeed-p3-2xlarge", {}, "pipeline parallel degree 2: lmc runs plans across instances on vLLM's "
+                                          "multi-node mode or on the hf engine (torch.distributed between the "
+                                          "instances), not deepspeed"),
     ("gpt-neox-20b-g5-12xlarge", {"engine": "hf"}, "lmc cuts only the llama family into stages, not gpt_neox"),
 ])
 def test_build_refuses_pipeline_plans_it_cannot_run(golden, changes, message):
@@ -111,3 +111,4 @@ def test_build_refuses_pipeline_plans_it_cannot_run(golden, changes, message):
         check_pipeline_plan(_plan(golden, **changes))
     assert message in str(error.value)
     check_pipeline_plan(_plan("tiny-llama-cpu"))  # hf, llama: runs
+    check_pipeline_plan(_plan("tiny-llama-cpu", engine="vllm"))  # vLLM's multi-node mode: runs

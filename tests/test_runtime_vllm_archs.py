@@ -28,7 +28,8 @@ PROMPT = "the quick brown fox"
 TOKENS = 8
 
 
-def spec_for(checkpoint: Path, root: Path) -> Path:
+def spec_for(checkpoint: Path, root: Path, *, budget: str = "4GiB", pins: str = "") -> Path:
+    """A vLLM spec on this CPU for `checkpoint` (fp32, the 2-core profile), with more `pins` lines."""
     spec = root / "spec.toml"
     spec.write_text(f"""[model]
 id = "lmc/tiny-{checkpoint.name}"
@@ -37,7 +38,7 @@ path = "{checkpoint.as_posix()}"
 instance = "local"
 profile = "{PROFILE.as_posix()}"
 [budget]
-memory_per_device = "4GiB"
+memory_per_device = "{budget}"
 [workload]
 max_input_tokens = 64
 max_output_tokens = 32
@@ -45,7 +46,7 @@ concurrency = 4
 [pin]
 engine = "vllm"
 dtype = "fp32"
-""")
+{pins}""")
     return spec
 
 

@@ -106,7 +106,15 @@ def _run(args: argparse.Namespace) -> int:
     try:
         from lmc.runtime.rendezvous import resolve_role
 
-        role = resolve_role(artifact.plan, os.environ)  # a pipeline-parallel plan: this node's stage
+        node = role = None
+        if artifact.plan.get("engine") == "vllm":  # across instances: vLLM's own multi-node mode
+            from lmc.runtime.vllm_nodes import resolve_vllm_node
+
+            node = resolve_vllm_node(artifact.plan, os.environ)
+            if node is not None and not node.is_leader:
+                return _run_vllm_node(artifact, node)
+        else:
+            role = resolve_role(artifact.plan, os.environ)  # a pipeline-parallel plan: this node's stage
         if role is not None and not role.is_leader:
             return _run_stage_node(artifact, role)
         # First, so the engine's imports (seconds) overlap everything else: on CPU hosts the fork server
@@ -123,7 +131,8 @@ def _run(args: argparse.Namespace) -> int:
         # None: the Runtime reads the model's generation_config.json itself.
         runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body,
                           worker_gate=gate, sampling_defaults=None if generation_config == "auto" else {},
-                          group_factory=_pipeline_groups(artifact, gate, role))
+                          group_factory=_pipeline_groups(artifact, gate, role),
+                          backend_factory=_vllm_leader(artifact, gate, node))
         try:
             runtime.scheduler.start_groups()
             verify_hashes(artifact.model_dir, artifact.manifest)
@@ -134,8 +143,9 @@ def _run(args: argparse.Namespace) -> int:
                      artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,
                      artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"],
                      artifact.plan["job_queue_size"], timeout)
-            if role is not None:
-                log.info("%s: this node serves HTTP and drives generation", role.describe())
+            for where in (role, node):
+                if where is not None:
+                    log.info("%s: this node serves HTTP and drives generation", where.describe())
             if runtime.sampling_defaults:
                 log.info("OpenAI routes default to the model's generation_config.json: %s",
                          ", ".join(f"{key} {value}" for key, value in runtime.sampling_defaults.items()))
@@ -160,6 +170,33 @@ def _pipeline_groups(artifact, gate, role):
         return WorkerGroup(artifact.model_dir, artifact.plan, index, events, gate=gate, pipeline=role)
 
     return group_factory
+
+
+def _vllm_leader(artifact, gate, node):
+    """The leader's vLLM backend across instances (the node's place passed to vLLM); None otherwise."""
+    if node is None:
+        return None
+    from lmc.runtime.vllm_backend import VllmScheduler
+
+    def backend_factory(metrics):
+        from lmc.runtime.startup import TextTools
+
+        return VllmScheduler(artifact.model_dir, artifact.plan, metrics, TextTools(artifact.model_dir), gate=gate,
+                             node=node)
+    return backend_factory
+
+
+def _run_vllm_node(artifact, node) -> int:
+    """A vLLM worker node: verify the artifact, then run this node's ranks headless until the leader stops."""
+    from lmc.runtime.startup import verify_hashes
+    from lmc.runtime.vllm_backend import engine_arguments, engine_environment
+    from lmc.runtime.vllm_nodes import run_worker_node
+
+    verify_hashes(artifact.model_dir, artifact.manifest)
+    logging.getLogger("lmc.runtime").info("verified %d files against lmc.json; %s", len(artifact.manifest["files"]),
+                                          node.describe())
+    return run_worker_node(engine_arguments(artifact.plan, artifact.model_dir), engine_environment(artifact.plan),
+                           node)
 
 
 def _run_stage_node(artifact, role) -> int:

@@ -209,19 +209,18 @@ def _copy_checkpoint_files(info: Any, checkpoint: Path, staging: Path) -> None:
 
 
 def check_pipeline_plan(plan: Plan) -> None:
-    """What lmc can run across instances: the hf engine on a Llama-family model (lmc.runtime.engines.pipeline).
-    Anything else with a pipeline degree > 1 stops the build with one line."""
+    """What lmc can run across instances: vLLM's multi-node mode (lmc.runtime.vllm_nodes), and the hf engine on a
+    Llama-family model (lmc.runtime.engines.pipeline). Anything else with a pipeline degree > 1 stops the build
+    with one line."""
     from lmc.layouts import PIPELINE_FAMILIES
 
     stages = plan.deployment.pipeline_parallel_degree
-    if stages <= 1:
+    if stages <= 1 or plan.engine == "vllm":  # vLLM runs its stages itself (lmc.runtime.vllm_nodes)
         return
     if plan.engine != "hf":
-        raise ArtifactError(f"pipeline parallel degree {stages}: lmc runs plans across instances only on the hf engine "
-                            f"(torch.distributed between the instances), not {plan.engine}"
-                            + ("; `lmc runtime` does not start vLLM's multi-node mode yet: pin engine = \"hf\" "
-                               "for lmc's own pipeline, or serve the plan with vLLM's multi-node mode yourself"
-                               if plan.engine == "vllm" else ""))
+        raise ArtifactError(f"pipeline parallel degree {stages}: lmc runs plans across instances on vLLM's "
+                            f"multi-node mode or on the hf engine (torch.distributed between the instances), not "
+                            f"{plan.engine}")
     if plan.model.family not in PIPELINE_FAMILIES:
         raise ArtifactError(f"pipeline parallel degree {stages}: lmc cuts only the {', '.join(PIPELINE_FAMILIES)} "
                             f"family into stages, not {plan.model.family}; plan for one instance instead")

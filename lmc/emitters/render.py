@@ -132,6 +132,7 @@ def context(plan: Plan, spec: Spec, vllm_weights: str | None = None) -> dict[str
         "dtype": plan.dtype,
         "lmi_dtype": LMI_DTYPES[lmi_dtype(plan)],
         "tensor_parallel_degree": plan.tensor_parallel_degree,
+        "pipeline_parallel_degree": plan.deployment.pipeline_parallel_degree,
         "replicas": plan.replicas,
         "replicas_per_instance": -(-plan.replicas // instances),
         "instances": instances,

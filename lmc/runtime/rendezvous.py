@@ -69,17 +69,23 @@ def resolve_role(plan: Mapping[str, Any], environ: Mapping[str, str]) -> Pipelin
         raise RendezvousError(f"the plan runs on {stages} instances (pipeline parallel degree {stages}) but "
                               f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: run it as a "
                               f"LeaderWorkerSet of size {stages} (lmc deploy --target kubernetes)")
-    size = _integer(environ, "LWS_GROUP_SIZE")
-    index = _integer(environ, "LWS_WORKER_INDEX")
+    size = integer_env(environ, "LWS_GROUP_SIZE")
+    index = integer_env(environ, "LWS_WORKER_INDEX")
     if size != stages:
         raise RendezvousError(f"LWS_GROUP_SIZE = {size}, but the plan's pipeline parallel degree is {stages}: "
                               f"the LeaderWorkerSet's size must be {stages}")
     if not 0 <= index < size:
         raise RendezvousError(f"LWS_WORKER_INDEX = {index}: outside the group of {size} (0 … {size - 1})")
     port_name = "LMC_RENDEZVOUS_PORT" if environ.get("LMC_RENDEZVOUS_PORT") else "MASTER_PORT"
-    port = _integer(environ, port_name) if environ.get(port_name) else DEFAULT_PORT
+    port = integer_env(environ, port_name) if environ.get(port_name) else DEFAULT_PORT
     if not 0 < port < 65536:
         raise RendezvousError(f"{port_name} = {port}: not a TCP port number")
+    return PipelineRole(stage=index, stages=stages, tp=int(plan["tensor_parallel_degree"]),
+                        leader_address=environ["LWS_LEADER_ADDRESS"], port=port, timeout_s=rendezvous_timeout(environ))
+
+
+def rendezvous_timeout(environ: Mapping[str, str]) -> float:
+    """LMC_RENDEZVOUS_TIMEOUT_S (default 900 s): how long a node waits for the others."""
     timeout = DEFAULT_TIMEOUT_S
     if environ.get("LMC_RENDEZVOUS_TIMEOUT_S"):
         try:
@@ -89,11 +95,10 @@ def resolve_role(plan: Mapping[str, Any], environ: Mapping[str, str]) -> Pipelin
         if not 0 < timeout < float("inf"):
             raise RendezvousError(f"LMC_RENDEZVOUS_TIMEOUT_S = {environ['LMC_RENDEZVOUS_TIMEOUT_S']!r}: "
                                   "not a positive number of seconds")
-    return PipelineRole(stage=index, stages=stages, tp=int(plan["tensor_parallel_degree"]),
-                        leader_address=environ["LWS_LEADER_ADDRESS"], port=port, timeout_s=timeout)
+    return timeout
 
 
-def _integer(environ: Mapping[str, str], name: str) -> int:
+def integer_env(environ: Mapping[str, str], name: str) -> int:
     value = environ[name].strip()
     if not value.lstrip("-").isdigit():
         raise RendezvousError(f"{name} = {environ[name]!r}: not an integer")

@@ -49,6 +49,8 @@ VLLM_METRIC_PREFIX = "vllm:"
 # An engine that dies this many times in a row before serving one request stops `lmc runtime`.
 START_ATTEMPTS = 3
 _RESTART_BACKOFF_S = 1.0
+# Across instances: how long the leader answers 503 after a node is lost before it exits.
+NODE_LOST_GRACE_S = 2.0
 
 
 class VllmUnavailable(LmcError):
@@ -71,6 +73,7 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         "tokenizer": str(model_dir),
         "served_model_name": str((plan.get("model") or {}).get("id") or Path(model_dir).name),
         "tensor_parallel_size": int(plan["tensor_parallel_degree"]),
+        "pipeline_parallel_size": int((plan.get("deployment") or {}).get("pipeline_parallel_degree") or 1),
         "max_num_seqs": int(section.get("max_num_seqs") or plan["batch_size"]),
         "max_model_len": int(section.get("max_model_len") or plan["max_sequence_length"]),
         # lmc reads generation_config.json itself (the OpenAI routes' defaults) and sends every sampling
@@ -239,9 +242,13 @@ class VllmScheduler:
     timeout is the Runtime's (core.py): a job it gives up on is cancelled here, which aborts the vLLM request."""
 
     def __init__(self, model_dir: Path, plan: dict[str, Any], metrics, text_tools, gate=None,
-                 engine_factory: Callable[[dict[str, Any], dict[str, str]], Any] | None = None):
+                 engine_factory: Callable[[dict[str, Any], dict[str, str]], Any] | None = None, node=None):
         self.model_dir = Path(model_dir)
         self.plan = plan
+        # Across instances (lmc.runtime.vllm_nodes.VllmNode): this is the leader; the engine is vLLM's
+        # multi-node mode, and a lost node or a dead engine stops the runtime instead of a restart.
+        self.node = node
+        self.lifeline = None
         self.metrics = metrics
         self.text = text_tools
         self.gate = gate
@@ -284,7 +291,10 @@ class VllmScheduler:
             if self._stopping:
                 return
             started = time.monotonic()
-            self.engine = self.engine_factory(engine_arguments(self.plan, self.model_dir), engine_environment(self.plan))
+            arguments = engine_arguments(self.plan, self.model_dir)
+            if self.node is not None:
+                arguments.update(self.node.engine_arguments())
+            self.engine = self.engine_factory(arguments, engine_environment(self.plan))
             log.info("vLLM engine started in %.1fs", time.monotonic() - started)
         except BaseException as exc:  # noqa: BLE001 - reported on the loop, the runtime stops
             self._start_error = exc
@@ -293,7 +303,25 @@ class VllmScheduler:
 
     def start(self) -> None:
         self.start_groups()
+        if self.node is not None and self.lifeline is None:
+            from lmc.runtime.vllm_nodes import Lifeline
+
+            loop = asyncio.get_running_loop()
+            self.lifeline = Lifeline(self.node, lambda why: loop.call_soon_threadsafe(self._node_lost, why))
+            self.lifeline.start()
         self._supervisor = asyncio.create_task(self._supervise(), name="lmc-vllm-supervisor")
+
+    def _node_lost(self, why: str) -> None:
+        """A node of the group is gone: nothing can be served until the cluster recreates the group."""
+        from lmc.runtime.rendezvous import RendezvousError
+
+        if self._stopping or self.fatal is not None:
+            return
+        self._ready.clear()  # /ping answers 503 from now on
+        self.fail_all(503, f"{why}; the group must be recreated")
+        # A moment of 503s (probes and clients see why), then the runtime stops, non-zero.
+        error = RendezvousError(f"{why}: stopping so the cluster recreates the group")
+        asyncio.get_running_loop().call_later(NODE_LOST_GRACE_S, self._set_fatal, error)
 
     async def _supervise(self) -> None:
         """Wait for the engine, say ready, and start it again when it dies (START_ATTEMPTS in a row
@@ -322,6 +350,11 @@ class VllmScheduler:
             if self._stopping:
                 return
             failures = 0 if self._served > served else failures + 1
+            if self.node is not None:  # its ranks span the group: only the cluster can start them again
+                self._ready.clear()
+                self._set_fatal(RuntimeError("the vLLM engine died; its ranks span the group's nodes, so the "
+                                             "cluster must recreate the group"))
+                return
             if failures >= START_ATTEMPTS:
                 self._set_fatal(RuntimeError(f"the vLLM engine died {failures} times in a row"))
                 return
@@ -361,6 +394,9 @@ class VllmScheduler:
         if self.engine is not None:
             _shutdown(self.engine)
             self.engine = None
+        if self.lifeline is not None:  # the worker nodes stop their ranks and exit 0
+            self.lifeline.close()
+            self.lifeline = None
 
     async def stop(self) -> None:
         self._stopping = True
