@@ -298,6 +298,18 @@ def test_405b_runs_as_a_leaderworkerset_of_its_stages():
     worker = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
     assert leader["resources"]["limits"]["nvidia.com/gpu"] == "8" and "readinessProbe" in leader
     assert "readinessProbe" not in worker
+    # vLLM's multi-node mode (issue 23): its master and lmc's lifeline on the leader; EFA on every pod
+    assert plan.engine == "vllm"
+    assert {port["containerPort"] for port in leader["ports"]} == {8080, 29501, 29510}
+    for pod in (leader, worker):
+        assert pod["resources"]["limits"]["vpc.amazonaws.com/efa"] == "4"  # p4d: 4 × 100 Gbps
+        assert {"name": "FI_PROVIDER", "value": "efa"} in pod["env"]
+    deepseek = documents(deploy_files(ROOT / "specs" / "deepseek-v3-2x-p5-48xlarge.toml", "kubernetes")
+                         ["kubernetes/leaderworkerset.yaml"].decode())[0]
+    assert deepseek["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert deepseek["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    worker = deepseek["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+    assert worker["resources"]["limits"]["vpc.amazonaws.com/efa"] == "32"  # p5: 32 × 100 Gbps
 
 
 def test_a_validator_catches_a_wrong_body():

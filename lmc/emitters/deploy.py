@@ -24,6 +24,10 @@ TARGETS = ("sagemaker", "kubernetes", "kserve")
 PLACEHOLDER = "REPLACE_ME"
 PORT = 8080
 RENDEZVOUS_PORT = 29500  # lmc runtime's torch.distributed store on the leader (LMC_RENDEZVOUS_PORT's default)
+# vLLM across instances (lmc.runtime.vllm_nodes): vLLM's torch.distributed master and lmc's lifeline, on the leader.
+VLLM_MASTER_PORT = 29501
+LIFELINE_PORT = 29510
+EFA_LINK_BPS = 100e9  # one EFA device: 100 Gbps (p4d: 4 of them, p5/p5en: 32)
 MODEL_DIR = "/opt/ml/model"
 KSERVE_MODEL_DIR = "/mnt/models"  # where KServe's storage initializer puts STORAGE_URI
 VARIANT = "AllTraffic"
@@ -245,9 +249,39 @@ def _pod_spec(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Siz
 
 
 def _leader_spec(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing) -> dict:
-    """The leader serves HTTP and hosts the group's torch.distributed store (named, for network policies)."""
-    spec = _pod_spec(plan, hardware, account, sizing, serves=True)
-    spec["containers"][0]["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+    """The leader serves HTTP and hosts the group's rendezvous (named, for network policies): vLLM's
+    torch.distributed master and lmc's lifeline for a vLLM plan, lmc's torch.distributed store for its own
+    pipeline."""
+    spec = _group_pod(plan, hardware, account, sizing, serves=True)
+    ports = spec["containers"][0]["ports"]
+    if plan.engine == "vllm":
+        ports += [{"name": "vllm-master", "containerPort": VLLM_MASTER_PORT, "protocol": "TCP"},
+                  {"name": "lifeline", "containerPort": LIFELINE_PORT, "protocol": "TCP"}]
+    else:
+        ports.append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+    return spec
+
+
+def efa_devices(hardware: HardwareFacts) -> int:
+    """The instance's EFA devices (its EFA bandwidth in 100 Gbps devices); 0 without EFA or GPUs."""
+    network = hardware.network
+    if hardware.kind != "gpu" or network is None or not network.name.startswith("EFA"):
+        return 0
+    return max(round(network.bandwidth_bytes_per_s * 8 / EFA_LINK_BPS), 1)
+
+
+def _group_pod(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing, *, serves: bool) -> dict:
+    """A pod of a group across instances: the instance's EFA devices and NCCL's settings for them (libfabric
+    over EFA with GPUDirect RDMA, which p4d and p5 have), so the stages' hand-overs go over EFA, not TCP."""
+    spec = _pod_spec(plan, hardware, account, sizing, serves=serves)
+    if efa_devices(hardware):
+        container = spec["containers"][0]
+        efa = str(efa_devices(hardware))
+        for key in ("requests", "limits"):
+            container["resources"].setdefault(key, {})["vpc.amazonaws.com/efa"] = efa
+        container["env"] += [{"name": "FI_PROVIDER", "value": "efa"},
+                             {"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"},
+                             {"name": "NCCL_PROTO", "value": "simple"}]
     return spec
 
 
@@ -289,7 +323,7 @@ def kubernetes_files(plan: Plan, hardware: HardwareFacts, account: Account, sizi
                     "size": d.pipeline_parallel_degree,
                     "restartPolicy": "RecreateGroupOnPodRestart",
                     "leaderTemplate": {**template, "spec": _leader_spec(plan, hardware, account, sizing)},
-                    "workerTemplate": {**template, "spec": _pod_spec(plan, hardware, account, sizing, serves=False)},
+                    "workerTemplate": {**template, "spec": _group_pod(plan, hardware, account, sizing, serves=False)},
                 },
             },
         }
@@ -378,6 +412,14 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
                   "failures allowed = the start-up timeout; readiness and liveness on `/ping`",
                   f"- devices per pod {sizing.devices_per_instance.value}: {sizing.devices_per_instance.reason}",
                   f"- /dev/shm {sizing.shm_bytes.value / GIB:.0f} GiB: {sizing.shm_bytes.reason}"]
+        if d.pipeline_parallel_degree > 1 and efa_devices(hardware):
+            lines.append(f"- EFA {efa_devices(hardware)} device(s) per pod: {hardware.network.name} of {hardware.name} "
+                         "in 100 Gbps devices; NCCL "
+                         "over libfabric (FI_PROVIDER=efa, GPUDirect RDMA) carries the stages' hand-overs")
+        if d.pipeline_parallel_degree > 1 and plan.engine == "vllm":
+            lines.append(f"- ports {VLLM_MASTER_PORT} and {LIFELINE_PORT} on the leader: vLLM's multi-node "
+                         "torch.distributed master, and lmc's lifeline (a lost node stops the group, which "
+                         "RecreateGroupOnPodRestart starts again)")
     else:
         lines.append(f"- scaling target {sizing.invocations_per_instance_per_minute.value:g} invocations per "
                      f"instance per minute: {sizing.invocations_per_instance_per_minute.reason}")
