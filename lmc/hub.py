@@ -60,9 +60,10 @@ def hub_model_facts(model_id: str, revision: str | None) -> ModelFacts:
                                                   "no safetensors metadata cached, so the weights are computed "
                                                   "from the config)"})
     tensors = [entry for entries in checkpoint.files.values() for entry in entries]
-    if not tensors:
-        raise SpecValueError("model.id", model_id, f"the Hub repo at {checkpoint.commit[:12]} has no safetensors "
-                                                   "weights (lmc does not read pickle *.bin checkpoints)")
+    if not tensors:  # pickle *.bin weights only: planned from the config, as a local checkpoint of them is
+        return facts.model_copy(update={"source": f"{facts.source} (no safetensors weights in the repo: parameters "
+                                                  "computed from config.json; lmc build needs --allow-pickle for "
+                                                  "its *.bin files)"})
     facts = with_tensors(facts, tensors)
     return facts.model_copy(update={"source": f"{facts.source} (config.json and the safetensors metadata of "
                                               f"{len(checkpoint.files)} file(s))"})

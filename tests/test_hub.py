@@ -306,3 +306,19 @@ def test_build_refuses_a_revision_that_moved_and_weights_that_differ(tmp_path):
         assert differs.returncode == 1
         assert "differs from the safetensors metadata the plan read" in one_line(differs.stderr)
         assert not (tmp_path / "b.tar.gz").exists()
+
+
+def test_a_repo_with_pickle_weights_only_plans_from_its_config(tmp_path):
+    root = tmp_path / "repos"
+    repo = root / "acme" / "bin-only"
+    repo.mkdir(parents=True)
+    config = dict(published_config(QWEN), num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000)
+    (repo / "config.json").write_text(json.dumps(config))
+    (repo / "pytorch_model.bin").write_bytes(b"\x80\x04not read")
+    with HubStandIn(root) as hub:
+        result = lmc_plan(spec_file(tmp_path, "acme/bin-only"), hub, tmp_path / "hf")
+    assert result.returncode == 0, result.stderr
+    model = json.loads(result.stdout)["model"]
+    assert model["parameters"] == facts_from_config(config, "x", source="t").parameters
+    assert model["revision"] == hub.commit("acme/bin-only")
