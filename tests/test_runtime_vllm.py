@@ -184,7 +184,7 @@ class FakeEngine:
             self.aborted.append(request_id)
             raise
 
-    def shutdown(self):
+    def shutdown(self, timeout=None):
         self.shut += 1
 
 

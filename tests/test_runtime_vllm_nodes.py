@@ -173,7 +173,8 @@ def test_two_nodes_serve_stop_together_and_a_lost_node_stops_the_leader(tmp_path
                 break
         assert 503 in statuses, statuses
         assert leader.wait(10) == 1
-        assert time.monotonic() - killed < 10
+        exited = time.monotonic() - killed
+        assert exited < 10, exited
         assert "vLLM node 1 left the group" in (tmp_path / "a-0.log").read_text()
     finally:
         _kill(leader, worker)

@@ -50,7 +50,7 @@ VLLM_METRIC_PREFIX = "vllm:"
 START_ATTEMPTS = 3
 _RESTART_BACKOFF_S = 1.0
 # Across instances: how long the leader answers 503 after a node is lost before it exits.
-NODE_LOST_GRACE_S = 2.0
+NODE_LOST_GRACE_S = 1.0
 
 
 class VllmUnavailable(LmcError):
@@ -249,6 +249,7 @@ class VllmScheduler:
         # multi-node mode, and a lost node or a dead engine stops the runtime instead of a restart.
         self.node = node
         self.lifeline = None
+        self.node_lost = False
         self.metrics = metrics
         self.text = text_tools
         self.gate = gate
@@ -317,6 +318,7 @@ class VllmScheduler:
 
         if self._stopping or self.fatal is not None:
             return
+        self.node_lost = True
         self._ready.clear()  # /ping answers 503 from now on
         self.fail_all(503, f"{why}; the group must be recreated")
         # A moment of 503s (probes and clients see why), then the runtime stops, non-zero.
@@ -392,7 +394,7 @@ class VllmScheduler:
         if self._starter is not None:
             self._started.wait(120.0)
         if self.engine is not None:
-            _shutdown(self.engine)
+            _shutdown(self.engine, timeout=0 if self.node_lost else None)
             self.engine = None
         if self.lifeline is not None:  # the worker nodes stop their ranks and exit 0
             self.lifeline.close()
@@ -541,9 +543,11 @@ def _warm_import() -> None:
         pass
 
 
-def _shutdown(engine) -> None:
+def _shutdown(engine, timeout: float | None = None) -> None:
+    """Stop vLLM's engine; `timeout` 0 aborts its requests instead of draining them (vLLM's "abort" mode:
+    what a group that lost a node needs, its ranks being stuck in collectives with the dead one)."""
     try:
-        engine.shutdown()
+        engine.shutdown(timeout=timeout)
     except Exception:  # noqa: BLE001 - already gone
         log.exception("vLLM engine shutdown failed")
 
