@@ -160,9 +160,7 @@ def facts_from_config(config: dict[str, Any], model_id: str, *, source: str,
         where_in = ".".join(str(part) for part in error["loc"])
         raise CheckpointError(f"{config_file}: {where_in}: {error['msg']}") from None
     if counts is None:
-        total, experts, embedding = estimate_parameters(facts, gated_ffn=_t5_gated(config)), 0, 0
-        if facts.num_experts > 1:
-            experts = facts.layers * facts.num_experts * 3 * facts.hidden_size * facts.intermediate_size
+        total, experts, embedding = estimate_parameters(facts, gated_ffn=_t5_gated(config)), facts.routed_experts, 0
     else:
         total, experts, embedding = counts.total, counts.experts, counts.embedding
     vision = architecture.vision_parameters(config, facts.hidden_size) if text is not config else 0

@@ -77,11 +77,19 @@ class ModelFacts(_Facts):
         return "mqa" if self.kv_heads == 1 else "gqa"
 
     @property
+    def routed_experts(self) -> int:
+        """Parameters of the routed experts: `expert_parameters`, else (facts that do not give it) every
+        block's experts as gated MLPs of `intermediate_size`; 0 for a dense model."""
+        if self.num_experts <= 1:
+            return 0
+        return self.expert_parameters or self.layers * self.num_experts * 3 * self.hidden_size * self.intermediate_size
+
+    @property
     def active(self) -> int:
         """Parameters one token multiplies through: the routed experts at experts_per_token of num_experts."""
         if self.active_parameters or self.num_experts <= 1:
             return self.active_parameters or self.parameters
-        experts = self.expert_parameters or self.layers * self.num_experts * 3 * self.hidden_size * self.intermediate_size
+        experts = self.routed_experts
         return self.parameters - experts + experts * self.experts_per_token // self.num_experts
 
 

@@ -128,8 +128,7 @@ def _expert_share(model: ModelFacts) -> float:
     """Share of the split matrices that are experts (0 for dense models)."""
     if model.num_experts <= 1:
         return 0.0
-    experts = model.expert_parameters or model.layers * model.num_experts * 3 * model.hidden_size * model.intermediate_size
-    return min(experts / max(param_split(model).sharded, 1), 1.0)
+    return min(model.routed_experts / max(param_split(model).sharded, 1), 1.0)
 
 
 def active_decode_parameters(model: ModelFacts) -> float:
