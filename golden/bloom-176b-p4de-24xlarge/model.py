@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 1e59ed38c47d57bb4152da465bfb55cd056564f5a1e14497495d1dffc804e38d
-plan sha256 769e27ee37659c9467fa94b95934c1465f3d0de75c286bbe6fa7323d61c0ae44
+spec sha256 e0c96bc75b965e4193c423079b0e74958806cf562d8e961ccb27a5e26c313154
+plan sha256 49ce96f398397a50da2ba8b1d0ad4f51a64455ce5a07d8e312ae787d53812d19
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

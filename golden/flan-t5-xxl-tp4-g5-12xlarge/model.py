@@ -4,8 +4,8 @@ Serves google/flan-t5-xxl (t5, text2text-generation) with the deepspeed engine i
 tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
-spec sha256 bf4d3c2e3e725d46c9a4266a741bc0046f7734b6d13fd1e15e55b9c9655f19dc
-plan sha256 93e67d3d2d9a81bc2efa6fdf6e6f028d19b9b71aef1fdd9e7fd2dc94b7fdf795
+spec sha256 a8dee8b60f287bfb24003e52474d35ecf294d779e13dc33a6cb6ff0ba6adc83c
+plan sha256 f3aad4d6f7e83219eab0fa4cf66c46d89a6874f020e45252c22100b8cda6c43a
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

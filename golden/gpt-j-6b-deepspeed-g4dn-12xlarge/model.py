@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 50 ms),
 sequences of up to 640 tokens, on cuda.
 
-spec sha256 87ccd28427247cfc1e51345844b89712878d606c75cb64368e0514bcc7595c01
-plan sha256 a0e41df4a6eb2ce1c18967335425590865f0a1ed1b63d4c8bf4e981a95829525
+spec sha256 62ef75f0adb3b3385eacfeecd6e48f0cff67402b701e7b97ebc813995cf1de5f
+plan sha256 eaf42888835b2adb32082d038b770da5d4b994539c7553088fc3c07ea94e039b
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

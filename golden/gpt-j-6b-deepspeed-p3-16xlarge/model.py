@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 32 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waiting at most 50 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 81c02be3075657a310adc9f487de7f27e6e93ddf8ba73927f874c5a496b77e49
-plan sha256 31e8dae8d18c35d1cc43a214a2cbaa6413d0cdbe8c95091bdb76a0ad80c4f213
+spec sha256 8e15e73d3bb4c32e37ade5482162e4fa13c25d478b63c04bc79fd3884b80d79f
+plan sha256 b3d6e9b0db7e8bc4ff582039eec34aba5ea2a9a315b23275846522ab6289155b
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

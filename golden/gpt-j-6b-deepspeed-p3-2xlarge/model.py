@@ -4,8 +4,8 @@ Serves EleutherAI/gpt-j-6b (gptj, text-generation) with the deepspeed engine in 
 tensor parallel degree 1, dynamic batches of up to 4 requests
 (waiting at most 10 ms), sequences of up to 1280 tokens, on cuda.
 
-spec sha256 247f6e15b3ce75a02cd757aea95032a2cdd8181ac3aa0597a9ea140e33267f05
-plan sha256 002ccdd2b09afc6e3e120d36c24ee2a852699d1279bd0222a0f354636f54ddbd
+spec sha256 75d95f99dea9db70e7fb18656f22a2053feb3a5d5b7040e5d066a6449bbe96b3
+plan sha256 6224ca977566c47cfdcbd639703014e8c8673a165a9528baec8f23b56568555e
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

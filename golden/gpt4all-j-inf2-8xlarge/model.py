@@ -6,8 +6,8 @@ tensor parallel degree 2, dynamic batches of up to 4 requests
 No compiled Neuron graphs are packed: transformers-neuronx cannot serialize compiled GPTJForSampling graphs, so they are compiled when the container starts
 (predicted load time including the compile: 378.9 s).
 
-spec sha256 6224c75a096a0fe158000091d7c66aa15f5e4bd7bacddc0ce155a468d45fb73e
-plan sha256 e2261beeb6d24bddd62e106459522730794cac14f3261c534b3d51b18ef9043f
+spec sha256 43f14a793a6f8a748d924dd4de427e684085918bc64a39471fa4cf47f1db1be6
+plan sha256 0421612b71a18ff4ca646556eac9a56bddd7168cd5a51aa731cbb59b241b18b9
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

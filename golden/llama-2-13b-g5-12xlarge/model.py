@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 16 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waiting at most 50 ms),
 sequences of up to 2560 tokens, on cuda.
 
-spec sha256 0c48b41f7ab860d298253fc9c066980c646ae75b7e4cb77ebf4b876976167b69
-plan sha256 f66b5008404618fbbf6c74bae9a8cde762d488eb78d75535538e7036d4088233
+spec sha256 0eebce01a117c49942d134ed2e0e86d3985602b996b4503160fdcaa6e7601e74
+plan sha256 fca0ede1c467001253f80758e5786ec5219bb7ac032da24c91383505c8ed9ea2
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

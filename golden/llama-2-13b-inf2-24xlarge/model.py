@@ -5,8 +5,8 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 2048 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 8d7f4282f78ed3217607491f16a5531e24417c45fdfd88f07b161c89fe5dc794
-plan sha256 5e127fef36abaf1b12728e7f8eedfdfe2b1e65c49ef427901b9dcf75740819e3
+spec sha256 721382418abbcc978f070aaf546b4d8090abf6513a1a185d75fd2fad11948b92
+plan sha256 4b6cb72091c0bbf68fd29ddbdb015fb8e5916bdc8350466dffe01aa9d32fdc52
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

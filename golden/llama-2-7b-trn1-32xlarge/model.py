@@ -5,8 +5,8 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 1536 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 9fe70ab55aeade6019ecfd5d04c0afaeb0d0b6003da345ff7d143bdd4219fb6c
-plan sha256 770817d050aff81d070c9fdb9c0bed4f59f9c8637969fd7281316bf4cfe385da
+spec sha256 90bee4d271caa4bba830fe6e8d892a195a927e998aeb04c46fbb0c21a835448f
+plan sha256 71c8a81924614a0ea38be78cd4219fda516a3958ebbbcb01a7d19edfba419ff9
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 64 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 64 requests waiting at most 50 ms),
 sequences of up to 5120 tokens, on cuda.
 
-spec sha256 76412ec1ae8ef35068f8efb1fd2892a06ef452dd78a02c69ae981ddf48be2dd0
-plan sha256 ff08138256ea2b0ef3860ea850502f92fd8ddf96511e52a437a9c37af52de84d
+spec sha256 e47cf114f38f7193b8112d030d426bab8a3248219ac27b3c04eb40ed9cec9b91
+plan sha256 ce572a465b9a638a89d5fd7c9414a2d7df0325b3036925d7e72609ab90f95208
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -4,8 +4,8 @@ Serves meta-llama/Llama-3.1-8B-Instruct (llama, text-generation) with the deepsp
 tensor parallel degree 1, dynamic batches of up to 8 requests
 (waiting at most 50 ms), sequences of up to 1280 tokens, on cuda.
 
-spec sha256 6002dfbf63efda2164fcfd0bc73f6c6844d28b528936db572f88de48a730e02f
-plan sha256 5bed157e270c12e3b7c74888606ea3b3c7e22d276f21d31f18681b1a7820e9fd
+spec sha256 1fa2c6d62c16c2103ec64948bdff53c7112841996e5db64bb3a31de233dd32dd
+plan sha256 e48f4fca622ded14f55c42de9a42453602ecdad5c1b07d1dc8031a38e821ffc8
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

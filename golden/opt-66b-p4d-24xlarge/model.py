@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 16 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 38bb0f23269888e9280363e305f5cbaf7ab9ae02823e88148c96d910acf82786
-plan sha256 bb87c502c1bbec2f20b66d41ed583cb9befa0390c042e012ef9ea3457bfb832d
+spec sha256 c2a5f805fc15272aed97e8f6d0cfaca6c4a6bc5f051dd647e98abd28207ffdfc
+plan sha256 0c0ceb6108dcbc0a16318c2549529273ebd5e3d22b0e81cf362d474e4985c425
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

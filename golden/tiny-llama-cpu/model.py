@@ -5,8 +5,8 @@ tensor parallel degree 2, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 96 tokens, on cpu.
 
-spec sha256 ed02ded0aa1a5de1885c4346ff24ccaeb5f0ca70a22a539fed49c113d9318eb7
-plan sha256 35e8eb4e6b287424912c795c1888be1b5e5724112351b0792ec5223a2a8b8030
+spec sha256 27683f815c8a05788e35890f04d5400168c5926df40c7ef1a922745eddc844bd
+plan sha256 b4180e1ea53be4793969cceb7c2a1f6c2744c13b00b661f1ca52de92522198fa
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

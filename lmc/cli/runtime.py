@@ -106,15 +106,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         from lmc.runtime.rendezvous import resolve_role
 
-        node = role = None
-        if artifact.plan.get("engine") == "vllm":  # across instances: vLLM's own multi-node mode
-            from lmc.runtime.vllm_nodes import resolve_vllm_node
-
-            node = resolve_vllm_node(artifact.plan, os.environ)
-            if node is not None and not node.is_leader:
-                return _run_vllm_node(artifact, node)
-        else:
-            role = resolve_role(artifact.plan, os.environ)  # a pipeline-parallel plan: this node's stage
+        if artifact.plan.get("engine") == "vllm":
+            return _run_vllm(artifact, args, port, timeout, max_body, generation_config)
+        role = resolve_role(artifact.plan, os.environ)  # a pipeline-parallel plan: this node's stage
         if role is not None and not role.is_leader:
             return _run_stage_node(artifact, role)
         # First, so the engine's imports (seconds) overlap everything else: on CPU hosts the fork server
@@ -131,8 +125,7 @@ def _run(args: argparse.Namespace) -> int:
         # None: the Runtime reads the model's generation_config.json itself.
         runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body,
                           worker_gate=gate, sampling_defaults=None if generation_config == "auto" else {},
-                          group_factory=_pipeline_groups(artifact, gate, role),
-                          backend_factory=_vllm_leader(artifact, gate, node))
+                          group_factory=_pipeline_groups(artifact, gate, role))
         try:
             runtime.scheduler.start_groups()
             verify_hashes(artifact.model_dir, artifact.manifest)
@@ -143,9 +136,8 @@ def _run(args: argparse.Namespace) -> int:
                      artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,
                      artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"],
                      artifact.plan["job_queue_size"], timeout)
-            for where in (role, node):
-                if where is not None:
-                    log.info("%s: this node serves HTTP and drives generation", where.describe())
+            if role is not None:
+                log.info("%s: this node serves HTTP and drives generation", role.describe())
             if runtime.sampling_defaults:
                 log.info("OpenAI routes default to the model's generation_config.json: %s",
                          ", ".join(f"{key} {value}" for key, value in runtime.sampling_defaults.items()))
@@ -172,18 +164,27 @@ def _pipeline_groups(artifact, gate, role):
     return group_factory
 
 
-def _vllm_leader(artifact, gate, node):
-    """The leader's vLLM backend across instances (the node's place passed to vLLM); None otherwise."""
-    if node is None:
-        return None
-    from lmc.runtime.vllm_backend import VllmScheduler
+def _run_vllm(artifact, args, port: int, timeout: float | None, max_body: float | None, generation_config: str) -> int:
+    """A vLLM plan: vLLM's own OpenAI server (lmc.runtime.vllm_server) once the artifact is verified;
+    across instances, this node's place from the rendezvous (a worker node runs its ranks headless)."""
+    from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES
+    from lmc.runtime.startup import default_request_timeout_s, verify_hashes
+    from lmc.runtime.vllm_nodes import resolve_vllm_node
+    from lmc.runtime.vllm_server import describe, serve
 
-    def backend_factory(metrics):
-        from lmc.runtime.startup import TextTools
-
-        return VllmScheduler(artifact.model_dir, artifact.plan, metrics, TextTools(artifact.model_dir), gate=gate,
-                             node=node)
-    return backend_factory
+    node = resolve_vllm_node(artifact.plan, os.environ)
+    if node is not None and not node.is_leader:
+        return _run_vllm_node(artifact, node)
+    verify_hashes(artifact.model_dir, artifact.manifest)
+    log = logging.getLogger("lmc.runtime")
+    log.info("verified %d files against lmc.json", len(artifact.manifest["files"]))
+    if node is not None:
+        log.info("%s: this node serves HTTP", node.describe())
+    log.info("%s", describe(artifact.plan))
+    return serve(artifact, host=args.host, port=port,
+                 request_timeout_s=timeout or default_request_timeout_s(artifact.plan),
+                 max_body_bytes=int(max_body or DEFAULT_MAX_BODY_BYTES),
+                 generation_config=generation_config, node=node)
 
 
 def _run_vllm_node(artifact, node) -> int:

@@ -35,9 +35,12 @@ def _read_toml(name: str) -> dict[str, Any]:
 def architectures(source: str) -> frozenset[str]:
     """The architectures a package registers, from the data files generated from the installed
     packages (python -m lmc.testing.architectures): "vllm", or "transformers" (AutoModelForCausalLM
-    and, for multimodal wrappers, AutoModelForImageTextToText)."""
+    and, for multimodal wrappers, AutoModelForImageTextToText); also the parser names vLLM's server
+    takes ("vllm_tool_parsers", "vllm_reasoning_parsers")."""
     names = {"vllm": ("vllm_architectures.txt",),
-             "transformers": ("transformers_causal_lm.txt", "transformers_image_text_to_text.txt")}[source]
+             "transformers": ("transformers_causal_lm.txt", "transformers_image_text_to_text.txt"),
+             "vllm_tool_parsers": ("vllm_tool_parsers.txt",),
+             "vllm_reasoning_parsers": ("vllm_reasoning_parsers.txt",)}[source]
     found: set[str] = set()
     for name in names:
         path = resources.files(_DATA).joinpath(name)

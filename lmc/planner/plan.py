@@ -94,6 +94,10 @@ class VllmConfig(_Frozen):
     dtype: Literal["float32", "float16", "bfloat16"] = Field(default="bfloat16", description="vLLM --dtype: the compute dtype (activations, KV cache, unquantized weights).")
     quantization: Literal["fp8"] | None = Field(default=None, description="vLLM --quantization: fp8 is its online quantization of 16-bit weights; None for unquantized weights and for a quantized checkpoint (vLLM reads its quantization_config).")
     enable_expert_parallel: bool = Field(default=False, description="vLLM --enable-expert-parallel: whole experts on each TP rank instead of every expert split across them (MoE models, pin.expert_parallel).")
+    max_num_queued_reqs: int | None = Field(default=None, ge=1, description="vLLM --max-num-queued-reqs: requests running or waiting at once; one more is answered 503 (from the TTFT goal: the waiting a new request may meet and still see its first token within it).")
+    retry_after_s: int | None = Field(default=None, ge=1, description="The Retry-After lmc adds to that 503: about the time for one running request to end, the batch full.")
+    tool_call_parser: str | None = Field(default=None, description="vLLM --tool-call-parser with --enable-auto-tool-choice (serving.tool_call_parser).")
+    reasoning_parser: str | None = Field(default=None, description="vLLM --reasoning-parser (serving.reasoning_parser).")
 
 
 class Deployment(_Frozen):

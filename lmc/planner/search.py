@@ -14,11 +14,12 @@ Choice rules (docs/planner.md):
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
 
 from lmc.errors import NoFeasiblePlanError, SpecValueError
-from lmc.planner.engines import engine_facts, runs_architecture
+from lmc.planner.engines import architectures, engine_facts, runs_architecture
 from lmc.planner.facts import DTYPE_BYTES, EngineFacts, HardwareFacts, ModelFacts
 from lmc.planner.latency import Timing, efficiency_for, predict
 from lmc.planner.memory import (
@@ -42,7 +43,9 @@ from lmc.planner.plan import (
 )
 from lmc.planner.scheduling import choose_scheduling
 from lmc.planner.vllm import (
+    Admission,
     VllmLayout,
+    admission,
     kv_cache_section,
     vllm_decisions,
     vllm_memory,
@@ -149,7 +152,8 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         max_sequence_length=spec.workload.max_input_tokens + spec.workload.max_output_tokens,
         scheduling=scheduling,
         kv_cache=kv_cache,
-        vllm=vllm_section(chosen.vllm, model, hardware, chosen.dtype, bool(spec.pin.expert_parallel)) if chosen.vllm else None,
+        vllm=vllm_section(chosen.vllm, model, hardware, chosen.dtype, spec, chosen_admission(spec, chosen))
+        if chosen.vllm else None,
         deployment=deployment(spec, chosen),
         memory_per_device=chosen.memory,
         predicted=predicted(chosen.timing),
@@ -351,6 +355,18 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             options = _all_usable_tps(usable, model, hardware)
             hint = f"try {_fmt_list(options)}" if options else "no TP degree works on this hardware"
             raise SpecValueError("pin.tensor_parallel_degree", tp, f"{reasons[0]}; {hint}")
+    for key in ("tool_call_parser", "reasoning_parser"):
+        name = getattr(spec.serving, key)
+        if name is None:
+            continue
+        known = architectures(f"vllm_{key.split('_')[0]}_parsers")
+        if name not in known:
+            near = difflib.get_close_matches(name, sorted(known), n=3)
+            raise SpecValueError(f"serving.{key}", name, "not a parser vLLM registers" +
+                                 (f"; did you mean {_fmt_list(near)}?" if near else f"; use one of {', '.join(sorted(known))}"))
+        if "vllm" not in usable:
+            raise SpecValueError(f"serving.{key}", name, "tool and reasoning parsers are vLLM's OpenAI server's; "
+                                                          "the engines left cannot run them: drop the setting or pin.engine")
     if pin.expert_parallel:
         if model.num_experts <= 1:
             raise SpecValueError("pin.expert_parallel", True, f"{model.id} has no experts (a dense model); drop the pin")
@@ -415,6 +431,11 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
         if pin.expert_parallel and name != "vllm":
             rejections.append(Rejection(name, model.torch_dtype, 1, 0,
                                         f"{name}: pin.expert_parallel is vLLM's enable_expert_parallel", (3,)))
+            continue
+        served = spec.serving.tool_call_parser or spec.serving.reasoning_parser
+        if served and name != "vllm":
+            rejections.append(Rejection(name, model.torch_dtype, 1, 0,
+                                        f"{name}: serving's tool and reasoning parsers are vLLM's server's", (3,)))
             continue
         engine = engines[name]
         why = engine_unsupported(engine, model, hardware)
@@ -635,6 +656,11 @@ def job_queue_size(spec, config: Config) -> int:
     return max(2 * spec.workload.concurrency, 4 * config.batch * config.replicas, 1)
 
 
+def chosen_admission(spec, config: Config) -> Admission:
+    """vLLM's admission bound for a vLLM configuration (planner/vllm.py)."""
+    return admission(spec, config.vllm, config.timing, config.pp, job_queue_size(spec, config))
+
+
 def predicted(t: Timing) -> Predicted:
     return Predicted(ttft_ms=round(t.ttft_ms, 2), tpot_ms=round(t.tpot_ms, 2),
                      throughput_tokens_per_s=round(t.throughput_tokens_per_s, 2), load_seconds=round(t.load_seconds, 1),
@@ -779,7 +805,8 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
                    "relax the goal, or use faster hardware")
     out.append(Decision(key="goal", value=goal_met, reason=summary))
     if chosen.vllm is not None:
-        out = vllm_decisions(out, spec, model, hardware, chosen.vllm, chosen.memory, chosen.replicas)
+        out = vllm_decisions(out, spec, model, hardware, chosen.vllm, chosen.memory, chosen.replicas,
+                             chosen_admission(spec, chosen))
     return out
 
 

@@ -264,10 +264,45 @@ def kv_cache_section(layout: VllmLayout) -> KvCache:
 VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts, dtype: str,
-                 expert_parallel: bool = False) -> VllmConfig:
+@dataclass(frozen=True)
+class Admission:
+    """How many requests vLLM holds at once (running or waiting) before it answers 503, and the Retry-After
+    lmc adds to that answer."""
+
+    max_num_queued_reqs: int
+    retry_after_s: int
+    reason: str
+
+
+def admission(spec, layout: VllmLayout, timing: Timing, stages: int, queue: int) -> Admission:
+    """With the batch full, a waiting request starts when a running one ends: one of `running` (max_num_seqs,
+    times the stages' micro-batches) ends every request time / running, a request's time being TTFT +
+    max_output_tokens × TPOT. A new request behind `w` waiting ones meets its first token after about
+    (w + 1) slots + TTFT: vLLM holds as many waiting as keep that within the spec's TTFT goal, and answers 503
+    beyond (vLLM's max_num_queued_reqs; vLLM itself queues without bound). Without a TTFT goal: LMI's queue,
+    `queue` (job_queue_size) waiting."""
+    running = layout.max_num_seqs * stages
+    request_ms = timing.ttft_ms + spec.workload.max_output_tokens * timing.tpot_ms
+    slot_ms = request_ms / running
+    retry = max(1, math.ceil(slot_ms / 1000))
+    goal = spec.goal.ttft_ms
+    per_slot = (f"one of {running} running requests ends every {slot_ms:.1f} ms (TTFT {timing.ttft_ms:.1f} + "
+                f"{spec.workload.max_output_tokens} × TPOT {timing.tpot_ms:.2f} = {request_ms:.0f} ms each)")
+    if goal is None:
+        return Admission(running + queue, retry,
+                         f"no TTFT goal: {running} running + job_queue_size {queue} waiting, as LMI's queue; "
+                         f"{per_slot}; one more is answered 503 with Retry-After {retry} s")
+    waiting = max(0, math.floor((goal - timing.ttft_ms) / slot_ms) - 1)
+    return Admission(running + waiting, retry,
+                     f"{per_slot}: {waiting} waiting keep a new request's wait + TTFT within the {goal:g} ms TTFT "
+                     f"goal; one more is answered 503 with Retry-After {retry} s (vLLM alone would queue it)")
+
+
+def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts, dtype: str, spec,
+                 admitted: Admission) -> VllmConfig:
     """The engine arguments of a vLLM plan: sizes, the compute dtype and vLLM's quantization flag (fp8 online
-    quantization of 16-bit weights; none for a quantized checkpoint, whose quantization_config vLLM reads)."""
+    quantization of 16-bit weights; none for a quantized checkpoint, whose quantization_config vLLM reads),
+    the admission bound, and the server's parsers (spec.serving)."""
     online_fp8 = dtype == "fp8" and model.checkpoint_quantization is None
     return VllmConfig(max_num_seqs=layout.max_num_seqs, max_model_len=layout.max_model_len,
                       max_num_batched_tokens=layout.max_num_batched_tokens,
@@ -275,7 +310,9 @@ def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts,
                       cpu_kvcache_space_gib=layout.cpu_kvcache_space_gib,
                       dtype=VLLM_DTYPES[compute_dtype(dtype, model, hardware)],
                       quantization="fp8" if online_fp8 else None,
-                      enable_expert_parallel=expert_parallel)
+                      enable_expert_parallel=bool(spec.pin.expert_parallel),
+                      max_num_queued_reqs=admitted.max_num_queued_reqs, retry_after_s=admitted.retry_after_s,
+                      tool_call_parser=spec.serving.tool_call_parser, reasoning_parser=spec.serving.reasoning_parser)
 
 
 def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str | None = None) -> tuple[str, str]:
@@ -294,7 +331,7 @@ def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str
 
 
 def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: HardwareFacts, layout: VllmLayout,
-                   memory: MemoryPerDevice, replicas: int) -> list[Decision]:
+                   memory: MemoryPerDevice, replicas: int, admitted: Admission) -> list[Decision]:
     """The decisions of a vLLM plan: its own reasons for batch, delay and KV cache, and its engine arguments."""
     load = spec.workload
     per_token = layout.bytes_per_block // layout.block_size
@@ -335,6 +372,7 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
                  reason="the budget as a share of device memory" if hardware.kind != "cpu" else
                  "the budget's share (vLLM on CPU sizes its KV pool from VLLM_CPU_KVCACHE_SPACE instead)"),
         Decision(key="weights", value=fmt, reason=why),
+        Decision(key="admission", value=admitted.max_num_queued_reqs, reason=admitted.reason),
     ]
     if model.num_experts > 1:
         ep = bool(spec.pin.expert_parallel)

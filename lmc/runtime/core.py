@@ -8,8 +8,8 @@ Module layout (imports run one way, top to bottom):
   scheduler.py              lmc's own backend: the bounded queue and worker groups (workers.py)
   jobs.py                   Job, RequestFailed, and the Backend protocol a backend implements
 
-A backend plugs in through `Runtime(..., backend_factory=f)`: `f(metrics)` returns a jobs.Backend. Without
-one, the runtime serves through scheduler.worker_scheduler (the plan's worker groups).
+The runtime serves through scheduler.worker_scheduler (the plan's worker groups). vLLM plans do not come
+here: they are served by vLLM's own server (vllm_server.py).
 """
 
 from __future__ import annotations
@@ -93,11 +93,9 @@ class Runtime:
     def __init__(self, model_dir: Path, plan: dict[str, Any], *, request_timeout_s: float,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, text_tools: TextTools | None = None,
                  sampling_defaults: dict[str, Any] | None = None,
-                 backend_factory: Callable[[Metrics], Backend] | None = None,
                  group_factory: Callable[[int, Any], Any] | None = None, worker_env: dict[str, str] | None = None,
                  worker_gate=None):
-        """`backend_factory` (see the module doc) replaces lmc's worker groups; `group_factory`,
-        `worker_env` and `worker_gate` are for those groups (scheduler.worker_scheduler)."""
+        """`group_factory`, `worker_env` and `worker_gate` are for the worker groups (scheduler.worker_scheduler)."""
         self.model_dir = Path(model_dir)
         self.plan = plan
         self.model_name = str((plan.get("model") or {}).get("id") or self.model_dir.name)
@@ -112,18 +110,11 @@ class Runtime:
         # The OpenAI routes' defaults for what a request leaves out (None: the model's generation_config.json).
         self.sampling_defaults = sampling_defaults if sampling_defaults is not None else load_sampling_defaults(self.model_dir)
         self.metrics = Metrics(int(plan["batch_size"]))
-        if backend_factory is None and plan.get("engine") == "vllm":  # vLLM schedules itself, in process
-            from lmc.runtime.vllm_backend import VllmScheduler
+        from lmc.runtime.scheduler import worker_scheduler
 
-            def backend_factory(metrics: Metrics) -> Backend:
-                return VllmScheduler(self.model_dir, plan, metrics, self.text, gate=worker_gate)
-        if backend_factory is None:
-            from lmc.runtime.scheduler import worker_scheduler
-
-            def backend_factory(metrics: Metrics) -> Backend:
-                return worker_scheduler(self.model_dir, plan, metrics, request_timeout_s, group_factory=group_factory,
-                                        worker_env=worker_env, worker_gate=worker_gate)
-        self.scheduler: Backend = backend_factory(self.metrics)
+        self.scheduler: Backend = worker_scheduler(self.model_dir, plan, self.metrics, request_timeout_s,
+                                                   group_factory=group_factory, worker_env=worker_env,
+                                                   worker_gate=worker_gate)
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop serving, once started
         self.accepting = True
         self._in_flight = 0

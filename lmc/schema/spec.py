@@ -106,6 +106,15 @@ class PinSpec(_Strict):
     expert_parallel: bool | None = Field(default=None, description="vLLM, mixture-of-experts models: whole experts on each tensor-parallel rank (vLLM's enable_expert_parallel) instead of every expert split across the ranks.")
 
 
+class ServingSpec(_Strict):
+    """What the server offers beyond generation (vLLM plans: vLLM's OpenAI server options)."""
+
+    tool_call_parser: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                                         description="Tool calling: the parser vLLM reads the model's tool calls with (vLLM's --tool-call-parser: hermes, llama3_json, pythonic, mistral, qwen3_xml, ...); enables automatic tool choice. Needs the vllm engine.")
+    reasoning_parser: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                                         description="Reasoning models: the parser that separates the reasoning from the answer (vLLM's --reasoning-parser: deepseek_r1, qwen3, gpt_oss, ...). Needs the vllm engine.")
+
+
 class DeploySpec(_Strict):
     """Account-specific values for `lmc deploy`; where unset, the files carry marked placeholders."""
 
@@ -127,4 +136,5 @@ class Spec(_Strict):
     goal: GoalSpec = GoalSpec()
     workload: WorkloadSpec = WorkloadSpec()
     pin: PinSpec = PinSpec()
+    serving: ServingSpec = ServingSpec()
     deploy: DeploySpec = DeploySpec()

@@ -11,6 +11,9 @@ vLLM or torch:
   Olmo ...). Left out: vLLM's pooling registries (embedding, reward, classification, late
   interaction), its speculative-decoding drafts (EAGLE, MTP heads) and the backend's own pseudo-names
   (TransformersForCausalLM ...), which no hub config.json names.
+- vllm_tool_parsers.txt, vllm_reasoning_parsers.txt: the names vLLM's OpenAI server takes for
+  --tool-call-parser and --reasoning-parser (its ToolParserManager and ReasoningParserManager), which a
+  spec's [serving] section may name.
 - transformers_causal_lm.txt: the classes `AutoModelForCausalLM` builds
   (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`' values).
 - transformers_image_text_to_text.txt: the classes `AutoModelForImageTextToText` builds
@@ -32,7 +35,10 @@ DATA_DIR = Path(__file__).resolve().parents[1] / "planner" / "data" / "engines"
 VLLM_FILE = "vllm_architectures.txt"
 CAUSAL_LM_FILE = "transformers_causal_lm.txt"
 IMAGE_TEXT_FILE = "transformers_image_text_to_text.txt"
-FILES = (VLLM_FILE, CAUSAL_LM_FILE, IMAGE_TEXT_FILE)
+TOOL_PARSERS_FILE = "vllm_tool_parsers.txt"
+REASONING_PARSERS_FILE = "vllm_reasoning_parsers.txt"
+VLLM_FILES = (VLLM_FILE, TOOL_PARSERS_FILE, REASONING_PARSERS_FILE)
+FILES = (*VLLM_FILES, CAUSAL_LM_FILE, IMAGE_TEXT_FILE)
 
 # The Transformers-backend classes vLLM runs for generation (the others in that registry pool).
 _GENERATING_BACKEND_CLASSES = frozenset(("TransformersForCausalLM", "TransformersMoEForCausalLM",
@@ -68,6 +74,15 @@ def vllm_architectures() -> tuple[str, str, list[str]]:
     return _distribution_of("vllm", "vllm"), vllm.__version__, sorted(names)
 
 
+def vllm_parsers() -> tuple[list[str], list[str]]:
+    """(tool-call parsers, reasoning parsers) vLLM's server registers."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    return sorted(ToolParserManager.list_registered()), sorted(ReasoningParserManager.list_registered())
+
+
 def _mapping_classes(mapping: dict) -> list[str]:
     names: set[str] = set()
     for value in mapping.values():
@@ -91,9 +106,12 @@ def expected(files=FILES) -> dict[str, str]:
     if unknown:
         raise ValueError(f"unknown architecture file(s) {', '.join(sorted(unknown))}; expected {', '.join(FILES)}")
     texts = {}
-    if VLLM_FILE in files:
+    if set(VLLM_FILES) & set(files):
         distribution, version, vllm_names = vllm_architectures()
-        texts[VLLM_FILE] = _render(distribution, version, vllm_names)
+        tools, reasoning = vllm_parsers()
+        texts.update({VLLM_FILE: _render(distribution, version, vllm_names),
+                      TOOL_PARSERS_FILE: _render(distribution, version, tools),
+                      REASONING_PARSERS_FILE: _render(distribution, version, reasoning)})
     if CAUSAL_LM_FILE in files or IMAGE_TEXT_FILE in files:
         hf_version, causal, image_text = transformers_architectures()
         texts.update({CAUSAL_LM_FILE: _render("transformers", hf_version, causal),
@@ -157,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if drifts else 0
     for path in write(args.dir):
         count = sum(1 for line in path.read_text(encoding="utf-8").splitlines() if not line.startswith("#"))
-        print(f"{path}: {count} architectures")
+        print(f"{path}: {count} names")
     return 0
 
 

@@ -1,0 +1,504 @@
+"""What lmc adds in front of vLLM's OpenAI server, as one ASGI middleware (vLLM's `--middleware` hook).
+
+vLLM's server answers every route itself (OpenAI completions, chat, responses, models, tokenize, tool
+calls, structured output, /health, /metrics, and SageMaker's /ping and /invocations for OpenAI-shaped
+bodies). `LmcFront` sits outermost and adds only what lmc's contract has and vLLM's server lacks:
+
+- **LMI on /invocations**: a body with `inputs` (`{"inputs", "parameters", "stream"}`, validated by
+  lmc.runtime.requests as for every lmc engine) becomes one /v1/completions request to vLLM's own
+  route, and its answer LMI's: `generated_text`, `details` (finish reason, token count, each token's id,
+  text and log-probability), a list for a list of inputs, and LMI's jsonlines for `stream: true`. Any
+  other body goes to vLLM's /invocations untouched.
+- **The body limit**: 413 past `max_body_bytes` (6 MB, SageMaker's payload limit), before vLLM reads it.
+- **Retry-After** on every 503 (vLLM's admission answers 503 past `max_num_queued_reqs`; lmc sets that
+  bound from the plan's TTFT goal, see lmc.planner.vllm.admission).
+- **The drain**: on SIGTERM, /ping and new requests get 503 at once while the requests in flight are
+  answered; then the HTTP server stops, vLLM's engine client shuts its engine down, and the process
+  exits 0.
+- **A lost node** (across instances): 503 everywhere, then the server stops (the runtime exits 1).
+- **lmc's series on /metrics** beside vLLM's: `lmc_info` (lmc version, plan sha256), requests in
+  flight, refusals by reason.
+
+The middleware finds its settings (`FrontState`) on vLLM's parsed arguments (`app.state.args.lmc_front`),
+which vLLM keeps on the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from lmc.runtime.engines.base import GenerationParams, GenerationResult, Piece
+from lmc.runtime.requests import LmiLines, jsonline, lmi_details, parse_invocation
+
+log = logging.getLogger("lmc.runtime")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+# POST routes that are not generation: not counted in flight, not refused while draining.
+_NOT_WORK = frozenset({"/ping", "/tokenize", "/detokenize"})
+_HEALTH = frozenset({"/ping", "/health"})
+# vLLM's finish_reason -> lmc's (lmi_details maps lmc's to LMI's names).
+_FINISH = {"length": "length", "abort": "cancelled"}
+
+
+@dataclass
+class FrontState:
+    """LmcFront's settings and counters, one per server."""
+
+    model_name: str
+    model_dir: Path
+    max_sequence_length: int
+    max_body_bytes: int
+    retry_after_s: int
+    drain_timeout_s: float
+    eos_ids: frozenset[int]
+    lmc_version: str = ""
+    plan_sha256: str = ""
+    text: Any = None  # lmc.runtime.startup.TextTools: token texts for LMI's details
+    in_flight: int = 0
+    refusing: str | None = None  # why everything is refused (shutting down, a lost node)
+    fatal: BaseException | None = None  # why the server stopped, when it must exit non-zero
+    refused: dict[str, int] = field(default_factory=dict)
+    app: Any = None  # vLLM's app, once its lifespan starts
+    _idle: asyncio.Event | None = None
+
+    # -- counters
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        if self._idle is not None:
+            self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+    # -- lifecycle
+
+    def started(self, app) -> None:
+        """vLLM's server starts serving (its signal handlers are installed by now): lmc's replace them, so
+        SIGTERM (and Ctrl-C) drain first."""
+        self.app = app
+        self._idle = asyncio.Event()
+        if self.in_flight == 0:
+            self._idle.set()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.begin_drain)
+        if self.fatal is not None:  # a node was lost while the engine started
+            loop.call_soon(self._should_exit)
+
+    def begin_drain(self) -> None:
+        if self.refusing is not None:
+            return
+        log.info("SIGTERM: draining %d request(s) in flight (at most %gs), refusing new ones", self.in_flight,
+                 self.drain_timeout_s)
+        self.refusing = "the server is shutting down"
+        asyncio.get_running_loop().create_task(self._drain(), name="lmc-drain")
+
+    async def _drain(self) -> None:
+        assert self._idle is not None
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("drain: %d request(s) still in flight after %gs; stopping anyway", self.in_flight,
+                        self.drain_timeout_s)
+        self._should_exit()  # the HTTP server stops; vLLM's engine client then shuts the engine down
+
+    def stop(self, why: str, error: BaseException, grace_s: float) -> None:
+        """Refuse everything now and stop the server after `grace_s` (probes and clients see why); the
+        runtime then exits with `error`. Call on the event loop."""
+        if self.refusing is not None and self.fatal is not None:
+            return
+        self.refusing, self.fatal = why, error
+        log.error("%s", why)
+        asyncio.get_running_loop().call_later(grace_s, self._should_exit)
+
+    def _should_exit(self) -> None:
+        server = getattr(getattr(self.app, "state", None), "server", None)
+        if server is not None:
+            server.should_exit = True
+
+
+class LmcFront:
+    """The ASGI middleware (see the module docstring)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.state: FrontState | None | bool = None  # False: not started by lmc
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.state is None:
+            self.state = getattr(getattr(scope["app"].state, "args", None), "lmc_front", None) or False
+        if self.state is False:  # vLLM's server with lmc's middleware but not started by lmc: nothing to add
+            return await self.app(scope, receive, send)
+        state = self.state
+        if scope["type"] == "lifespan":
+            if state.app is None:
+                state.started(scope["app"])
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if path in _HEALTH:
+            if state.refusing is not None:
+                return await _json(send, 503, {"status": "unhealthy", "reason": state.refusing})
+            return await self.app(scope, receive, send)
+        if scope["method"] != "POST" or path in _NOT_WORK:
+            return await self.app(scope, receive, send)
+        lmi = path == "/invocations"
+        if state.refusing is not None:
+            state.refuse("shutting_down" if state.fatal is None else "node_lost")
+            return await _error(send, 503, f"{state.refusing}; retry later", lmi, state.retry_after_s)
+        length = _content_length(scope)
+        if length is not None and length > state.max_body_bytes:
+            state.refuse("body_too_large")
+            return await _error(send, 413, _too_large(state.max_body_bytes), lmi)
+        state.enter()
+        try:
+            send = _with_retry_after(send, state)
+            if lmi or length is None:  # read here: to look at it, or to count a body of unknown length
+                body = await _read_body(receive, state.max_body_bytes)
+                if body is None:
+                    state.refuse("body_too_large")
+                    return await _error(send, 413, _too_large(state.max_body_bytes), lmi)
+                if lmi and await self._lmi(scope, body, receive, send):
+                    return
+                receive = _replay(body, receive)
+            await self.app(scope, receive, send)
+        finally:
+            state.leave()
+
+    async def _lmi(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> bool:
+        """Answer an LMI-shaped /invocations body through vLLM's /v1/completions; False: not LMI's shape."""
+        state = self.state
+        try:
+            decoded = json.loads(body)
+        except ValueError as exc:
+            await _error(send, 400, f"malformed JSON: {exc}", True)
+            return True
+        if not (isinstance(decoded, dict) and "inputs" in decoded):
+            return False  # OpenAI's shapes: vLLM's SageMaker route picks the handler
+        try:
+            prompts, params, stream, details = parse_invocation(decoded, state.max_sequence_length)
+            if stream and len(prompts) != 1:
+                raise ValueError("stream = true takes a single string in inputs, not a list")
+        except ValueError as exc:
+            await _error(send, 400, str(exc), True)
+            return True
+        request = completion_request(prompts if isinstance(decoded["inputs"], list) else prompts[0], params,
+                                     stream, details, state.model_name)
+        data = json.dumps(request).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"content-type")]
+        inner = dict(scope, path="/v1/completions", raw_path=b"/v1/completions",
+                     headers=headers + [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(data)).encode())])
+        if stream:
+            lines = LmiStream(send, prompts[0], params, details, state)
+            await self.app(inner, _replay(data, receive), lines.send)
+            return True
+        reply = _Collected()
+        await self.app(inner, _replay(data, receive), reply.send)
+        if reply.status != 200:
+            await _error(send, reply.status, _vllm_error(reply.body), True, headers=reply.extra_headers)
+            return True
+        answers = lmi_answers(json.loads(reply.body), prompts, params, details, state)
+        await _json(send, 200, answers if isinstance(decoded["inputs"], list) else answers[0])
+        return True
+
+
+# ---------------------------------------------------------------- LMI <-> OpenAI completions (pure)
+
+def completion_request(prompt: str | list[str], params: GenerationParams, stream: bool, details: bool,
+                       model: str) -> dict[str, Any]:
+    """The /v1/completions body for an LMI request (its parameters already validated). Every sampling
+    value is sent, so the model's generation_config.json defaults (vLLM's, for OpenAI requests) do not
+    apply: LMI's defaults are greedy. Token ids and log-probabilities are asked for when the answer
+    shows them (details, and every streamed line)."""
+    greedy = not params.do_sample
+    body: dict[str, Any] = {
+        "model": model, "prompt": prompt, "max_tokens": params.max_new_tokens, "min_tokens": params.min_new_tokens,
+        "temperature": 0.0 if greedy else params.temperature, "top_p": 1.0 if greedy else params.top_p,
+        "top_k": 0 if greedy else params.top_k, "repetition_penalty": params.repetition_penalty,
+        "frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty,
+        "ignore_eos": params.ignore_eos, "add_special_tokens": params.add_special_tokens, "stream": stream,
+    }
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
+    if details or stream:
+        body["logprobs"] = 0
+        body["return_tokens_as_token_ids"] = True
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def finish_reason(choice: dict[str, Any]) -> str:
+    """lmc's finish reason for one of vLLM's choices: "stop" with a stop string is a stop sequence,
+    otherwise the end-of-sequence token."""
+    reason = choice.get("finish_reason")
+    if reason == "stop":
+        return "stop" if isinstance(choice.get("stop_reason"), str) else "eos"
+    return _FINISH.get(reason, reason or "length")
+
+
+def token_logprobs(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """(ids, log-probabilities) of a choice's tokens ("token_id:N", as return_tokens_as_token_ids writes
+    them); -inf as -9999.0, as vLLM's server writes it."""
+    logprobs = choice.get("logprobs") or {}
+    ids = [int(str(token).rsplit(":", 1)[1]) for token in logprobs.get("tokens") or []]
+    values = [-9999.0 if value is None else float(value) for value in logprobs.get("token_logprobs") or []]
+    return ids, values
+
+
+def _result(prompt: str, text: str, params: GenerationParams, finish: str, ids: list[int], values: list[float],
+            eos: frozenset[int], prompt_tokens: int = 0) -> GenerationResult:
+    if finish == "eos" and ids and ids[-1] in eos:  # the EOS is not a generated token (as the other engines count)
+        ids, values = ids[:-1], values[:len(ids) - 1]
+    return GenerationResult(id="", text=prompt + text if params.return_full_text else text,
+                            prompt_tokens=prompt_tokens, generated_tokens=len(ids), finish_reason=finish,
+                            token_ids=ids, logprobs=[(value, ()) for value in values])
+
+
+def lmi_answers(reply: dict[str, Any], prompts: list[str], params: GenerationParams, details: bool,
+                state: FrontState) -> list[dict[str, Any]]:
+    """LMI's answers (one per prompt) from vLLM's completion response."""
+    answers = []
+    for prompt, choice in zip(prompts, sorted(reply["choices"], key=lambda c: c["index"])):
+        ids, values = token_logprobs(choice)
+        result = _result(prompt, choice["text"], params, finish_reason(choice), ids, values, state.eos_ids)
+        answer: dict[str, Any] = {"generated_text": result.text}
+        if details:
+            answer["details"] = lmi_details(prompt, result, state.text.token_text if state.text else None)
+        answers.append(answer)
+    return answers
+
+
+class LmiStream:
+    """vLLM's server-sent events for one streamed completion in, LMI's jsonlines out
+    (lmc.runtime.requests.LmiLines: a line per chunk, the last with generated_text and details)."""
+
+    def __init__(self, send: Send, prompt: str, params: GenerationParams, details: bool, state: FrontState):
+        self._send, self.prompt, self.params, self.state = send, prompt, params, state
+        self.lines = LmiLines(prompt, details)
+        self.status = 0
+        self.headers: list = []
+        self._buffer = b""
+        self._error = b""
+        self.text = ""
+        self.ids: list[int] = []
+        self.values: list[float] = []
+        self.finish: str | None = None
+        self.ended = False
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers = [(k, v) for k, v in message.get("headers", []) if k.lower() == b"retry-after"]
+            if self.status == 200:
+                await self._send({"type": "http.response.start", "status": 200,
+                                  "headers": [(b"content-type", b"application/jsonlines")]})
+            return
+        if message["type"] != "http.response.body":
+            return await self._send(message)
+        more = message.get("more_body", False)
+        if self.status != 200:  # refused before streaming: one LMI error object
+            self._error += message.get("body", b"")
+            if not more:
+                await _error(self._send, self.status, _vllm_error(self._error), True, headers=self.headers)
+            return
+        self._buffer += message.get("body", b"")
+        while b"\n\n" in self._buffer:
+            event, self._buffer = self._buffer.split(b"\n\n", 1)
+            line = self._event(event)
+            if line:
+                await self._send({"type": "http.response.body", "body": line, "more_body": True})
+        if not more:
+            await self._send({"type": "http.response.body", "body": self._end(), "more_body": False})
+
+    def _event(self, event: bytes) -> bytes | None:
+        data = event.decode("utf-8").removeprefix("data: ").strip()
+        if not data or data == "[DONE]":
+            return None
+        chunk = json.loads(data)
+        if "error" in chunk:
+            self.ended = True
+            error = chunk["error"]
+            return jsonline({"error": _message(error), "code": int(error.get("code") or 500)
+                             if isinstance(error, dict) else 500})
+        line = None
+        for choice in chunk.get("choices") or []:
+            ids, values = token_logprobs(choice)
+            self.text += choice.get("text") or ""
+            self.ids += ids
+            self.values += values
+            if choice.get("finish_reason") is not None:
+                self.finish = finish_reason(choice)
+            if choice.get("text") or ids or self.finish:
+                line = self.lines.piece(Piece(choice.get("text") or "", ids[-1] if ids else None,
+                                              values[-1] if values else None, last=self.finish is not None))
+        return line
+
+    def _end(self) -> bytes:
+        if self.ended:
+            return b""
+        if self.finish is None:  # the stream ended without a finish: the engine stopped it
+            return jsonline({"error": "the answer ended early (the engine stopped)", "code": 500})
+        return self.lines.result(_result(self.prompt, self.text, self.params, self.finish, self.ids, self.values,
+                                         self.state.eos_ids))
+
+
+# ---------------------------------------------------------------- ASGI helpers
+
+class _Collected:
+    """A whole response captured from the inner app."""
+
+    def __init__(self):
+        self.status, self.body, self.extra_headers = 0, b"", []
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.extra_headers = [(k, v) for k, v in message.get("headers", []) if k.lower() == b"retry-after"]
+        elif message["type"] == "http.response.body":
+            self.body += message.get("body", b"")
+
+
+def _with_retry_after(send: Send, state: FrontState) -> Send:
+    """`send` with Retry-After added to a 503 (vLLM's admission) and the refusal counted."""
+
+    async def wrapped(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start" and message["status"] == 503:
+            state.refuse("queue_full")
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"retry-after"]
+            message = dict(message, headers=headers + [(b"retry-after", str(state.retry_after_s).encode())])
+        await send(message)
+
+    return wrapped
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives `body` first, then the client's own messages (a disconnect reaches vLLM)."""
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request body, or None once it passes `limit` bytes."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for key, value in scope["headers"]:
+        if key == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _too_large(limit: int) -> str:
+    return f"request body is larger than {limit} bytes (--max-body-bytes / LMC_MAX_BODY_BYTES)"
+
+
+async def _json(send: Send, status: int, obj: Any, headers: list | None = None) -> None:
+    body = json.dumps(obj, ensure_ascii=False).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _error(send: Send, status: int, message: str, lmi: bool, retry_after_s: int | None = None,
+                 headers: list | None = None) -> None:
+    """One error in the route's shape: LMI's {"error", "code"} or OpenAI's {"error": {...}} (vLLM's)."""
+    headers = list(headers or [])
+    if retry_after_s is not None:
+        headers.append((b"retry-after", str(retry_after_s).encode()))
+    if lmi:
+        return await _json(send, status, {"error": message, "code": status}, headers)
+    kind = {400: "BadRequestError", 413: "RequestEntityTooLarge", 503: "ServiceUnavailable"}.get(status, "Error")
+    await _json(send, status, {"error": {"message": message, "type": kind, "param": None, "code": status}}, headers)
+
+
+def _message(error: Any) -> str:
+    if isinstance(error, dict):
+        return " ".join(str(error.get("message") or error).split())
+    return " ".join(str(error).split())
+
+
+def _vllm_error(body: bytes) -> str:
+    """The message of one of vLLM's error bodies ({"error": {"message": ...}}, or FastAPI's {"detail": ...})."""
+    try:
+        decoded = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip() or "the engine failed"
+    if isinstance(decoded, dict):
+        if "error" in decoded:
+            return _message(decoded["error"])
+        if "detail" in decoded:
+            return _message(decoded["detail"])
+        if "message" in decoded:
+            return _message(decoded["message"])
+    return _message(decoded)
+
+
+# ---------------------------------------------------------------- /metrics
+
+class FrontCollector:
+    """lmc's series, in prometheus_client's registry beside vLLM's (its /metrics renders both)."""
+
+    def __init__(self, state: FrontState):
+        self.state = state
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        state = self.state
+        info = GaugeMetricFamily("lmc_info", "lmc serving this artifact (value 1)",
+                                 labels=["lmc_version", "plan_sha256", "model", "engine"])
+        info.add_metric([state.lmc_version, state.plan_sha256, state.model_name, "vllm"], 1)
+        yield info
+        yield GaugeMetricFamily("lmc_requests_in_flight", "Generation requests being answered", value=state.in_flight)
+        refused = CounterMetricFamily("lmc_requests_refused", "Requests lmc or vLLM's admission refused, by reason",
+                                      labels=["reason"])
+        for reason in ("queue_full", "body_too_large", "shutting_down", "node_lost"):
+            refused.add_metric([reason], state.refused.get(reason, 0))
+        yield refused

