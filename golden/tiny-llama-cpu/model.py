@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 96 tokens, on cpu.
 
 spec sha256 27683f815c8a05788e35890f04d5400168c5926df40c7ef1a922745eddc844bd
-plan sha256 b4180e1ea53be4793969cceb7c2a1f6c2744c13b00b661f1ca52de92522198fa
+plan sha256 83350178206f11d08f08ad6d10469b8befc102695aaa120379982544058c3fe4
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lmc.errors import NoFeasiblePlanError, SpecValueError
 from lmc.planner.engines import architectures, engine_facts, runs_architecture
@@ -85,6 +85,7 @@ class Config:
     over_rate: bool = False  # the request rate (or its peak) needs more instances than target.instances
     requests_per_second: float = 0.0  # what the planned replicas carry
     peak_instances: int = 1  # instances the peak rate needs (the autoscaling upper bound)
+    superseded: str | None = None  # why this layout is not offered although it fits (retire_lmc_pipeline)
 
     @property
     def fits(self) -> bool:
@@ -92,7 +93,7 @@ class Config:
 
     @property
     def feasible(self) -> bool:
-        return self.fits and not self.over_cost and not self.over_rate
+        return self.fits and not self.over_cost and not self.over_rate and self.superseded is None
 
     @property
     def devices(self) -> int:
@@ -123,6 +124,7 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         more, more_rejections = enumerate_configs(spec, model, hardware, engines, stages)
         configs = configs + more
         rejections = rejections + [r for r in more_rejections if r not in rejections]
+    configs = retire_lmc_pipeline(configs)
     feasible = [c for c in configs if c.feasible]
     if not feasible:
         raise no_feasible_plan(spec, model, hardware, engines, configs, rejections, candidates)
@@ -463,6 +465,16 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
                 for pp in stages:
                     configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp, rejections)
     return configs, rejections
+
+
+def retire_lmc_pipeline(configs: list[Config]) -> list[Config]:
+    """Across instances, lmc's own pipeline (the hf engine's stages joined by lmc's torch.distributed loop)
+    is kept only for a model vLLM cannot carry across instances: where a vLLM layout with stages fits,
+    the other engines' staged layouts are not offered (--explain shows them rejected, with their figures)."""
+    if not any(c.engine == "vllm" and c.pp > 1 and c.fits for c in configs):
+        return configs
+    why = "lmc's own pipeline is kept for models vLLM cannot run across instances; vLLM's multi-node engine runs this one"
+    return [replace(c, superseded=why) if c.engine != "vllm" and c.pp > 1 and c.fits else c for c in configs]
 
 
 def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
@@ -867,11 +879,18 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
             verdict, reason = "rejected", "goal missed: " + reason
         out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
                                verdict=verdict, reason=reason))
+    # lmc's pipeline where vLLM's runs the model (retire_lmc_pipeline): the best per group, with its figures.
+    retired = _best_per_group(spec, model, hardware, [replace(c, superseded=None) for c in configs if c.superseded],
+                              goal_met)
+    for c in sorted(retired.values(), key=lambda c: sort_key(spec, model, hardware, c, goal_met)):
+        why = next(r.superseded for r in configs if r.superseded)
+        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
+                               verdict="rejected", reason=f"{why}: {_describe(spec, c)}"))
     # Configurations that do not fit or cost too much: the smallest deficit per (engine, dtype, tp).
     short: dict[tuple, Config] = {}
     for c in configs:
         key = (c.engine, c.dtype, c.tp)
-        if key in groups:
+        if key in groups or key in retired:
             continue
         if key not in short or (c.memory.headroom, -c.batch) > (short[key].memory.headroom, -short[key].batch):
             short[key] = c

