@@ -159,3 +159,37 @@ def test_cpu_head_sizes_without_a_vllm_kernel_are_refused_at_plan_time():
         plan(spec(instance="local", pin={"engine": "vllm"}), model=narrow, hardware=LOCAL)
     wide = [c for c in enumerate_configs(s, LLAMA8, LOCAL, engine_facts())[0] if c.engine == "vllm"]
     assert wide  # head size 128: planned
+
+
+def test_admission_keeps_a_new_requests_wait_within_the_ttft_goal():
+    import math
+
+    s = spec(pin={"engine": "vllm", "dtype": "bf16"}, goal={"ttft_ms": 4000},
+             workload={"max_input_tokens": 512, "max_output_tokens": 128, "concurrency": 8})
+    p = plan(s)
+    running, ttft, tpot = p.vllm.max_num_seqs, p.predicted.ttft_ms, p.predicted.tpot_ms
+    slot = (ttft + 128 * tpot) / running
+    waiting = p.vllm.max_num_queued_reqs - running
+    # the last one admitted meets its first token within the goal; one more would not
+    assert waiting >= 0 and (waiting + 1) * slot + ttft <= 4000 + 1e-6 < (waiting + 2) * slot + ttft
+    assert p.vllm.retry_after_s == max(1, math.ceil(slot / 1000))
+    assert p.decision("admission").value == p.vllm.max_num_queued_reqs
+    # a tighter goal holds fewer; without a goal, LMI's queue: max_num_seqs + job_queue_size
+    tight = plan(spec(pin={"engine": "vllm", "dtype": "bf16"}, goal={"ttft_ms": 1000},
+                      workload={"max_input_tokens": 512, "max_output_tokens": 128, "concurrency": 8}))
+    assert tight.vllm.max_num_queued_reqs < p.vllm.max_num_queued_reqs
+    free = plan(spec(pin={"engine": "vllm", "dtype": "bf16"},
+                     workload={"max_input_tokens": 512, "max_output_tokens": 128, "concurrency": 8}))
+    assert free.vllm.max_num_queued_reqs == free.vllm.max_num_seqs + free.job_queue_size
+    assert "no TTFT goal" in free.decision("admission").reason
+
+
+def test_serving_parsers_are_vllms_and_make_the_plan_a_vllm_one():
+    p = plan(spec(serving={"tool_call_parser": "hermes", "reasoning_parser": "deepseek_r1"}))
+    assert p.engine == "vllm" and (p.vllm.tool_call_parser, p.vllm.reasoning_parser) == ("hermes", "deepseek_r1")
+    assert any("parsers are vLLM's server's" in a.reason for a in p.alternatives if a.engine == "hf")
+    with pytest.raises(SpecValueError, match=r"serving.tool_call_parser = .hermez.: not a parser vLLM registers; "
+                                             r"did you mean hermes"):
+        plan(spec(serving={"tool_call_parser": "hermez"}))
+    with pytest.raises(SpecValueError, match="the engines left cannot run them"):
+        plan(spec(serving={"reasoning_parser": "qwen3"}, pin={"engine": "hf"}))
