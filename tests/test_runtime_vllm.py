@@ -318,3 +318,25 @@ def test_while_draining_ping_and_new_work_get_503():
     assert status == 503 and headers[b"retry-after"] == b"3" and "shutting down" in body["error"]["message"]
     status, _, _ = call(front, "/v1/models", method="GET")  # reads still answer
     assert status == 200 and inner.seen == [("/v1/models", b"")]
+
+
+def test_a_vllm_failure_at_start_is_one_line_not_an_internal_error(tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    import lmc.runtime.vllm_server as server
+    from lmc.runtime.startup import Artifact
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 4, "eos_token_id": 2}))
+
+    async def engine_core_dies(args, state, node):
+        raise RuntimeError("Engine core initialization failed.\nSee root cause above.")
+
+    for key in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"):  # serve() sets them: restored after
+        monkeypatch.setenv(key, "unset-by-test")
+    monkeypatch.setattr(server, "_serve", engine_core_dies)
+    monkeypatch.setattr(server, "cli_env_setup", lambda: None, raising=False)
+    artifact = Artifact(model_dir=tmp_path, manifest={"files": {}}, plan=vllm_plan(plan_sha256="ab" * 32))
+    with pytest.raises(VllmUnavailable) as caught:
+        server.serve(artifact, host="127.0.0.1", port=1, request_timeout_s=5, max_body_bytes=100)
+    assert str(caught.value) == ("vLLM failed at start: RuntimeError: Engine core initialization failed. See root cause "
+                                 "above. (vLLM's log above has the cause)")
+    assert caught.value.exit_code == 1

@@ -97,6 +97,12 @@ def serve(artifact, *, host: str, port: int, request_timeout_s: float, max_body_
     REGISTRY.register(collector)
     try:
         uvloop.run(_serve(args, state, node))
+    except LmcError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - vLLM's own failure, before or while serving: one line
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        when = "while serving" if state.app is not None else "at start"
+        raise VllmUnavailable(f"vLLM failed {when}: {type(exc).__name__}: {text} (vLLM's log above has the cause)") from None
     finally:
         REGISTRY.unregister(collector)
     if state.fatal is not None:
