@@ -122,6 +122,8 @@ async def load(url: str, items: list[tuple[str, int]], concurrency: int) -> dict
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
+    # the served model's name: vLLM's server answers 404 to any other
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     ttfts: list[float] = []
     tokens = 0
 
@@ -130,7 +132,7 @@ async def load(url: str, items: list[tuple[str, int]], concurrency: int) -> dict
         async with gate:
             sent = time.monotonic()
             first = None
-            body = {"model": "m", "prompt": prompt, "max_tokens": length, "temperature": 0, "ignore_eos": True,
+            body = {"model": model, "prompt": prompt, "max_tokens": length, "temperature": 0, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}
             async with client.stream("POST", url + "/v1/completions", json=body) as reply:
                 if reply.status_code != 200:
