@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from lmc.runtime.startup import open_artifact, resolve_port, verify_hashes
+    from lmc.runtime.startup import open_artifact, resolve_port
     from lmc.runtime.workers import mp_context, start_process_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -128,10 +128,9 @@ def _run(args: argparse.Namespace) -> int:
                           group_factory=_pipeline_groups(artifact, gate, role))
         try:
             runtime.scheduler.start_groups()
-            verify_hashes(artifact.model_dir, artifact.manifest)
+            _verify(artifact)
             gate.set()
             log = logging.getLogger("lmc.runtime")
-            log.info("verified %d files against lmc.json", len(artifact.manifest["files"]))
             log.info("serving %s on %s:%d: engine %s, %d group(s) x TP %d, batch %d, queue %d, timeout %gs",
                      artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,
                      artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"],
@@ -164,23 +163,29 @@ def _pipeline_groups(artifact, gate, role):
     return group_factory
 
 
+def _verify(artifact, where: str = "") -> None:
+    """Every file's sha256 against lmc.json (an ArtifactError, one line, names the first altered), then
+    the log line saying so, and `where` this node stands."""
+    from lmc.runtime.startup import verify_hashes
+
+    verify_hashes(artifact.model_dir, artifact.manifest)
+    logging.getLogger("lmc.runtime").info("verified %d files against lmc.json%s", len(artifact.manifest["files"]),
+                                          f"; {where}" if where else "")
+
+
 def _run_vllm(artifact, args, port: int, timeout: float | None, max_body: float | None, generation_config: str) -> int:
     """A vLLM plan: vLLM's own OpenAI server (lmc.runtime.vllm_server) once the artifact is verified;
     across instances, this node's place from the rendezvous (a worker node runs its ranks headless)."""
     from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES
-    from lmc.runtime.startup import default_request_timeout_s, verify_hashes
+    from lmc.runtime.startup import default_request_timeout_s
     from lmc.runtime.vllm_nodes import resolve_vllm_node
     from lmc.runtime.vllm_server import describe, serve
 
     node = resolve_vllm_node(artifact.plan, os.environ)
     if node is not None and not node.is_leader:
         return _run_vllm_node(artifact, node)
-    verify_hashes(artifact.model_dir, artifact.manifest)
-    log = logging.getLogger("lmc.runtime")
-    log.info("verified %d files against lmc.json", len(artifact.manifest["files"]))
-    if node is not None:
-        log.info("%s: this node serves HTTP", node.describe())
-    log.info("%s", describe(artifact.plan))
+    _verify(artifact, f"{node.describe()}: this node serves HTTP" if node is not None else "")
+    logging.getLogger("lmc.runtime").info("%s", describe(artifact.plan))
     return serve(artifact, host=args.host, port=port,
                  request_timeout_s=timeout or default_request_timeout_s(artifact.plan),
                  max_body_bytes=int(max_body or DEFAULT_MAX_BODY_BYTES),
@@ -189,13 +194,10 @@ def _run_vllm(artifact, args, port: int, timeout: float | None, max_body: float 
 
 def _run_vllm_node(artifact, node) -> int:
     """A vLLM worker node: verify the artifact, then run this node's ranks headless until the leader stops."""
-    from lmc.runtime.startup import verify_hashes
     from lmc.runtime.vllm_backend import engine_arguments, engine_environment
     from lmc.runtime.vllm_nodes import run_worker_node
 
-    verify_hashes(artifact.model_dir, artifact.manifest)
-    logging.getLogger("lmc.runtime").info("verified %d files against lmc.json; %s", len(artifact.manifest["files"]),
-                                          node.describe())
+    _verify(artifact, node.describe())
     return run_worker_node(engine_arguments(artifact.plan, artifact.model_dir), engine_environment(artifact.plan),
                            node)
 
@@ -203,11 +205,8 @@ def _run_vllm_node(artifact, node) -> int:
 def _run_stage_node(artifact, role) -> int:
     """A pipeline worker node: verify the artifact, then run this node's stage until the leader stops it."""
     from lmc.runtime.stage_node import run_stage_node
-    from lmc.runtime.startup import verify_hashes
     from lmc.runtime.workers import start_process_server
 
     start_process_server(artifact.plan)
-    verify_hashes(artifact.model_dir, artifact.manifest)
-    logging.getLogger("lmc.runtime").info("verified %d files against lmc.json; %s, no HTTP on this node",
-                                          len(artifact.manifest["files"]), role.describe())
+    _verify(artifact, f"{role.describe()}, no HTTP on this node")
     return run_stage_node(artifact.model_dir, artifact.plan, role)

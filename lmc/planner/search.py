@@ -357,11 +357,11 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             options = _all_usable_tps(usable, model, hardware)
             hint = f"try {_fmt_list(options)}" if options else "no TP degree works on this hardware"
             raise SpecValueError("pin.tensor_parallel_degree", tp, f"{reasons[0]}; {hint}")
-    for key in ("tool_call_parser", "reasoning_parser"):
+    for key, registry in (("tool_call_parser", "vllm_tool_parsers"), ("reasoning_parser", "vllm_reasoning_parsers")):
         name = getattr(spec.serving, key)
         if name is None:
             continue
-        known = architectures(f"vllm_{key.split('_')[0]}_parsers")
+        known = architectures(registry)
         if name not in known:
             near = difflib.get_close_matches(name, sorted(known), n=3)
             raise SpecValueError(f"serving.{key}", name, "not a parser vLLM registers" +
@@ -467,14 +467,18 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
     return configs, rejections
 
 
+PIPELINE_RETIRED = ("lmc's own pipeline is kept for models vLLM cannot run across instances; vLLM's multi-node "
+                    "engine runs this one")
+
+
 def retire_lmc_pipeline(configs: list[Config]) -> list[Config]:
     """Across instances, lmc's own pipeline (the hf engine's stages joined by lmc's torch.distributed loop)
     is kept only for a model vLLM cannot carry across instances: where a vLLM layout with stages fits,
     the other engines' staged layouts are not offered (--explain shows them rejected, with their figures)."""
     if not any(c.engine == "vllm" and c.pp > 1 and c.fits for c in configs):
         return configs
-    why = "lmc's own pipeline is kept for models vLLM cannot run across instances; vLLM's multi-node engine runs this one"
-    return [replace(c, superseded=why) if c.engine != "vllm" and c.pp > 1 and c.fits else c for c in configs]
+    return [replace(c, superseded=PIPELINE_RETIRED) if c.engine != "vllm" and c.pp > 1 and c.fits else c
+            for c in configs]
 
 
 def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
@@ -883,9 +887,8 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
     retired = _best_per_group(spec, model, hardware, [replace(c, superseded=None) for c in configs if c.superseded],
                               goal_met)
     for c in sorted(retired.values(), key=lambda c: sort_key(spec, model, hardware, c, goal_met)):
-        why = next(r.superseded for r in configs if r.superseded)
         out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
-                               verdict="rejected", reason=f"{why}: {_describe(spec, c)}"))
+                               verdict="rejected", reason=f"{PIPELINE_RETIRED}: {_describe(spec, c)}"))
     # Configurations that do not fit or cost too much: the smallest deficit per (engine, dtype, tp).
     short: dict[tuple, Config] = {}
     for c in configs:

@@ -153,43 +153,8 @@ class Runtime:
     # -- request plumbing shared by the LMI and OpenAI routes
 
     async def read_json(self, request: Request) -> Any:
-        """The decoded body; RequestFailed 413 past max_body_bytes, 400 when it is not JSON.
-
-        A 413 is sent after the rest of the body is read and discarded (up to DISCARD_BYTES, within
-        DISCARD_SECONDS), as nginx's lingering close does: a server that closes while the client is
-        still sending makes the client's kernel see a reset, and most clients (urllib, requests) then
-        report the reset, not the 413. A client that asked `Expect: 100-continue` has sent nothing yet:
-        it is answered at once (it is never told to continue)."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            if request.headers.get("expect", "").lower() != "100-continue":
-                await _discard(request, min(int(declared), DISCARD_BYTES))
-            raise RequestFailed(413, f"request body is {declared} bytes; the limit is {self.max_body_bytes}")
-        chunks, size, more = [], 0, True
-        while more:  # the ASGI messages themselves: whether more body follows decides the discard
-            message = await request.receive()
-            if message["type"] != "http.request":
-                raise RequestFailed(CLIENT_CLOSED, "the client disconnected while sending the body")
-            chunk, more = message.get("body", b""), message.get("more_body", False)
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                if more:  # (after the last part, the next message is the client's disconnect: never wait for it)
-                    await _discard(request, DISCARD_BYTES)
-                raise RequestFailed(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-            # Lone UTF-16 surrogates ("\ud800") are valid JSON escapes but not text: refuse them here,
-            # before a tokenizer or the response encoder meets them.
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestFailed(400, "the body contains a lone UTF-16 surrogate escape, which is not valid "
-                                     "Unicode text") from None
-        # JSONDecodeError and bad UTF-8 are ValueErrors, so are integers past Python's digit limit;
-        # RecursionError: absurdly deep nesting.
-        except (ValueError, RecursionError) as exc:
-            raise RequestFailed(400, f"malformed JSON body: {' '.join(str(exc).split())}") from None
-        return body
+        """The decoded body: read_body within max_body_bytes (413), then decode_json (400)."""
+        return decode_json(await read_body(request, self.max_body_bytes))
 
     def check_accepting(self) -> None:
         if not self.accepting:
@@ -305,8 +270,53 @@ class Runtime:
 
 
 
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The request body; RequestFailed 413 past `max_body_bytes`, CLIENT_CLOSED when the client leaves.
+
+    A 413 is sent after the rest of the body is read and discarded (up to DISCARD_BYTES, within
+    DISCARD_SECONDS), as nginx's lingering close does: a server that closes while the client is
+    still sending makes the client's kernel see a reset, and most clients (urllib, requests) then
+    report the reset, not the 413. A client that asked `Expect: 100-continue` has sent nothing yet:
+    it is answered at once (it is never told to continue)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        if request.headers.get("expect", "").lower() != "100-continue":
+            await _discard(request, min(int(declared), DISCARD_BYTES))
+        raise RequestFailed(413, f"request body is {declared} bytes; the limit is {max_body_bytes}")
+    chunks, size, more = [], 0, True
+    while more:  # the ASGI messages themselves: whether more body follows decides the discard
+        message = await request.receive()
+        if message["type"] != "http.request":
+            raise RequestFailed(CLIENT_CLOSED, "the client disconnected while sending the body")
+        chunk, more = message.get("body", b""), message.get("more_body", False)
+        size += len(chunk)
+        if size > max_body_bytes:
+            if more:  # (after the last part, the next message is the client's disconnect: never wait for it)
+                await _discard(request, DISCARD_BYTES)
+            raise RequestFailed(413, f"request body exceeds the limit of {max_body_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode_json(data: bytes) -> Any:
+    """A body decoded as JSON; RequestFailed 400 when it is not JSON, or not Unicode text."""
+    try:
+        body = json.loads(data)
+        # Lone UTF-16 surrogates ("\ud800") are valid JSON escapes but not text: refuse them here,
+        # before a tokenizer or the response encoder meets them.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestFailed(400, "the body contains a lone UTF-16 surrogate escape, which is not valid "
+                                 "Unicode text") from None
+    # JSONDecodeError and bad UTF-8 are ValueErrors, so are integers past Python's digit limit;
+    # RecursionError: absurdly deep nesting.
+    except (ValueError, RecursionError) as exc:
+        raise RequestFailed(400, f"malformed JSON body: {' '.join(str(exc).split())}") from None
+    return body
+
+
 async def _discard(request: Request, limit: int) -> None:
-    """Read and drop the body's rest, up to `limit` bytes in all and DISCARD_SECONDS (see read_json)."""
+    """Read and drop the body's rest, up to `limit` bytes in all and DISCARD_SECONDS (see read_body)."""
     async def drain() -> None:
         seen = 0
         while seen < limit:

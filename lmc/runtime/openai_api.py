@@ -41,7 +41,7 @@ _EXTENSIONS = {"min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos_token"}
 _USED = {"prompt", "messages", "max_tokens", "stream", "add_special_tokens", *_SAMPLING, *_EXTENSIONS}
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def openai_error(status: int, message: str) -> JSONResponse:
     """OpenAI's error shape (clients read error.message), plus the top-level code every route has."""
     kind = "invalid_request_error" if status < 500 and status != 424 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}, "code": status}, status_code=status)
@@ -258,7 +258,7 @@ async def _handle(request: Request, chat: bool) -> Response:
         runtime.admit(jobs)
     except RequestFailed as exc:
         runtime.record(endpoint, exc.status)
-        return _error(exc.status, exc.message)
+        return openai_error(exc.status, exc.message)
 
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -272,7 +272,7 @@ async def _handle(request: Request, chat: bool) -> Response:
         for job in jobs:
             runtime.scheduler.abandon(job)
         runtime.record(endpoint, exc.status, started)
-        return _error(exc.status, exc.message)
+        return openai_error(exc.status, exc.message)
     finally:
         runtime.release()
     prompt_tokens = sum(job.prompt_tokens for job in jobs[::n])  # each prompt once, however many choices

@@ -30,10 +30,15 @@ import json
 import logging
 import signal
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from lmc.runtime.core import decode_json, error_response, read_body
 from lmc.runtime.engines.base import GenerationParams, GenerationResult, Piece
+from lmc.runtime.jobs import CLIENT_CLOSED, RequestFailed
+from lmc.runtime.openai_api import openai_error
 from lmc.runtime.requests import LmiLines, jsonline, lmi_details, parse_invocation
 
 log = logging.getLogger("lmc.runtime")
@@ -54,7 +59,6 @@ class FrontState:
     """LmcFront's settings and counters, one per server."""
 
     model_name: str
-    model_dir: Path
     max_sequence_length: int
     max_body_bytes: int
     retry_after_s: int
@@ -64,22 +68,25 @@ class FrontState:
     plan_sha256: str = ""
     text: Any = None  # lmc.runtime.startup.TextTools: token texts for LMI's details
     in_flight: int = 0
-    refusing: str | None = None  # why everything is refused (shutting down, a lost node)
+    refusing: str | None = None  # why everything is refused (shutting down, a lost node, a dead engine)
+    refusing_as: str = ""  # its label in lmc_requests_refused_total
     fatal: BaseException | None = None  # why the server stopped, when it must exit non-zero
     refused: dict[str, int] = field(default_factory=dict)
     app: Any = None  # vLLM's app, once its lifespan starts
-    _idle: asyncio.Event | None = None
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing is in flight
+
+    def __post_init__(self) -> None:
+        self._idle.set()
 
     # -- counters
 
     def enter(self) -> None:
         self.in_flight += 1
-        if self._idle is not None:
-            self._idle.clear()
+        self._idle.clear()
 
     def leave(self) -> None:
         self.in_flight -= 1
-        if self.in_flight == 0 and self._idle is not None:
+        if self.in_flight == 0:
             self._idle.set()
 
     def refuse(self, reason: str) -> None:
@@ -91,9 +98,6 @@ class FrontState:
         """vLLM's server starts serving (its signal handlers are installed by now): lmc's replace them, so
         SIGTERM (and Ctrl-C) drain first."""
         self.app = app
-        self._idle = asyncio.Event()
-        if self.in_flight == 0:
-            self._idle.set()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.begin_drain)
@@ -105,11 +109,10 @@ class FrontState:
             return
         log.info("SIGTERM: draining %d request(s) in flight (at most %gs), refusing new ones", self.in_flight,
                  self.drain_timeout_s)
-        self.refusing = "the server is shutting down"
+        self.refusing, self.refusing_as = "the server is shutting down", "shutting_down"
         asyncio.get_running_loop().create_task(self._drain(), name="lmc-drain")
 
     async def _drain(self) -> None:
-        assert self._idle is not None
         try:
             await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
         except asyncio.TimeoutError:
@@ -117,12 +120,12 @@ class FrontState:
                         self.drain_timeout_s)
         self._should_exit()  # the HTTP server stops; vLLM's engine client then shuts the engine down
 
-    def stop(self, why: str, error: BaseException, grace_s: float) -> None:
-        """Refuse everything now and stop the server after `grace_s` (probes and clients see why); the
-        runtime then exits with `error`. Call on the event loop."""
-        if self.refusing is not None and self.fatal is not None:
+    def stop(self, why: str, label: str, error: BaseException, grace_s: float) -> None:
+        """Refuse everything now (`label` in the refusal counts) and stop the server after `grace_s` (probes
+        and clients see why); the runtime then exits with `error`. Call on the event loop."""
+        if self.fatal is not None:
             return
-        self.refusing, self.fatal = why, error
+        self.refusing, self.refusing_as, self.fatal = why, label, error
         log.error("%s", why)
         asyncio.get_running_loop().call_later(grace_s, self._should_exit)
 
@@ -154,26 +157,28 @@ class LmcFront:
         path = scope["path"]
         if path in _HEALTH:
             if state.refusing is not None:
-                return await _json(send, 503, {"status": "unhealthy", "reason": state.refusing})
+                return await _send(send, JSONResponse({"status": "unhealthy", "reason": state.refusing}, 503))
             return await self.app(scope, receive, send)
         if scope["method"] != "POST" or path in _NOT_WORK:
             return await self.app(scope, receive, send)
         lmi = path == "/invocations"
         if state.refusing is not None:
-            state.refuse("shutting_down" if state.fatal is None else "node_lost")
-            return await _error(send, 503, f"{state.refusing}; retry later", lmi, state.retry_after_s)
-        length = _content_length(scope)
-        if length is not None and length > state.max_body_bytes:
-            state.refuse("body_too_large")
-            return await _error(send, 413, _too_large(state.max_body_bytes), lmi)
+            state.refuse(state.refusing_as)
+            return await _send(send, _error(503, f"{state.refusing}; retry later", lmi, state.retry_after_s))
         state.enter()
         try:
             send = _with_retry_after(send, state)
-            if lmi or length is None:  # read here: to look at it, or to count a body of unknown length
-                body = await _read_body(receive, state.max_body_bytes)
-                if body is None:
+            declared = Request(scope).headers.get("content-length")
+            # Read here (core.read_body: the limit, a 413 after a lingering close) to look at an LMI body, to
+            # count one of unknown length, or to refuse one declared too large; otherwise vLLM reads it.
+            if lmi or declared is None or not declared.isdigit() or int(declared) > state.max_body_bytes:
+                try:
+                    body = await read_body(Request(scope, receive), state.max_body_bytes)
+                except RequestFailed as exc:
+                    if exc.status == CLIENT_CLOSED:
+                        return
                     state.refuse("body_too_large")
-                    return await _error(send, 413, _too_large(state.max_body_bytes), lmi)
+                    return await _send(send, _error(exc.status, exc.message, lmi))
                 if lmi and await self._lmi(scope, body, receive, send):
                     return
                 receive = _replay(body, receive)
@@ -185,9 +190,9 @@ class LmcFront:
         """Answer an LMI-shaped /invocations body through vLLM's /v1/completions; False: not LMI's shape."""
         state = self.state
         try:
-            decoded = json.loads(body)
-        except ValueError as exc:
-            await _error(send, 400, f"malformed JSON: {exc}", True)
+            decoded = decode_json(body)
+        except RequestFailed as exc:
+            await _send(send, _error(exc.status, exc.message, True))
             return True
         if not (isinstance(decoded, dict) and "inputs" in decoded):
             return False  # OpenAI's shapes: vLLM's SageMaker route picks the handler
@@ -196,7 +201,7 @@ class LmcFront:
             if stream and len(prompts) != 1:
                 raise ValueError("stream = true takes a single string in inputs, not a list")
         except ValueError as exc:
-            await _error(send, 400, str(exc), True)
+            await _send(send, _error(400, str(exc), True))
             return True
         request = completion_request(prompts if isinstance(decoded["inputs"], list) else prompts[0], params,
                                      stream, details, state.model_name)
@@ -211,11 +216,11 @@ class LmcFront:
             return True
         reply = _Collected()
         await self.app(inner, _replay(data, receive), reply.send)
-        if reply.status != 200:
-            await _error(send, reply.status, _vllm_error(reply.body), True, headers=reply.extra_headers)
+        if reply.status != 200:  # vLLM's refusal in LMI's shape (a 503 gets its Retry-After from `send`)
+            await _send(send, _error(reply.status, _vllm_error(reply.body), True))
             return True
         answers = lmi_answers(json.loads(reply.body), prompts, params, details, state)
-        await _json(send, 200, answers if isinstance(decoded["inputs"], list) else answers[0])
+        await _send(send, JSONResponse(answers if isinstance(decoded["inputs"], list) else answers[0]))
         return True
 
 
@@ -298,7 +303,6 @@ class LmiStream:
         self._send, self.prompt, self.params, self.state = send, prompt, params, state
         self.lines = LmiLines(prompt, details)
         self.status = 0
-        self.headers: list = []
         self._buffer = b""
         self._error = b""
         self.text = ""
@@ -310,7 +314,6 @@ class LmiStream:
     async def send(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
-            self.headers = [(k, v) for k, v in message.get("headers", []) if k.lower() == b"retry-after"]
             if self.status == 200:
                 await self._send({"type": "http.response.start", "status": 200,
                                   "headers": [(b"content-type", b"application/jsonlines")]})
@@ -320,8 +323,8 @@ class LmiStream:
         more = message.get("more_body", False)
         if self.status != 200:  # refused before streaming: one LMI error object
             self._error += message.get("body", b"")
-            if not more:
-                await _error(self._send, self.status, _vllm_error(self._error), True, headers=self.headers)
+            if not more:  # (a 503 gets its Retry-After from the middleware's send)
+                await _send(self._send, _error(self.status, _vllm_error(self._error), True))
             return
         self._buffer += message.get("body", b"")
         while b"\n\n" in self._buffer:
@@ -370,12 +373,11 @@ class _Collected:
     """A whole response captured from the inner app."""
 
     def __init__(self):
-        self.status, self.body, self.extra_headers = 0, b"", []
+        self.status, self.body = 0, b""
 
     async def send(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
-            self.extra_headers = [(k, v) for k, v in message.get("headers", []) if k.lower() == b"retry-after"]
         elif message["type"] == "http.response.body":
             self.body += message.get("body", b"")
 
@@ -407,55 +409,19 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The request body, or None once it passes `limit` bytes."""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
+async def _send(send: Send, response: Response) -> None:
+    """A whole Starlette response through `send`."""
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
 
 
-def _content_length(scope: Scope) -> int | None:
-    for key, value in scope["headers"]:
-        if key == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
-def _too_large(limit: int) -> str:
-    return f"request body is larger than {limit} bytes (--max-body-bytes / LMC_MAX_BODY_BYTES)"
-
-
-async def _json(send: Send, status: int, obj: Any, headers: list | None = None) -> None:
-    body = json.dumps(obj, ensure_ascii=False).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *(headers or [])]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _error(send: Send, status: int, message: str, lmi: bool, retry_after_s: int | None = None,
-                 headers: list | None = None) -> None:
-    """One error in the route's shape: LMI's {"error", "code"} or OpenAI's {"error": {...}} (vLLM's)."""
-    headers = list(headers or [])
+def _error(status: int, message: str, lmi: bool, retry_after_s: int | None = None) -> Response:
+    """One error in the route's shape, as lmc's own routes write it: LMI's {"error", "code"}
+    (core.error_response) or OpenAI's {"error": {"message", "type", "code"}} (openai_api.openai_error)."""
+    response = error_response(status, message) if lmi else openai_error(status, message)
     if retry_after_s is not None:
-        headers.append((b"retry-after", str(retry_after_s).encode()))
-    if lmi:
-        return await _json(send, status, {"error": message, "code": status}, headers)
-    kind = {400: "BadRequestError", 413: "RequestEntityTooLarge", 503: "ServiceUnavailable"}.get(status, "Error")
-    await _json(send, status, {"error": {"message": message, "type": kind, "param": None, "code": status}}, headers)
+        response.headers["retry-after"] = str(retry_after_s)
+    return response
 
 
 def _message(error: Any) -> str:
@@ -499,6 +465,6 @@ class FrontCollector:
         yield GaugeMetricFamily("lmc_requests_in_flight", "Generation requests being answered", value=state.in_flight)
         refused = CounterMetricFamily("lmc_requests_refused", "Requests lmc or vLLM's admission refused, by reason",
                                       labels=["reason"])
-        for reason in ("queue_full", "body_too_large", "shutting_down", "node_lost"):
+        for reason in ("queue_full", "body_too_large", "shutting_down", "node_lost", "engine_dead"):
             refused.add_metric([reason], state.refused.get(reason, 0))
         yield refused

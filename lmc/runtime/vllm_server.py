@@ -116,7 +116,7 @@ def front_state(artifact, request_timeout_s: float, max_body_bytes: int) -> Fron
 
     plan = artifact.plan
     return FrontState(model_name=str((plan.get("model") or {}).get("id") or artifact.model_dir.name),
-                      model_dir=artifact.model_dir, max_sequence_length=int(plan["max_sequence_length"]),
+                      max_sequence_length=int(plan["max_sequence_length"]),
                       max_body_bytes=int(max_body_bytes), retry_after_s=admission(plan)[1],
                       drain_timeout_s=float(request_timeout_s), eos_ids=eos_ids(artifact.model_dir),
                       lmc_version=__version__, plan_sha256=str(plan.get("plan_sha256") or ""),
@@ -150,7 +150,7 @@ async def _watch(engine, state: FrontState) -> None:
     """An engine that dies while serving (not one being shut down): 503 at once, then the server stops."""
     while not (engine.errored and state.refusing is None):
         await asyncio.sleep(ENGINE_POLL_S)
-    state.stop("the vLLM engine died", EngineDied("the vLLM engine died while serving; exiting so the "
+    state.stop("the vLLM engine died", "engine_dead", EngineDied("the vLLM engine died while serving; exiting so the "
                                                   "container is restarted"), ENGINE_DEAD_GRACE_S)
 
 
@@ -162,7 +162,7 @@ def _start_lifeline(node, state: FrontState):
 
     def lost(why: str) -> None:
         error = RendezvousError(f"{why}: stopping so the cluster recreates the group")
-        state.stop(f"{why}; the group must be recreated", error, NODE_LOST_GRACE_S)
+        state.stop(f"{why}; the group must be recreated", "node_lost", error, NODE_LOST_GRACE_S)
 
     lifeline = Lifeline(node, lambda why: loop.call_soon_threadsafe(lost, why))
     lifeline.start()
