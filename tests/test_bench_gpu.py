@@ -34,6 +34,7 @@ def test_arguments(loop):
     (["--concurrency", "1,x"], "comma-separated whole numbers"),
     (["--concurrency", "0"], "levels of at least 1"),
     (["--output-tokens", "1"], "--output-tokens at least 2"),
+    (["--layers", "0"], "--layers 0: at least 1"),
 ])
 def test_bad_arguments_exit_2(loop, argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -76,6 +77,22 @@ def test_specs_are_valid_and_pin_the_engine(loop, tmp_path, engine):
     assert (spec.pin.engine, spec.pin.dtype, spec.pin.tensor_parallel_degree) == (engine, "fp16", 1)
     assert (spec.target.accelerator, spec.target.devices, spec.target.profile) == ("h100-80gb", 1, "profile.toml")
     assert spec.workload.concurrency == 32
+
+
+def test_fewer_layers_name_their_own_checkpoint(loop, tmp_path):
+    assert loop.parse_args([]).layers == 32 and loop.parse_args(["--layers", "8"]).layers == 8
+    path = tmp_path / "spec.toml"
+    path.write_text(loop.spec_text("hf", "h200", 128, 64, 32, layers=8))
+    spec = load_spec(path).spec
+    assert (spec.model.id, spec.model.path) == ("lmc/random-llama-7b-8-layers", "llama-7b-8-layers")
+    assert loop.checkpoint_name(32) == "llama-7b"  # the full model keeps its name (and a checkpoint already written)
+
+
+def test_children_keep_the_pythonpath_they_were_given(loop, monkeypatch):
+    """On the GPU host lmc's wheels may sit on PYTHONPATH: the loop's subprocesses put the repository
+    first and keep the rest."""
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    assert loop._env()["PYTHONPATH"].split(":") == [str(loop.ROOT), "/tmp/site"]
 
 
 def test_roofline_is_weight_bytes_over_bandwidth(loop):

@@ -1,11 +1,13 @@
 """The measuring loop on one CUDA GPU (issue 17): a 7B-class random-weight Llama in fp16, planned, built,
 served and benched with each engine, against the plan and the bandwidth roofline.
 
-    python bench/gpu/gpu_loop.py [--work DIR] [--engines hf,deepspeed,vllm] [--accelerator NAME]
+    python bench/gpu/gpu_loop.py [--work DIR] [--engines hf,deepspeed,vllm] [--accelerator NAME] [--layers N]
 
 1. `lmc calibrate --device cuda --base ACCELERATOR` → profile.toml (the GPU measured).
+   A profile already under the work directory is reused (a second run with other engines).
 2. A random Llama-2-7B-shaped checkpoint (hidden 4096, 32 layers, MLP 11008; the tiny tokenizer's
-   384-token vocabulary: 6.5 B parameters), weights drawn on the GPU and written in fp16.
+   384-token vocabulary: 6.5 B parameters), weights drawn on the GPU and written in fp16. `--layers`
+   keeps the width and takes fewer layers (8: 1.6 B parameters), for a short lease.
 3. Per engine (hf; deepspeed with kernel injection; vllm): a spec pinned to it on the measured
    profile, `lmc plan`, `lmc build --format dir`, `lmc runtime` on a free port; the `openai` client's
    completion and chat calls (plain and streamed) must answer; `lmc bench URL --pid` at concurrency
@@ -56,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,8,32", help="bench levels (default 1,8,32)")
     parser.add_argument("--input-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=LLAMA_7B["num_hidden_layers"],
+                        help="decoder layers of the 7B-wide model (default 32, Llama-2-7B's)")
     args = parser.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in ENGINES]
@@ -67,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--concurrency {args.concurrency!r}: comma-separated whole numbers")
     if not levels or levels[0] < 1:
         parser.error(f"--concurrency {args.concurrency!r}: levels of at least 1")
+    if args.layers < 1:
+        parser.error(f"--layers {args.layers}: at least 1")
     if args.input_tokens < 1 or args.output_tokens < 2:
         parser.error("--input-tokens must be at least 1 and --output-tokens at least 2")
     args.engines, args.levels = engines, levels
@@ -92,8 +98,13 @@ def accelerator_for(device_name: str) -> str:
                     "lmc/planner/data/hardware/accelerators.toml)")
 
 
-def spec_text(engine: str, accelerator: str, input_tokens: int, output_tokens: int, concurrency: int) -> str:
-    return (f'[model]\nid = "lmc/random-llama-7b"\npath = "llama-7b"\n\n'
+def checkpoint_name(layers: int) -> str:
+    return "llama-7b" if layers == LLAMA_7B["num_hidden_layers"] else f"llama-7b-{layers}-layers"
+
+
+def spec_text(engine: str, accelerator: str, input_tokens: int, output_tokens: int, concurrency: int,
+              layers: int = LLAMA_7B["num_hidden_layers"]) -> str:
+    return (f'[model]\nid = "lmc/random-{checkpoint_name(layers)}"\npath = "{checkpoint_name(layers)}"\n\n'
             f'[target]\naccelerator = "{accelerator}"\ndevices = 1\nprofile = "profile.toml"\n\n'
             f"[workload]\nmax_input_tokens = {input_tokens}\nmax_output_tokens = {output_tokens}\n"
             f"concurrency = {concurrency}\n\n"
@@ -162,8 +173,13 @@ def render_table(rows: list[dict[str, Any]], levels: list[int]) -> str:
 
 # --- the run (GPU only) ---------------------------------------------------------------------------
 
+def _env() -> dict[str, str]:
+    """This process's environment with the repository first on PYTHONPATH (what was there stays)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
 def _lmc(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = _env()
     result = subprocess.run([sys.executable, "-m", "lmc", *args], env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode:
         raise LoopError(f"lmc {args[0]} exited {result.returncode}: "
@@ -171,7 +187,7 @@ def _lmc(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return result
 
 
-def write_checkpoint(out: Path) -> None:
+def write_checkpoint(out: Path, layers: int = LLAMA_7B["num_hidden_layers"]) -> None:
     """A Llama-2-7B-shaped checkpoint in fp16: the tiny checkpoint's files (tokenizer, config) widened,
     its weights drawn on the GPU (initialising 6.5 B parameters on a CPU takes minutes)."""
     if (out / "model.safetensors.index.json").is_file():
@@ -185,7 +201,7 @@ def write_checkpoint(out: Path) -> None:
     make_checkpoint("llama", out, dtype="float16", num_hidden_layers=1)
     for stale in out.glob("*.safetensors"):
         stale.unlink()
-    config = config_for("llama", torch_dtype="float16", **LLAMA_7B)
+    config = config_for("llama", torch_dtype="float16", **dict(LLAMA_7B, num_hidden_layers=layers))
     config.save_pretrained(out)
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
@@ -246,7 +262,7 @@ print(torch.cuda.max_memory_allocated())
 def max_memory_allocated(model_dir: Path, input_tokens: int, output_tokens: int) -> int:
     """torch.cuda.max_memory_allocated of the hf engine loading `model_dir` (an hf artifact) and
     decoding a batch of the planned size, in a process of its own."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = _env()
     result = subprocess.run([sys.executable, "-c", _ALLOCATED, str(model_dir), str(input_tokens), str(output_tokens)],
                             env=env, capture_output=True, text=True, timeout=600)
     if result.returncode:
@@ -260,7 +276,7 @@ def _serve(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
     from lmc.runtime.workers import free_port
 
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = _env()
     server = subprocess.Popen([sys.executable, "-m", "lmc", "runtime", "serve", str(model_dir), "--port", str(port),
                                "--host", "127.0.0.1"], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                               start_new_session=True)
@@ -286,7 +302,8 @@ def run_engine(engine: str, args: argparse.Namespace, accelerator: str, device: 
 
     work = args.work
     spec = work / f"spec-{engine}.toml"
-    spec.write_text(spec_text(engine, accelerator, args.input_tokens, args.output_tokens, max(args.levels)))
+    spec.write_text(spec_text(engine, accelerator, args.input_tokens, args.output_tokens, max(args.levels),
+                              args.layers))
     plan = bench = comparison = allocated = roofline = openai_ok = None
     try:
         plan = json.loads(_lmc("plan", str(spec), "--json").stdout)
@@ -327,8 +344,12 @@ def main(argv: list[str] | None = None) -> int:
         args.work.mkdir(parents=True, exist_ok=True)
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         started = time.monotonic()
-        _lmc("calibrate", "--device", "cuda", "--base", accelerator, "--out", str(args.work / "profile.toml"))
-        write_checkpoint(args.work / "llama-7b")
+        profile = args.work / "profile.toml"
+        if profile.is_file():
+            print(f"reusing the measured profile {profile}", file=sys.stderr)
+        else:
+            _lmc("calibrate", "--device", "cuda", "--base", accelerator, "--out", str(profile))
+        write_checkpoint(args.work / checkpoint_name(args.layers), args.layers)
         rows = [run_engine(engine, args, accelerator, device, date) for engine in args.engines]
     except LoopError as exc:
         print(exc, file=sys.stderr)

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU checks in one call on a lent GPU machine (the `device` tool), ordered so that what matters most
+# comes back first: gpu_loop with the hf engine (memory vs plan, TPOT vs roofline), the `gpu` tests, then
+# gpu_loop with DeepSpeed's kernel injection, whose CUDA kernels build just in time in the background
+# from the start. The machine's image has torch, transformers and nvcc but none of lmc's other needs:
+# they travel as wheels in .whl (README, "GPU checks"). vLLM's GPU wheel is too large to travel.
+#
+#   here:   see README "GPU checks" for the wheel download
+#   device: run(command="bash bench/gpu/device_check.sh", carry=[".whl"], timeout_s=560)
+#
+# Everything lands under $OUT: device.log (this script's output), ds_jit.log, results-*.json, logs.txt.
+set -u
+OUT=${OUT:-/tmp/lmc-device-out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/device.log") 2>&1
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-10}
+LAYERS=${LAYERS:-8}
+WORK=${WORK:-/tmp/lmc-gpu-loop}
+start=$SECONDS
+stamp() { echo "=== $((SECONDS - start)) s: $*"; }
+
+stamp "wheels"
+if [ "${WHEELS:-1}" = 1 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || { echo "wheels failed"; exit 1; }
+fi
+# lmc itself from this checkout, for every process the checks start
+echo "$PWD" > "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/lmc-checkout.pth"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import sys, torch, transformers, deepspeed, lmc; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| deepspeed', deepspeed.__version__)"
+python3 -c "import vllm" 2>/dev/null && echo "vllm: installed" || echo "vllm: not installed"
+
+stamp "DeepSpeed's inference kernels: just-in-time build started in the background"
+( timeout "${JIT_S:-330}" python3 -c "from deepspeed.ops.op_builder import InferenceBuilder; InferenceBuilder().load()" \
+    > "$OUT/ds_jit.log" 2>&1; echo "jit exit $?" >> "$OUT/ds_jit.log" ) &
+jit=$!
+
+loop() {  # loop ENGINE SECONDS
+    stamp "gpu_loop $1"
+    timeout "$2" python3 bench/gpu/gpu_loop.py --work "$WORK" --engines "$1" --layers "$LAYERS"
+    echo "gpu_loop $1: exit $?"
+    cp "$WORK/results.json" "$OUT/results-$1.json" 2>/dev/null
+    for log in "$WORK"/runtime-"$1".log; do [ -f "$log" ] && { echo "--- $log"; tail -n 40 "$log"; } >> "$OUT/logs.txt"; done
+}
+
+loop hf "${HF_S:-230}"
+stamp "gpu tests"
+timeout "${TESTS_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_runtime_e2e.py \
+    tests/test_engine_deepspeed.py tests/test_build_vllm.py tests/test_runtime_vllm_served.py
+echo "gpu tests: exit $?"
+stamp "waiting for the kernel build"
+wait "$jit"
+tail -n 5 "$OUT/ds_jit.log"
+loop deepspeed "${DS_S:-130}"
+stamp "done"
