@@ -74,9 +74,10 @@ def test_deepspeed_tp1_and_tp2_over_gloo_equal_hf_generate(tmp_path):
 
 
 @pytest.mark.gpu
-def test_kernel_injection_on_cuda_tracks_hf(tmp_path):
-    checkpoint = make_checkpoint("gpt_neox", tmp_path / "ckpt")
-    engine = _engine("gpt_neox", 1, device="cuda", dtype="fp16")
+@pytest.mark.parametrize("family", ["gpt_neox", "llama"])
+def test_kernel_injection_on_cuda_tracks_hf(tmp_path, family):
+    checkpoint = make_checkpoint(family, tmp_path / "ckpt")
+    engine = _engine(family, 1, device="cuda", dtype="fp16")
     engine.load(build_artifact(checkpoint, tmp_path / "art", 1), 0, 1)
     results = engine.generate(_requests(4))
     reference = [hf_greedy(checkpoint, prompt, 4) for prompt in PROMPTS]

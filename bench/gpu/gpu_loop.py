@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,8,32", help="bench levels (default 1,8,32)")
     parser.add_argument("--input-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--calibrate-timeout", type=float, default=900,
+                        help="seconds `lmc calibrate` may take; past them the catalog's figures stand (default 900)")
     parser.add_argument("--layers", type=int, default=LLAMA_7B["num_hidden_layers"],
                         help="decoder layers of the 7B-wide model (default 32, Llama-2-7B's)")
     args = parser.parse_args(argv)
@@ -103,9 +105,11 @@ def checkpoint_name(layers: int) -> str:
 
 
 def spec_text(engine: str, accelerator: str, input_tokens: int, output_tokens: int, concurrency: int,
-              layers: int = LLAMA_7B["num_hidden_layers"]) -> str:
+              layers: int = LLAMA_7B["num_hidden_layers"], profile: bool = True) -> str:
+    """The pinned spec; `profile` False plans on the catalog's figures (no measured profile)."""
+    profile_line = 'profile = "profile.toml"\n' if profile else ""
     return (f'[model]\nid = "lmc/random-{checkpoint_name(layers)}"\npath = "{checkpoint_name(layers)}"\n\n'
-            f'[target]\naccelerator = "{accelerator}"\ndevices = 1\nprofile = "profile.toml"\n\n'
+            f'[target]\naccelerator = "{accelerator}"\ndevices = 1\n{profile_line}\n'
             f"[workload]\nmax_input_tokens = {input_tokens}\nmax_output_tokens = {output_tokens}\n"
             f"concurrency = {concurrency}\n\n"
             f'[pin]\nengine = "{engine}"\ndtype = "fp16"\ntensor_parallel_degree = 1\n')
@@ -176,6 +180,36 @@ def render_table(rows: list[dict[str, Any]], levels: list[int]) -> str:
 def _env() -> dict[str, str]:
     """This process's environment with the repository first on PYTHONPATH (what was there stays)."""
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+_STARTED = time.monotonic()
+
+
+def progress(step: str) -> None:
+    """One line per step on stderr, with the seconds since the loop started (a short lease needs to
+    know where its time went)."""
+    print(f"[{time.monotonic() - _STARTED:6.0f} s] {step}", file=sys.stderr, flush=True)
+
+
+def measure_profile(work: Path, accelerator: str, timeout: float) -> str | None:
+    """`lmc calibrate` into work/profile.toml (its log beside it); None when it is there, else why the
+    catalog's figures stand instead (it failed or ran past `timeout`)."""
+    profile = work / "profile.toml"
+    if profile.is_file():
+        progress(f"reusing the measured profile {profile}")
+        return None
+    progress("lmc calibrate --device cuda")
+    with (work / "calibrate.log").open("w") as log:
+        try:
+            result = subprocess.run([sys.executable, "-m", "lmc", "calibrate", "--device", "cuda", "--base", accelerator,
+                                     "--out", str(profile)], env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"lmc calibrate ran past {timeout:.0f} s"
+    if result.returncode:
+        lines = (work / "calibrate.log").read_text(errors="replace").strip().splitlines() or ["no message"]
+        return f"lmc calibrate exited {result.returncode}: {lines[-1]}"
+    return None
 
 
 def _lmc(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -303,9 +337,10 @@ def run_engine(engine: str, args: argparse.Namespace, accelerator: str, device: 
     work = args.work
     spec = work / f"spec-{engine}.toml"
     spec.write_text(spec_text(engine, accelerator, args.input_tokens, args.output_tokens, max(args.levels),
-                              args.layers))
+                              args.layers, profile=(work / "profile.toml").is_file()))
     plan = bench = comparison = allocated = roofline = openai_ok = None
     try:
+        progress(f"{engine}: lmc plan")
         plan = json.loads(_lmc("plan", str(spec), "--json").stdout)
         from lmc.pipeline import plan_from_spec
         from lmc.schema import load_spec
@@ -315,10 +350,17 @@ def run_engine(engine: str, args: argparse.Namespace, accelerator: str, device: 
         roofline = roofline_ms(decode_weight_bytes(planned.model, engine_facts()[engine], "fp16", 1, hardware),
                                hardware.memory_bandwidth_bytes_per_s)
         model_dir = work / f"model-{engine}"
+        progress(f"{engine}: lmc build")
         _lmc("build", str(spec), "--format", "dir", "-o", str(model_dir), timeout=1800)
+        progress(f"{engine}: lmc runtime")
         server, url = _serve(model_dir, work / f"runtime-{engine}.log")
         try:
-            openai_ok = openai_answers(url)
+            progress(f"{engine}: the openai client")
+            try:
+                openai_ok = openai_answers(url)
+            except ImportError as exc:  # the openai client (or a package it needs) is not installed here
+                progress(f"{engine}: the openai client not checked ({exc})")
+            progress(f"{engine}: lmc bench")
             levels = ",".join(str(c) for c in args.levels)
             _lmc("bench", url, "--pid", str(server.pid), "--device", "gpu", "--input-tokens", str(args.input_tokens), "--output-tokens",
                  str(args.output_tokens), "--concurrency", levels, "--json", str(work / f"bench-{engine}.json"),
@@ -329,6 +371,7 @@ def run_engine(engine: str, args: argparse.Namespace, accelerator: str, device: 
         bench = json.loads((work / f"bench-{engine}.json").read_text())
         comparison = json.loads(_lmc("plan", str(spec), "--compare", str(work / f"bench-{engine}.json"), "--json").stdout)
         if engine == "hf":
+            progress(f"{engine}: max_memory_allocated")
             allocated = max_memory_allocated(model_dir, args.input_tokens, args.output_tokens)
         error = None
     except (LoopError, OSError, subprocess.TimeoutExpired) as exc:
@@ -344,11 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         args.work.mkdir(parents=True, exist_ok=True)
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         started = time.monotonic()
-        profile = args.work / "profile.toml"
-        if profile.is_file():
-            print(f"reusing the measured profile {profile}", file=sys.stderr)
-        else:
-            _lmc("calibrate", "--device", "cuda", "--base", accelerator, "--out", str(profile))
+        catalog_because = measure_profile(args.work, accelerator, args.calibrate_timeout)
+        if catalog_because:
+            progress(f"{catalog_because}: planning on the catalog's figures")
+        progress("the checkpoint")
         write_checkpoint(args.work / checkpoint_name(args.layers), args.layers)
         rows = [run_engine(engine, args, accelerator, device, date) for engine in args.engines]
     except LoopError as exc:
@@ -357,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render_table(rows, args.levels)
     minutes = (time.monotonic() - started) / 60
     (args.work / "results.json").write_text(json.dumps({"device": device, "date": date, "minutes": minutes,
+                                                        "layers": args.layers, "profile": catalog_because or "measured",
                                                         "rows": rows}, indent=2) + "\n")
     (args.work / "results.txt").write_text(text)
     print(text + f"{minutes:.1f} minutes in all")
