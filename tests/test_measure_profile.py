@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from lmc.errors import SpecValueError
-from lmc.measure.calibrate import Calibration, EngineFigures, implausible, solve_figures
+from lmc.measure.calibrate import Calibration, EngineFigures, implausible, overhead_bound_on_gpu, solve_figures
 from lmc.measure.profile import render_profile
 from lmc.planner import catalog, latency
 from lmc.planner.engines import engine_facts
@@ -139,6 +139,21 @@ def test_disturbed_figures_are_recognised():
     assert "decode fp32" in implausible(40e9, {"fp32": 0.2}, {"fp32": EngineFigures(350e9, 0.17, 0.1)})
     assert "prefill fp32" in implausible(40e9, {"fp32": 0.2}, {"fp32": EngineFigures(20e9, 1.3, 0.1)})
     assert "less than the fixed costs" in implausible(40e9, {"fp32": 0.2}, {"fp32": None})
+
+
+def test_on_a_gpu_unsolvable_rates_take_the_device_measurements():
+    """The H200 case: the hf engine's steps are its fixed costs, so fp16 solves to nothing and bf16 to a
+    decode rate beyond the copy's; both take the copy bandwidth and the matmul rate, with a note. A
+    solved, plausible dtype keeps its figures."""
+    stream, matmul = 3.85e12, {"fp16": 747.0, "bf16": 778.0, "fp32": 50.0}
+    plausible = EngineFigures(3.0e12, 40.0, 30.0)
+    figures, note = overhead_bound_on_gpu(stream, matmul, {"fp16": None, "bf16": EngineFigures(9e12, 400.0, 200.0),
+                                                           "fp32": plausible})
+    assert figures == {"fp16": EngineFigures(stream, 747.0, 747.0), "bf16": EngineFigures(stream, 778.0, 778.0),
+                       "fp32": plausible}
+    assert note.startswith("fp16, bf16: the hf engine's steps on this GPU are its fixed costs")
+    assert implausible(stream, matmul, figures) is None  # no retry follows
+    assert overhead_bound_on_gpu(stream, matmul, {"fp32": plausible}) == ({"fp32": plausible}, None)
 
 
 def test_solved_rates_reproduce_the_measured_times():

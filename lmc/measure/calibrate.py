@@ -348,6 +348,24 @@ def implausible(stream: float, matmul: dict[str, float], figures: dict[str, Engi
     return None
 
 
+def overhead_bound_on_gpu(stream: float, matmul: dict[str, float],
+                          figures: dict[str, EngineFigures | None]) -> tuple[dict[str, EngineFigures | None], str | None]:
+    """On a GPU the hf engine's decode step is its fixed costs: the calibration model's weights read in
+    less time than those costs vary (seen on an H200: 7.5 ms steps of which the reads are 0.8 ms), so no
+    rate can be solved from it (none, or one beyond what the device measured). There such a dtype takes the device's own measurements (the
+    copy bandwidth for decode, the matmul rate for prefill and batched decode) and a note says so; the
+    fixed costs, which decide the engine's steps there, stay measured. Returns (figures, note or None)."""
+    unsolved = [dtype for dtype, f in figures.items() if dtype in matmul and implausible(stream, matmul, {dtype: f})]
+    if not unsolved:
+        return figures, None
+    filled = dict(figures)
+    for dtype in unsolved:
+        filled[dtype] = EngineFigures(stream, matmul[dtype], matmul[dtype])
+    return filled, (f"{', '.join(unsolved)}: the hf engine's steps on this GPU are its fixed costs (the weights "
+                    "read in less than their variation); decode and prefill take the copy bandwidth and the "
+                    "matmul rate measured above")
+
+
 def allreduce(device: str, timeout_s: float = 60.0) -> tuple[float, float, str]:
     """(latency µs of a 4-byte all-reduce, bus bandwidth bytes/s of a 16 MiB one, backend) between two
     local processes: gloo on CPU, NCCL on two GPUs."""
@@ -463,6 +481,7 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
         stage(stages[1])
         matmul = {dtype: matmul_tflops(device, dtype) for dtype in dtypes}
         done("matmul " + ", ".join(f"{dtype} {value:.3f} TFLOPS" for dtype, value in matmul.items()))
+        filled = None
         for attempt in range(_ATTEMPTS):
             stage(stages[2] if attempt == 0 else f"{stages[2]}, again")
             step, layer, request_ms, overhead = engine_overheads(root, target, device)
@@ -471,13 +490,18 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
                                                  EngineFigures(stream / 2, matmul[dtype] / 2, matmul[dtype] / 2),
                                                  matmul[dtype])
                        for dtype in dtypes}
+            if device == "cuda":
+                figures, filled = overhead_bound_on_gpu(stream, matmul, figures)
             doubt = implausible(stream, matmul, figures)
             if doubt is None:
                 break
             bar.write(f"  disturbed ({doubt}); measuring again", file=sys.stderr)
         else:
+            filled = None
             notes.append(f"the engine figures looked disturbed in {_ATTEMPTS} tries ({doubt}): calibrate again "
                          "when the machine is quiet")
+        if filled:
+            notes.append(filled)
         done(f"engine hf served by lmc runtime: {step:.2f} ms per step + {layer:.3f} ms per layer, "
              f"{request_ms:.1f} ms per request; a worker holds {overhead / 2**20:.0f} MiB besides its weights")
         figures = {dtype: f for dtype, f in figures.items() if f is not None}

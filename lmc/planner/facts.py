@@ -206,7 +206,8 @@ class EngineFacts(_Facts):
     refused_families: dict[Family, str] = Field(default_factory=dict, description="Families the engine cannot serve, with the reason a plan gives.")
     head_sizes: dict[str, list[int]] = Field(default_factory=dict, description="Attention head sizes the engine has kernels for, per hardware kind; absent = any.")
     dtypes: list[DtypeName] = Field(description="Weight dtypes the engine can serve.")
-    kernel_injection_families: list[Family] = Field(default_factory=list, description="Families with fused kernels (DeepSpeed).")
+    kernel_injection_families: list[Family] = Field(default_factory=list, description="Families DeepSpeed has fused kernels (an injection policy) for.")
+    kernel_injection: bool = Field(default=True, description="Whether lmc's runtime injects those kernels (false where DeepSpeed's policies do not fit the transformers lmc pins; every family then runs unfused).")
     tp_degrees: dict[str, list[int]] = Field(default_factory=dict, description="Allowed TP degrees per accelerator (Neuron); empty = any divisor.")
     tp_requires_heads_divisible: bool = Field(default=True, description="TP must divide attention heads.")
     heads_divisible_families: list[Family] = Field(default_factory=list, description="Families for which TP must divide the heads even though the engine pads other families' heads.")
@@ -221,3 +222,7 @@ class EngineFacts(_Facts):
     efficiency: dict[DeviceKind, EngineEfficiency] = Field(description="Efficiency figures per device kind.")
     unfused_efficiency: dict[DeviceKind, EngineEfficiency] = Field(default_factory=dict, description="Efficiency for families without fused kernels (DeepSpeed AutoTP); empty = same as `efficiency`.")
     source: str = Field(description="Documentation for the capabilities.")
+
+    def fused(self, family: str) -> bool:
+        """Whether this engine serves `family` with fused kernels (DeepSpeed kernel injection) in lmc's runtime."""
+        return self.kernel_injection and family in self.kernel_injection_families

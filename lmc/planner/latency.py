@@ -55,7 +55,7 @@ def efficiency_for(engine: EngineFacts, model: ModelFacts, hardware: HardwareFac
     """The engine's figures for this hardware; DeepSpeed AutoTP (no fused kernels) has its own. A
     measured profile's figures for the engine replace them (per `dtype` where given: measured.py)."""
     efficiency = engine.efficiency[hardware.kind]
-    if engine.kernel_injection_families and model.family not in engine.kernel_injection_families:
+    if not engine.fused(model.family):
         efficiency = engine.unfused_efficiency.get(hardware.kind, efficiency)
     act = compute_dtype(dtype, model, hardware) if dtype is not None else None
     return measured_efficiency(efficiency, hardware, engine.name, dtype, act)

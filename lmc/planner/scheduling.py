@@ -47,7 +47,7 @@ def _continuous_unavailable(engine: EngineFacts, tp: int, model: ModelFacts, har
                 "decoder-only models; batches form dynamically")
     # DeepSpeed's fused kernels (kernel injection: CUDA, TP 1, as lmc.runtime.engines.deepspeed.kernel_injection
     # decides) keep the KV cache in their own workspace, which lmc cannot split per sequence.
-    if hardware.kind == "gpu" and tp == 1 and model.family in engine.kernel_injection_families:
+    if hardware.kind == "gpu" and tp == 1 and engine.fused(model.family):
         return ("DeepSpeed's fused kernels keep the KV cache in their own workspace, so rows cannot join or "
                 "leave it; batches form dynamically")
     return None

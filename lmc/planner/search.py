@@ -738,8 +738,13 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
         why = "the only engine that supports this model on this hardware"
     fused = ""
     if engine.kernel_injection_families:
-        fused = ("; fused kernels (kernel injection) for " + model.family if model.family in engine.kernel_injection_families
-                 else "; AutoTP (no fused kernels for " + model.family + ")")
+        if engine.fused(model.family):
+            fused = "; fused kernels (kernel injection) for " + model.family
+        elif model.family in engine.kernel_injection_families:
+            fused = (f"; AutoTP, no fused kernels: DeepSpeed's injection policy for {model.family} does not fit the "
+                     "pinned transformers' modules")
+        else:
+            fused = "; AutoTP (no fused kernels for " + model.family + ")"
     if model.family not in engine.families:
         fused += (f"; {model.architecture} from the {'pinned vLLM' if engine.architectures == 'vllm' else 'installed transformers'}'s "
                   f"registry" + (f", at TP {_fmt_list(engine.any_architecture_tp)} (lmc has tensor-parallel layouts "

@@ -3,7 +3,9 @@
 Design (keeps "each rank reads only its own shard"): the model is built and filled from this rank's
 pre-partitioned shard exactly as in the hf engine (same surgery, same torch.distributed collectives),
 then handed to `deepspeed.init_inference` with tp_size=1, so DeepSpeed never re-partitions or reloads
-weights. On CUDA at TP=1, families DeepSpeed has fused kernels for get kernel injection. At TP>1 the
+weights. On CUDA at TP=1, families DeepSpeed has fused kernels for would get kernel injection, but
+lmc injects none today: DeepSpeed 0.19.8's injection policies do not fit transformers 5's modules (seen
+on an H200; engines.toml, `kernel_injection`), so every family runs as AutoTP. At TP>1 the
 rank-local modules already hold a slice of the heads, which DeepSpeed's injection policies (reading
 the full head count from the config) would misinterpret, so there DeepSpeed wraps the model without
 injection and the TP collectives stay ours. On the CPU DeepSpeed never injects kernels.
@@ -23,7 +25,6 @@ from lmc.runtime.engines.hf import HFEngine
 
 log = logging.getLogger(__name__)
 
-KERNEL_INJECT_FAMILIES = frozenset({"gptj", "gpt_neox", "opt", "bloom", "llama"})
 SHM_OP = "deepspeed_shm_comm"
 
 
@@ -43,8 +44,11 @@ def disable_shm_allreduce(deepspeed) -> None:
 
 
 def kernel_injection(family: str, device: str, tp: int) -> bool:
-    """Fused kernels only where DeepSpeed has them and the model is whole on the rank (see module doc)."""
-    return device == "cuda" and tp == 1 and family in KERNEL_INJECT_FAMILIES
+    """Fused kernels only where DeepSpeed has them, lmc injects them (the engine facts: not with
+    transformers 5), and the model is whole on the rank (see module doc)."""
+    from lmc.planner.engines import engine_facts
+
+    return device == "cuda" and tp == 1 and engine_facts()["deepspeed"].fused(family)
 
 
 class DeepSpeedEngine(HFEngine):
