@@ -258,6 +258,34 @@ def test_a_new_architecture_plans_on_vllm_and_on_hf_at_tp_1_only():
     assert vllm.tensor_parallel_degree == 4
 
 
+def test_data_parallel_attention_is_weighed_for_moe_models_on_one_instance():
+    """DeepSeek-V3 (fp8, MLA: one latent KV head that tensor parallelism replicates on every rank) on one
+    p5en.48xlarge: the search lays DP × TP groups beside TP 8 alone, lists each with its figures, and the
+    chosen layout's engine arguments, serving.properties and decisions say what vLLM runs."""
+    from lmc.emitters.render import render_text_files
+    from lmc.runtime.vllm_backend import engine_arguments
+
+    deepseek = catalog.model_facts("deepseek-ai/DeepSeek-V3")
+    p5en = catalog.hardware_facts("ml.p5en.48xlarge")
+    body = {"workload": {"max_input_tokens": 4096, "max_output_tokens": 1024, "concurrency": 64}}
+    chosen = plan(spec(**body), model=deepseek, hardware=p5en)
+    layouts = [a.reason for a in chosen.alternatives if "data-parallel attention" in a.reason]
+    assert any("data-parallel attention 8 × TP 1" in r for r in layouts), layouts
+    assert any(a.reason.startswith("batch") and a.tensor_parallel_degree == 8 for a in chosen.alternatives)
+    dp = chosen.vllm.data_parallel_size
+    assert dp > 1 and chosen.tensor_parallel_degree * dp == 8 and chosen.vllm.enable_expert_parallel
+    assert chosen.decision("expert_parallel").value is True and f"--data-parallel-size {dp}" in chosen.decision(
+        "expert_parallel").reason
+    assert chosen.decision("weights").value == "checkpoint"  # the fp8 checkpoint as published
+    arguments = engine_arguments(chosen.to_dict(), Path("/m"))
+    assert arguments["data_parallel_size"] == dp and arguments["enable_expert_parallel"] is True
+    properties = render_text_files(chosen, spec(**body))["serving.properties"].decode()
+    assert f"option.data_parallel_size={dp}" in properties and "option.enable_expert_parallel=true" in properties
+    # Pinned off, TP alone: the same model's per-device weights are the TP 8 share of everything.
+    tp_only = plan(spec(pin={"expert_parallel": False}, **body), model=deepseek, hardware=p5en)
+    assert tp_only.vllm.data_parallel_size == 1 and not any("data-parallel" in a.reason for a in tp_only.alternatives)
+
+
 def test_expert_parallelism_is_an_option_for_moe_models_on_vllm():
     from lmc.emitters.render import render_text_files
     from lmc.runtime.vllm_backend import engine_arguments
@@ -265,16 +293,18 @@ def test_expert_parallelism_is_an_option_for_moe_models_on_vllm():
     qwen_moe = catalog.model_facts("Qwen/Qwen3-30B-A3B")
     g6e = catalog.hardware_facts("ml.g6e.12xlarge")
     body = {"workload": {"max_input_tokens": 1024, "max_output_tokens": 256, "concurrency": 8}}
-    default = plan(spec(**body), model=qwen_moe, hardware=g6e)
+    default = plan(spec(pin={"expert_parallel": False}, **body), model=qwen_moe, hardware=g6e)
     assert default.vllm.enable_expert_parallel is False and default.decision("expert_parallel").value is False
-    ep_spec = spec(pin={"expert_parallel": True}, **body)
+    assert default.vllm.data_parallel_size == 1  # pinned off: no data-parallel attention either
+    ep_spec = spec(pin={"expert_parallel": True, "tensor_parallel_degree": 4}, **body)
     ep = plan(ep_spec, model=qwen_moe, hardware=g6e)
     assert ep.engine == "vllm" and ep.vllm.enable_expert_parallel is True
     assert "whole experts on each tensor-parallel rank" in ep.decision("expert_parallel").reason
     assert 128 % ep.tensor_parallel_degree == 0
     properties = render_text_files(ep, ep_spec)["serving.properties"].decode()
     assert "option.enable_expert_parallel=true" in properties
-    assert "option.enable_expert_parallel" not in render_text_files(default, spec(**body))["serving.properties"].decode()
+    assert "option.enable_expert_parallel" not in render_text_files(default, spec(pin={"expert_parallel": False},
+                                                                                   **body))["serving.properties"].decode()
     assert engine_arguments(ep.to_dict(), Path("/m"))["enable_expert_parallel"] is True
     assert "enable_expert_parallel" not in engine_arguments(default.to_dict(), Path("/m"))
     with pytest.raises(SpecValueError, match="has no experts"):

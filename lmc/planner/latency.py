@@ -124,7 +124,7 @@ def _moe_touched_share(model: ModelFacts, batch: int) -> float:
     return 1 - (1 - k / experts) ** batch
 
 
-def _expert_share(model: ModelFacts) -> float:
+def expert_share(model: ModelFacts) -> float:
     """Share of the split matrices that are experts (0 for dense models)."""
     if model.num_experts <= 1:
         return 0.0
@@ -135,7 +135,7 @@ def active_decode_parameters(model: ModelFacts) -> float:
     """Parameters one decoded token multiplies through: decoder matrices (active experts) + LM head."""
     split = param_split(model)
     matrices = split.sharded * decoder_share(model)
-    share = _expert_share(model)
+    share = expert_share(model)
     if share:
         matrices = matrices * (1 - share) + matrices * share * model.experts_per_token / model.num_experts
     return matrices + model.vocab_size * model.hidden_size
@@ -145,21 +145,65 @@ def active_prefill_parameters(model: ModelFacts) -> float:
     """Parameters each prompt token multiplies through (the encoder's for T5, decoder's otherwise)."""
     split = param_split(model)
     matrices = split.sharded * (1 - decoder_share(model) if model.is_encoder_decoder else 1.0)
-    share = _expert_share(model)
+    share = expert_share(model)
     if share:
         matrices = matrices * (1 - share) + matrices * share * model.experts_per_token / model.num_experts
     return matrices + model.vocab_size * model.hidden_size
 
 
+def moe_layer_count(model: ModelFacts) -> int:
+    """Blocks with routed experts (0 for a dense model)."""
+    if model.num_experts <= 1:
+        return 0
+    return model.layers if model.moe_layers is None else model.moe_layers
+
+
+def alltoall_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, ranks: int, message_bytes: float) -> float:
+    """One all-to-all inside an instance (expert parallelism's dispatch or combine): each rank sends
+    (ranks − 1)/ranks of its `message_bytes` to the others in one phase over the switch, paying the link's
+    latency once per peer (ranks − 1 sends, half the steps of a ring all-reduce) and that share at the
+    engine's achieved bandwidth, plus the engine's per-call cost. Not modelled: uneven expert loads (the
+    step waits for the busiest rank); no published figure checks it (validation.toml has none)."""
+    if ranks <= 1:
+        return 0.0
+    link = hardware.interconnect
+    transfer = message_bytes * (ranks - 1) / ranks / (link.bandwidth_bytes_per_s * efficiency.allreduce_efficiency) * 1e6
+    return (link.allreduce_base_us + (ranks - 1) * link.latency_us + transfer + efficiency.allreduce_overhead_us) * 1e-3
+
+
+def _dp_weights(weights: float, model: ModelFacts, dp: int, tokens: int) -> float:
+    """Per-rank weight bytes a step reads: with data-parallel attention over `dp` groups and expert
+    parallelism, the routed experts are spread over dp times the ranks, and the step's `tokens` (all
+    groups') decide which of them are read."""
+    share = expert_share(model)
+    if not share:
+        return weights
+    return weights * (1 - share) + weights * share * _moe_touched_share(model, tokens) / dp
+
+
+def _dp_comm_ms(model: ModelFacts, hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int, dp: int,
+                tokens: int, act: str) -> float:
+    """A step's collectives for `tokens` on one rank. Tensor parallel alone: two all-reduces per block.
+    Data-parallel attention with expert parallelism: attention (and dense MLPs) all-reduce within the TP
+    group; each MoE block dispatches its tokens' hidden states to their experts' ranks and combines the
+    results (two all-to-alls over the tp × dp ranks, k copies of each token)."""
+    message = tokens * model.hidden_size * DTYPE_BYTES[act]
+    if dp <= 1:
+        return allreduces_per_step(model) * allreduce_ms(hardware, efficiency, tp, message)
+    moe = moe_layer_count(model)
+    reduces = model.layers + (model.layers - moe)
+    return (reduces * allreduce_ms(hardware, efficiency, tp, message)
+            + 2 * moe * alltoall_ms(hardware, efficiency, tp * dp, message * model.experts_per_token))
+
+
 def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int, batch: int,
-            input_tokens: int, output_tokens: int) -> float:
-    """Time per output token at `batch` sequences, context averaged over the generation."""
+            input_tokens: int, output_tokens: int, dp: int = 1) -> float:
+    """Time per output token at `batch` sequences, context averaged over the generation. `dp` > 1: an
+    MoE model with data-parallel attention and expert parallelism (vLLM --data-parallel-size with
+    --enable-expert-parallel): `batch` is one DP group's, and every group steps together."""
     efficiency = efficiency_for(engine, model, hardware, dtype)
     act = compute_dtype(dtype, model, hardware)
-    weights = decode_weight_bytes(model, engine, dtype, tp, hardware)
-    share = _expert_share(model)
-    if share:
-        weights = weights * (1 - share) + weights * share * _moe_touched_share(model, batch)
+    weights = _dp_weights(decode_weight_bytes(model, engine, dtype, tp, hardware), model, dp, batch * dp)
     if model.is_encoder_decoder:
         context = input_tokens + output_tokens / 2  # cross-attention over the input + self-attention so far
     else:
@@ -170,8 +214,7 @@ def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     flops = 2 * active_decode_parameters(model) / tp * batch
     flops += 4 * batch * context * model.attention_heads * model.head_dim * model.layers / tp
     compute_ms = flops / (rank_tflops(hardware, act, tp) * 1e12 * decode_compute(efficiency)) * 1e3
-    message = batch * model.hidden_size * DTYPE_BYTES[act]
-    comm_ms = allreduces_per_step(model) * allreduce_ms(hardware, efficiency, tp, message)
+    comm_ms = _dp_comm_ms(model, hardware, efficiency, tp, dp, batch, act)
     return memory_ms + compute_ms + comm_ms + fixed_ms(efficiency, model.layers)
 
 
@@ -186,25 +229,34 @@ def fixed_ms(efficiency: EngineEfficiency, layers: int) -> float:
 
 
 def ttft_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
-            input_tokens: int) -> float:
+            input_tokens: int, dp: int = 1) -> float:
     """Time to first token for one prompt of `input_tokens`: the prefill, then its first token.
 
     Compute-bound: the prompt's FLOPs at the engine's prefill_compute share of peak, plus one read of
     the rank's weights (summed, as in decode), the all-reduces of input·hidden activations and the
-    fixed per-pass cost.
+    fixed per-pass cost. `dp` > 1 (data-parallel attention, expert parallelism): the prompt's attention
+    runs on its group's TP ranks, its experts' work is spread over all tp × dp ranks.
     """
     efficiency = efficiency_for(engine, model, hardware, dtype)
     act = compute_dtype(dtype, model, hardware)
-    flops = 2 * active_prefill_parameters(model) * input_tokens / tp
+    active = active_prefill_parameters(model)
+    if dp > 1 and model.num_experts > 1:
+        experts = model.routed_experts * model.experts_per_token / model.num_experts
+        active = active - experts + experts / dp
+    flops = 2 * active * input_tokens / tp
     blocks = model.encoder_layers if model.is_encoder_decoder else model.layers
     # Q·K and scores·V: 4·s²·heads·head_dim per block, halved where fused kernels skip the masked half;
     # engines that materialize the score matrix (Neuron context encoding, eager CPU) compute all of it.
     causal_share = 1.0 if materializes_attention_scores(engine, hardware) else 0.5
     flops += 4 * causal_share * input_tokens * input_tokens * model.attention_heads * model.head_dim * blocks / tp
     compute_ms = flops / (rank_tflops(hardware, act, tp) * 1e12 * efficiency.prefill_compute) * 1e3
-    memory_ms = weight_bytes(model, engine, dtype, tp, hardware) / effective_bandwidth(hardware, efficiency, tp) * 1e3
-    message = input_tokens * model.hidden_size * DTYPE_BYTES[act]
-    comm_ms = 2 * blocks * allreduce_ms(hardware, efficiency, tp, message)
+    weights = weight_bytes(model, engine, dtype, tp, hardware)
+    memory_ms = _dp_weights(weights, model, dp, 1 << 30) / effective_bandwidth(hardware, efficiency, tp) * 1e3
+    if dp > 1:
+        comm_ms = _dp_comm_ms(model, hardware, efficiency, tp, dp, input_tokens, act)
+    else:
+        message = input_tokens * model.hidden_size * DTYPE_BYTES[act]
+        comm_ms = 2 * blocks * allreduce_ms(hardware, efficiency, tp, message)
     prefill = compute_ms + memory_ms + comm_ms + fixed_ms(efficiency, blocks) + efficiency.prefill_overhead_ms
     if model.is_encoder_decoder:  # then one decoder step yields the first token
         prefill += tpot_ms(model, hardware, engine, dtype, tp, 1, input_tokens, 1)
@@ -232,14 +284,17 @@ def load_seconds(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
 
 
 def predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int, replicas: int,
-            batch: int, input_tokens: int, output_tokens: int) -> Timing:
-    """Every predicted figure for one configuration."""
-    tpot = tpot_ms(model, hardware, engine, dtype, tp, batch, input_tokens, output_tokens)
-    ttft = ttft_ms(model, hardware, engine, dtype, tp, input_tokens)
-    per_instance = max(hardware.devices // tp, 1)
+            batch: int, input_tokens: int, output_tokens: int, dp: int = 1) -> Timing:
+    """Every predicted figure for one configuration (`dp` > 1: each replica is `dp` groups of `tp` ranks,
+    `batch` sequences each; see tpot_ms)."""
+    tpot = tpot_ms(model, hardware, engine, dtype, tp, batch, input_tokens, output_tokens, dp)
+    ttft = ttft_ms(model, hardware, engine, dtype, tp, input_tokens, dp)
+    per_instance = max(hardware.devices // (tp * dp), 1)
     instances = math.ceil(replicas / per_instance)
-    throughput = replicas * batch / tpot * 1e3
-    load = load_seconds(model, hardware, engine, dtype, tp, min(replicas, per_instance))
+    throughput = replicas * dp * batch / tpot * 1e3
+    # Each rank reads what it holds: with expert parallelism, 1/dp of the experts.
+    load = load_seconds(model, hardware, engine, dtype, tp, min(replicas, per_instance) * dp) * (
+        _dp_weights(1.0, model, dp, 1 << 30) if dp > 1 else 1.0)
     cost_hour, cost_million = cost_figures(hardware, instances, throughput)
     return Timing(ttft, tpot, throughput, load, cost_hour, cost_million, instances)
 
@@ -254,5 +309,5 @@ def cost_figures(hardware: HardwareFacts, instances: int, throughput: float) -> 
 
 __all__ = [
     "Timing", "WEIGHT_ONLY", "active_decode_parameters", "allreduce_ms", "allreduce_us", "cost_figures",
-    "efficiency_for", "load_seconds", "predict", "send_us", "tpot_ms", "ttft_ms",
+    "alltoall_ms", "efficiency_for", "load_seconds", "moe_layer_count", "predict", "send_us", "tpot_ms", "ttft_ms",
 ]

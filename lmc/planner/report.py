@@ -51,6 +51,8 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
     quant = f" ({plan.quantization})" if plan.quantization else ""
     stages = plan.deployment.pipeline_parallel_degree
     pipeline = f"PP {stages} · " if stages > 1 else ""
+    if plan.vllm is not None and plan.vllm.data_parallel_size > 1:
+        pipeline = f"DP {plan.vllm.data_parallel_size} (attention; experts parallel over all ranks) · " + pipeline
     lines.append(f"  engine {plan.engine} · dtype {plan.dtype}{quant} · TP {plan.tensor_parallel_degree} · "
                  f"{pipeline}replicas {plan.replicas} · batch {plan.batch_size}")
     d = plan.deployment

@@ -86,6 +86,7 @@ class Config:
     requests_per_second: float = 0.0  # what the planned replicas carry
     peak_instances: int = 1  # instances the peak rate needs (the autoscaling upper bound)
     superseded: str | None = None  # why this layout is not offered although it fits (retire_lmc_pipeline)
+    dp: int = 1  # vLLM, MoE: data-parallel attention groups of `tp` ranks per replica (expert parallel over all)
 
     @property
     def fits(self) -> bool:
@@ -97,7 +98,7 @@ class Config:
 
     @property
     def devices(self) -> int:
-        return self.tp * self.replicas * self.pp
+        return self.tp * self.dp * self.replicas * self.pp
 
 
 @dataclass
@@ -464,7 +465,26 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
                     continue
                 for pp in stages:
                     configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp, rejections)
+                    for dp in data_parallel_degrees(spec, model, hardware, engine, tp, pp):
+                        configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp, rejections,
+                                                  dp)
     return configs, rejections
+
+
+def data_parallel_degrees(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, tp: int,
+                          pp: int) -> list[int]:
+    """Data-parallel attention degrees (> 1) to weigh beside tensor parallelism alone: vLLM on GPUs, an MoE
+    model, one instance per copy (data parallelism across instances is not planned), whole experts per
+    rank (the tp × dp ranks divide them), and not pinned off (pin.expert_parallel = false)."""
+    if (engine.name != "vllm" or model.num_experts <= 1 or hardware.kind != "gpu" or pp > 1
+            or spec.pin.expert_parallel is False):
+        return []
+    degrees, dp = [], 2
+    while tp * dp <= hardware.devices:
+        if model.num_experts % (tp * dp) == 0:
+            degrees.append(dp)
+        dp *= 2
+    return degrees
 
 
 PIPELINE_RETIRED = ("lmc's own pipeline is kept for models vLLM cannot run across instances; vLLM's multi-node "
@@ -482,10 +502,11 @@ def retire_lmc_pipeline(configs: list[Config]) -> list[Config]:
 
 
 def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
-                   tp: int, pp: int, rejections: list[Rejection]) -> list[Config]:
-    """The configurations of one engine, dtype, TP and pipeline degree, one per batch size."""
+                   tp: int, pp: int, rejections: list[Rejection], dp: int = 1) -> list[Config]:
+    """The configurations of one engine, dtype, TP and pipeline degree (and vLLM's data-parallel attention
+    degree), one per batch size."""
     pin, load, budget, goal = spec.pin, spec.workload, spec.budget, spec.goal
-    per_instance = max(hardware.devices // tp, 1)
+    per_instance = max(hardware.devices // (tp * dp), 1)
     max_replicas = per_instance * (spec.target.instances // pp)
     why = pipeline_unsupported(pp, engine, model, hardware)
     if why is None and pp > spec.target.instances:
@@ -500,14 +521,14 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
         return []
     staged = stage_model(model, pp)
     out = []
-    sizes = (vllm_batch_sizes(spec, staged, hardware, engine, efficiency, dtype, tp) if engine.name == "vllm"
+    sizes = (vllm_batch_sizes(spec, staged, hardware, engine, efficiency, dtype, tp, dp) if engine.name == "vllm"
              else batch_sizes(load.concurrency))
     for batch in sizes:
-        replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / batch))
+        replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / (batch * dp)))
         layout = None
         if engine.name == "vllm":  # vLLM's own memory model: the KV pool is what the budget leaves
             memory, layout = vllm_memory(staged, hardware, engine, efficiency, dtype, tp, batch, load.max_input_tokens,
-                                         load.max_output_tokens, budget.memory_fraction, budget.memory_per_device)
+                                         load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp)
         else:
             memory = memory_per_device(staged, hardware, engine, efficiency, dtype, tp, batch,
                                        load.max_input_tokens, load.max_output_tokens,
@@ -526,7 +547,7 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
                      and timing.cost_per_hour > budget.max_cost_per_hour)
         out.append(Config(engine.name, dtype, tp, replicas, batch, memory, timing, goal_gap(goal, timing), over_cost,
                           vllm=layout, pp=pp, over_rate=over_rate, requests_per_second=scaled.requests_per_second,
-                          peak_instances=scaled.peak_instances))
+                          peak_instances=scaled.peak_instances, dp=dp))
     return out
 
 
@@ -540,6 +561,9 @@ def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layou
     if layout is not None:
         base = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, load.max_input_tokens,
                             load.max_output_tokens, load.concurrency)
+        dp = layout.data_parallel_size  # a replica is dp groups of tp ranks, `batch` sequences each
+        return scale_timing(base, model, hardware, engine, dtype, tp * dp, pp, replicas, batch * dp,
+                            load.max_input_tokens, load.max_output_tokens, load.peak_requests_per_second)
     else:
         base = predict(model, hardware, engine, dtype, tp, replicas, batch, load.max_input_tokens,
                        load.max_output_tokens)
@@ -548,13 +572,13 @@ def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layou
 
 
 def vllm_batch_sizes(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
-                     tp: int) -> list[int]:
+                     tp: int, dp: int = 1) -> list[int]:
     """max_num_seqs candidates: the powers of two, and the sequences the KV pool holds when that is fewer
     than the concurrency (so a pool of 15 is planned at 15, not 8)."""
     sizes = batch_sizes(spec.workload.concurrency)
     load, budget = spec.workload, spec.budget
     _, layout = vllm_memory(model, hardware, engine, efficiency, dtype, tp, 1, load.max_input_tokens,
-                            load.max_output_tokens, budget.memory_fraction, budget.memory_per_device)
+                            load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp)
     holds = layout.max_concurrent_sequences
     if 1 <= holds < load.concurrency and holds not in sizes:
         sizes = sorted(sizes + [holds])
@@ -685,6 +709,10 @@ def predicted(t: Timing) -> Predicted:
                      else round(t.cost_per_million_tokens, 4))
 
 
+def _layout(tp: int, dp: int) -> str:
+    return f"TP {tp}" if dp == 1 else f"DP {dp} × TP {tp}"
+
+
 def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
@@ -694,7 +722,7 @@ def _best_per_group(spec, model, hardware, configs: list[Config], goal_met: bool
     for c in configs:
         if not c.feasible:
             continue
-        key = (c.engine, c.dtype, c.tp)
+        key = (c.engine, c.dtype, c.tp, c.dp)
         if key not in best or sort_key(spec, model, hardware, c, goal_met) < sort_key(spec, model, hardware, best[key], goal_met):
             best[key] = c
     return best
@@ -725,7 +753,7 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
     groups = _best_per_group(spec, model, hardware, configs, goal_met)
     out: list[Decision] = []
 
-    others = sorted((c for (e, d, tp), c in groups.items() if e != chosen.engine),
+    others = sorted((c for (e, d, tp, dp), c in groups.items() if e != chosen.engine),
                     key=lambda c: sort_key(spec, model, hardware, c, goal_met))
     if spec.pin.engine:
         why = "pinned by the spec"
@@ -772,10 +800,13 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
                                f"{compute_dtype(chosen.dtype, model, hardware)}" if chosen.dtype in WEIGHT_ONLY
                         else "none: weights served in their planned dtype"))
 
-    tps = sorted({c.tp: c for c in groups.values() if c.engine == chosen.engine and c.dtype == chosen.dtype}.items())
-    compare = ", ".join(f"TP {tp}: {c.timing.tpot_ms:.2f} ms" for tp, c in tps if tp != chosen.tp)
+    tps = sorted({(c.tp, c.dp): c for c in groups.values() if c.engine == chosen.engine and c.dtype == chosen.dtype}.items())
+    compare = ", ".join(f"{_layout(tp, dp)}: {c.timing.tpot_ms:.2f} ms" for (tp, dp), c in tps
+                        if (tp, dp) != (chosen.tp, chosen.dp))
     out.append(Decision(key="tensor_parallel_degree", value=chosen.tp,
                         reason=("pinned by the spec; " if spec.pin.tensor_parallel_degree else "")
+                        + (f"{chosen.dp} data-parallel attention groups of TP {chosen.tp} (decision expert_parallel); "
+                           if chosen.dp > 1 else "")
                         + f"TPOT {t.tpot_ms:.2f} ms, {_gib(mem.total)} of {_gib(mem.capacity)} per device"
                         + (f" (other fitting degrees: {compare})" if compare else "")
                         + (f"; divides the {model.attention_heads} heads / {model.kv_heads} kv heads"
@@ -785,10 +816,11 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
                               else "(kv heads replicated across ranks)"))))
     out.append(Decision(key="replicas", value=chosen.replicas,
                         reason=("pinned by the spec; " if spec.pin.replicas else "")
-                        + f"{chosen.replicas} × batch {chosen.batch} = {chosen.replicas * chosen.batch} concurrent "
+                        + f"{chosen.replicas} × {f'{chosen.dp} DP groups × ' if chosen.dp > 1 else ''}batch {chosen.batch} = "
+                        f"{chosen.replicas * chosen.dp * chosen.batch} concurrent "
                         f"sequences for concurrency {load.concurrency}"
                         + (" (SHORT: more would not fit or would miss the goal; the other requests wait in the queue)"
-                           if chosen.replicas * chosen.batch < load.concurrency else "")
+                           if chosen.replicas * chosen.dp * chosen.batch < load.concurrency else "")
                         + f"; {chosen.devices} device(s) on "
                         f"{t.instances_used} instance(s) of {hardware.devices}"))
     out += scale_decisions(spec, model, hardware, chosen)
@@ -861,7 +893,7 @@ def scale_decisions(spec, model: ModelFacts, hardware: HardwareFacts, chosen: Co
         out.append(Decision(key="pipeline_parallel_degree", value=pp,
                             reason=f"{why}: {pp} stage(s) of up to {stage_layers(model, pp)} of {model.layers} "
                                    f"layers, one instance each, TP {chosen.tp} within it{hop}"))
-    per_instance = max(hardware.devices // chosen.tp, 1)
+    per_instance = max(hardware.devices // (chosen.tp * chosen.dp), 1)
     reason = (f"{chosen.replicas} replica(s) × {pp} stage(s), {per_instance} replica(s) per instance; they carry "
               f"{chosen.requests_per_second:.2f} requests/s (batch {chosen.batch} / (TTFT + {load.max_output_tokens} "
               f"× TPOT) each)")
@@ -879,7 +911,7 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
                  rejections: list[Rejection]) -> list[Alternative]:
     goal_met = chosen.goal_gap <= 1.0
     groups = _best_per_group(spec, model, hardware, configs, goal_met)
-    feasible = sorted((c for k, c in groups.items() if k != (chosen.engine, chosen.dtype, chosen.tp)),
+    feasible = sorted((c for k, c in groups.items() if k != (chosen.engine, chosen.dtype, chosen.tp, chosen.dp)),
                       key=lambda c: sort_key(spec, model, hardware, c, goal_met))
     out = []
     for c in feasible:
@@ -897,12 +929,12 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
     # Configurations that do not fit or cost too much: the smallest deficit per (engine, dtype, tp).
     short: dict[tuple, Config] = {}
     for c in configs:
-        key = (c.engine, c.dtype, c.tp)
+        key = (c.engine, c.dtype, c.tp, c.dp)
         if key in groups or key in retired:
             continue
         if key not in short or (c.memory.headroom, -c.batch) > (short[key].memory.headroom, -short[key].batch):
             short[key] = c
-    for c in sorted(short.values(), key=lambda c: (-c.memory.headroom, c.engine, c.dtype, c.tp)):
+    for c in sorted(short.values(), key=lambda c: (-c.memory.headroom, c.engine, c.dtype, c.tp, c.dp)):
         if c.fits:
             reason = f"over max cost: ${c.timing.cost_per_hour:.2f}/h > ${spec.budget.max_cost_per_hour:g}/h"
         else:
@@ -920,6 +952,8 @@ def _describe(spec, c: Config) -> str:
     t = c.timing
     cost = f", ${t.cost_per_million_tokens:.2f}/M tokens" if t.cost_per_million_tokens is not None else ""
     stages = f"{c.pp} pipeline stages, " if c.pp > 1 else ""
+    if c.dp > 1:
+        stages += f"data-parallel attention {c.dp} × TP {c.tp}, expert parallel, "
     return (f"{stages}batch {c.batch}: TPOT {t.tpot_ms:.2f} ms, TTFT {t.ttft_ms:.0f} ms, "
             f"{t.throughput_tokens_per_s:.0f} tokens/s{cost}, {c.devices} device(s)")
 

@@ -60,6 +60,11 @@ class Sizing:
     invocations_per_instance_per_minute: Figure  # target-tracking target value
 
 
+def data_parallel_size(plan: Plan) -> int:
+    """vLLM's data-parallel attention groups per model copy (1 without)."""
+    return plan.vllm.data_parallel_size if plan.vllm is not None else 1
+
+
 def replicas_per_instance(plan: Plan) -> int:
     """Model copies (or, across stages, stages of copies) one instance serves."""
     groups = max(plan.deployment.instances // plan.deployment.pipeline_parallel_degree, 1)
@@ -100,10 +105,12 @@ def size_deployment(plan: Plan, hardware: HardwareFacts, *, compressed: bool, se
     `server_timeout_s`: how long the model server itself waits for the model to load (the start-up
     timeout must outlast it, or the platform kills a container that would have come up)."""
     d = plan.deployment
-    tp, pp = plan.tensor_parallel_degree, d.pipeline_parallel_degree
-    artifact = plan.memory_per_device.weights * tp * pp
+    tp, pp, dp = plan.tensor_parallel_degree, d.pipeline_parallel_degree, data_parallel_size(plan)
+    artifact = plan.memory_per_device.weights * tp * pp * dp
     artifact_fig = Figure(artifact, f"the weights of one model copy as `lmc build` packs them: "
                                     f"{plan.memory_per_device.weights / GB:.2f} GB per rank × TP {tp}"
+                                    + (f" × {dp} data-parallel groups (their attention is counted {dp} times: "
+                                       "an upper bound)" if dp > 1 else "")
                                     + (f" × {pp} stages (the heaviest stage's ranks: an upper bound)" if pp > 1 else "")
                                     + " (plan.memory_per_device.weights); tokenizer and config files are small")
     rate = TAR_GZ_BYTES_PER_S if compressed else S3_PREFIX_BYTES_PER_S
@@ -134,9 +141,9 @@ def size_deployment(plan: Plan, hardware: HardwareFacts, *, compressed: bool, se
         ebs = Figure(max(gb, 1), f"{storage_fig.reason}, in GB, on an EBS volume ({hardware.name} has no instance "
                                  "storage)")
     replicas_here = replicas_per_instance(plan)
-    per_instance = min(hardware.devices, tp * replicas_here)
-    devices_fig = Figure(per_instance, f"TP {tp} × {replicas_here} replica(s) per instance, of the "
-                                       f"{hardware.devices} of {hardware.name}")
+    per_instance = min(hardware.devices, tp * dp * replicas_here)
+    devices_fig = Figure(per_instance, f"TP {tp}" + (f" × DP {dp}" if dp > 1 else "")
+                         + f" × {replicas_here} replica(s) per instance, of the {hardware.devices} of {hardware.name}")
     shm = max(per_instance, 1) * SHM_PER_DEVICE_BYTES
     if hardware.host_memory_bytes is not None:
         shm = min(shm, hardware.host_memory_bytes // 2)

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, ModelFacts
-from lmc.planner.latency import Timing, cost_figures, predict, tpot_ms, ttft_ms
+from lmc.planner.latency import Timing, expert_share, cost_figures, predict, tpot_ms, ttft_ms
 from lmc.planner.memory import (
     capacity_bytes,
     compute_dtype,
@@ -81,6 +81,7 @@ class VllmLayout:
     cpu_kvcache_space_gib: int | None  # VLLM_CPU_KVCACHE_SPACE on CPU plans
 
     sequence_bytes: int = 0  # KV bytes one max_model_len sequence holds per rank (sliding layers: their window)
+    data_parallel_size: int = 1  # DP attention groups of TP ranks, experts spread over all (MoE); max_num_seqs is per group
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -138,8 +139,11 @@ def runtime_bytes(efficiency: EngineEfficiency, hardware: HardwareFacts, tp: int
 
 def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency: EngineEfficiency,
                 dtype: str, tp: int, max_num_seqs: int, input_tokens: int, output_tokens: int,
-                memory_fraction: float, memory_cap: int | None) -> tuple[MemoryPerDevice, VllmLayout]:
+                memory_fraction: float, memory_cap: int | None, dp: int = 1) -> tuple[MemoryPerDevice, VllmLayout]:
     """Per-device memory and the KV pool for `max_num_seqs` sequences of input + output tokens.
+    `dp` > 1 (an MoE model, data-parallel attention with expert parallelism): each rank holds its TP
+    share of everything but the routed experts, and 1/(tp·dp) of those; each DP group's pool serves its
+    own `max_num_seqs`.
 
     When the pool holds them, `kv_cache` is the whole pool (vLLM takes what is left) and the headroom
     is what rounding leaves; when it does not, `kv_cache` is what they need and the headroom is the
@@ -149,6 +153,9 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     max_model_len = input_tokens + output_tokens
     batched = max_num_batched_tokens(hardware, tp, max_num_seqs)
     weights = weight_bytes(model, engine, dtype, tp, hardware)
+    if dp > 1:
+        share = expert_share(model)
+        weights = int(weights * (1 - share) + weights * share / dp)
     activations = activation_bytes(model, engine, tp, act_dtype, batched, max_num_seqs)
     runtime = runtime_bytes(efficiency, hardware, tp)
     utilization = gpu_memory_utilization(hardware, memory_fraction, memory_cap)
@@ -169,7 +176,7 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     layout = VllmLayout(block_size=block_size, blocks=blocks, bytes_per_block=bytes_per_block, pool_bytes=pool,
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=batched,
                         gpu_memory_utilization=utilization, cpu_kvcache_space_gib=space_gib,
-                        sequence_bytes=sequence)
+                        sequence_bytes=sequence, data_parallel_size=dp)
     kv = pool if layout.max_concurrent_sequences >= max_num_seqs else needed
     total = weights + activations + runtime + kv
     return (MemoryPerDevice(weights=weights, kv_cache=kv, activations=activations, runtime_overhead=runtime,
@@ -184,30 +191,35 @@ def running_sequences(max_num_seqs: int, replicas: int, concurrency: int) -> int
 def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
                  replicas: int, layout: VllmLayout, input_tokens: int, output_tokens: int,
                  concurrency: int) -> Timing:
-    """TTFT, TPOT and throughput of continuous batching at the workload's concurrency (module docstring)."""
-    running = running_sequences(layout.max_num_seqs, replicas, concurrency)
+    """TTFT, TPOT and throughput of continuous batching at the workload's concurrency (module docstring).
+    With data-parallel attention (layout.data_parallel_size > 1) `running` is one DP group's, each of a
+    replica's groups runs as many, and they step together: a prefill in one group delays every group's step."""
+    dp = layout.data_parallel_size
+    running = running_sequences(layout.max_num_seqs, replicas * dp, concurrency)
     # Instances, load and price per hour as for any engine; the rest is continuous batching's (its
     # TPOT is one decode step of `running`, its TTFT one whole prompt: the terms below start from them).
-    base = predict(model, hardware, engine, dtype, tp, replicas, running, input_tokens, output_tokens)
+    base = predict(model, hardware, engine, dtype, tp, replicas, running, input_tokens, output_tokens, dp)
     decode = base.tpot_ms
-    riding = max(decode - tpot_ms(model, hardware, engine, dtype, tp, 1, input_tokens, output_tokens), 0.0)
+    riding = max(decode - tpot_ms(model, hardware, engine, dtype, tp, 1, input_tokens, output_tokens, dp), 0.0)
 
     chunk = max(layout.max_num_batched_tokens - (running - 1), 1)
     full, rest = divmod(input_tokens, chunk)
     chunks = full + (1 if rest else 0)
-    ttft = full * ttft_ms(model, hardware, engine, dtype, tp, chunk) + chunks * riding
+    ttft = full * ttft_ms(model, hardware, engine, dtype, tp, chunk, dp) + chunks * riding
     if rest:
-        ttft += ttft_ms(model, hardware, engine, dtype, tp, rest)
+        ttft += ttft_ms(model, hardware, engine, dtype, tp, rest, dp)
 
     # Prefills ride in decode steps: running / output_tokens prompts join per step, each costing its
     # prefill beyond a one-token pass. The mean step (throughput) pays them all; the median step
     # (the p50 TPOT the goal names) pays one chunk only when most steps carry one.
-    prefill_extra = max(base.ttft_ms - ttft_ms(model, hardware, engine, dtype, tp, 1), 0.0)
-    joins = running / output_tokens
+    prefill_extra = max(base.ttft_ms - ttft_ms(model, hardware, engine, dtype, tp, 1, dp), 0.0)
+    # Data-parallel groups step in lockstep (each MoE block's all-to-all waits for every group): a prompt
+    # joining any group holds up all of them, so every group's joins count against each step.
+    joins = running * dp / output_tokens
     mean_step = decode + joins * prefill_extra
     tpot = decode + (prefill_extra / chunks if joins * chunks >= 0.5 else 0.0)
 
-    throughput = replicas * running / mean_step * 1e3
+    throughput = replicas * dp * running / mean_step * 1e3
     _, cost_million = cost_figures(hardware, base.instances_used, throughput)
     return replace(base, ttft_ms=ttft, tpot_ms=tpot, throughput_tokens_per_s=throughput,
                    load_seconds=base.load_seconds + engine.efficiency[hardware.kind].start_seconds,
@@ -281,7 +293,7 @@ def admission(spec, layout: VllmLayout, timing: Timing, stages: int, queue: int)
     (w + 1) slots + TTFT: vLLM holds as many waiting as keep that within the spec's TTFT goal, and answers 503
     beyond (vLLM's max_num_queued_reqs; vLLM itself queues without bound). Without a TTFT goal: LMI's queue,
     `queue` (job_queue_size) waiting."""
-    running = layout.max_num_seqs * stages
+    running = layout.max_num_seqs * stages * layout.data_parallel_size
     request_ms = timing.ttft_ms + spec.workload.max_output_tokens * timing.tpot_ms
     slot_ms = request_ms / running
     retry = max(1, math.ceil(slot_ms / 1000))
@@ -310,13 +322,19 @@ def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts,
                       cpu_kvcache_space_gib=layout.cpu_kvcache_space_gib,
                       dtype=VLLM_DTYPES[compute_dtype(dtype, model, hardware)],
                       quantization="fp8" if online_fp8 else None,
-                      enable_expert_parallel=bool(spec.pin.expert_parallel),
+                      enable_expert_parallel=bool(spec.pin.expert_parallel) or layout.data_parallel_size > 1,
+                      data_parallel_size=layout.data_parallel_size,
                       max_num_queued_reqs=admitted.max_num_queued_reqs, retry_after_s=admitted.retry_after_s,
                       tool_call_parser=spec.serving.tool_call_parser, reasoning_parser=spec.serving.reasoning_parser)
 
 
-def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str | None = None) -> tuple[str, str]:
+def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str | None = None,
+                   data_parallel: int = 1) -> tuple[str, str]:
     """How a vLLM artifact carries its weights, and why (the build follows this; README has the details)."""
+    if data_parallel > 1 and not remote and not quantized:
+        return ("checkpoint", f"the checkpoint in the planned dtype: with {data_parallel} data-parallel groups each "
+                              "rank loads its experts from it (vLLM's sharded_state is written per rank of one "
+                              "tensor-parallel group)")
     if quantized and not remote:
         return ("checkpoint", f"the {quantized}-quantized checkpoint as published: vLLM reads its "
                               "quantization_config and partitions it as it loads")
@@ -335,7 +353,8 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
     """The decisions of a vLLM plan: its own reasons for batch, delay and KV cache, and its engine arguments."""
     load = spec.workload
     per_token = layout.bytes_per_block // layout.block_size
-    running = running_sequences(layout.max_num_seqs, replicas, load.concurrency)
+    groups = replicas * layout.data_parallel_size
+    running = running_sequences(layout.max_num_seqs, groups, load.concurrency)
     if hardware.kind == "cpu":
         pool = (f"VLLM_CPU_KVCACHE_SPACE = {layout.cpu_kvcache_space_gib} GiB per rank: the whole GiB of the "
                 f"{memory.capacity / GIB:.2f} GiB budget per rank after weights, activations and runtime")
@@ -346,7 +365,9 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
     replaced = {
         "batch_size": f"max_num_seqs {layout.max_num_seqs}: the pool holds {layout.max_concurrent_sequences} sequences "
                       f"of {layout.max_model_len} tokens; {running} run at once at concurrency {load.concurrency} "
-                      f"over {replicas} replica(s)",
+                      f"over {replicas} replica(s)" + (f" of {layout.data_parallel_size} data-parallel groups each "
+                                                         "(max_num_seqs is per group)"
+                                                         if layout.data_parallel_size > 1 else ""),
         "max_batch_delay_ms": "continuous batching: a request joins the running batch at the next step, no wait",
         "kv_cache": f"{pool}; {layout.blocks} blocks of {layout.block_size} tokens × {per_token / 1024:.1f} KiB per "
                     f"token per rank = {layout.blocks * layout.block_size} tokens; {layout.max_concurrent_sequences} "
@@ -357,7 +378,7 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
     values = {"max_batch_delay_ms": 0}
     out = [Decision(key=d.key, value=values.get(d.key, d.value), reason=replaced.get(d.key, d.reason)) for d in out]
     fmt, why = weights_format(hardware, remote=spec.model.uri is not None, quantized=model.quantization_method
-                              if model.checkpoint_quantization else None)
+                              if model.checkpoint_quantization else None, data_parallel=layout.data_parallel_size)
     goal_at = next(i for i, d in enumerate(out) if d.key == "goal")
     out[goal_at:goal_at] = [
         Decision(key="scheduling", value="continuous",
@@ -374,7 +395,14 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
         Decision(key="weights", value=fmt, reason=why),
         Decision(key="admission", value=admitted.max_num_queued_reqs, reason=admitted.reason),
     ]
-    if model.num_experts > 1:
+    if model.num_experts > 1 and layout.data_parallel_size > 1:
+        dp = layout.data_parallel_size
+        out.insert(goal_at + 5, Decision(
+            key="expert_parallel", value=True,
+            reason=(f"data-parallel attention: {dp} groups, each with its own {layout.max_num_seqs} sequences and KV "
+                    f"pool; the {model.num_experts} experts spread over all their ranks (vLLM --data-parallel-size "
+                    f"{dp} --enable-expert-parallel), two all-to-alls per MoE block instead of all-reduces")))
+    elif model.num_experts > 1:
         ep = bool(spec.pin.expert_parallel)
         out.insert(goal_at + 5, Decision(
             key="expert_parallel", value=ep,
