@@ -33,7 +33,7 @@ no failed request at concurrency 16. Figures are reported, not asserted: exit 0 
 
 Usage:
   python bench/vllm_server_parity.py [--models tiny,512] [--concurrency 16,128] [--runs 2]
-      [--requests-16 96] [--requests-128 400] [--requests C:N,...] [--json OUT] [--keep DIR]
+      [--requests-16 320] [--requests-128 400] [--requests C:N,...] [--json OUT] [--keep DIR]
   smoke: python bench/vllm_server_parity.py --models tiny --concurrency 4 --runs 1 --requests 4:8
 """
 
@@ -444,6 +444,18 @@ def ratios_of(lmc: dict[str, Any], vllm: dict[str, Any], concurrency: int) -> di
     return out
 
 
+def missed(summary: list[dict]) -> list[str]:
+    """The targets a run missed, one label each (a target that could not be judged counts as missed)."""
+    out = []
+    for row in summary:
+        ratios = row.get("ratios") or {}
+        for key, label in (("throughput_met", "throughput"), ("ttft_p99_met", "TTFT p99"),
+                           ("no_failures_met", "no failed request")):
+            if key in ratios and ratios[key] is not True and not (key == "no_failures_met" and ratios[key] is None):
+                out.append(f"{row['model']} c={row['concurrency']} {label}")
+    return out
+
+
 # ---------------------------------------------------------------- main
 
 def _ints(text: str) -> list[int]:
@@ -456,7 +468,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--models", default="tiny,512", help="comma-separated, of: " + ", ".join(MODELS))
     parser.add_argument("--concurrency", type=_ints, default=[16, 128], help="comma-separated (default 16,128)")
     parser.add_argument("--runs", type=int, default=2, help="runs per server and concurrency, alternated lmc, vllm")
-    parser.add_argument("--requests-16", type=int, default=96, help="requests per run at concurrency 16")
+    parser.add_argument("--requests-16", type=int, default=320, help="requests per run at concurrency 16")
     parser.add_argument("--requests-128", type=int, default=400, help="requests per run at concurrency 128")
     parser.add_argument("--requests", default="", metavar="C:N,...",
                         help="requests per run at other concurrencies (default 6 x C)")
@@ -629,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     if broken:
         print("errors: " + "; ".join(broken), file=sys.stderr)
         return 130 if interrupted else 1
+    if missed(summary):
+        print("targets missed: " + "; ".join(missed(summary)), file=sys.stderr)
+        return 2
     return 0
 
 

@@ -769,8 +769,8 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
         if engine.fused(model.family):
             fused = "; fused kernels (kernel injection) for " + model.family
         elif model.family in engine.kernel_injection_families:
-            fused = (f"; AutoTP, no fused kernels: DeepSpeed's injection policy for {model.family} does not fit the "
-                     "pinned transformers' modules")
+            fused = ("; AutoTP, no fused kernels: lmc injects none, DeepSpeed 0.19.8's injection policies failed on "
+                     "transformers 5's GPT-NeoX and Llama modules (engines.toml, kernel_injection)")
         else:
             fused = "; AutoTP (no fused kernels for " + model.family + ")"
     if model.family not in engine.families:

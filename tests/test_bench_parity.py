@@ -1,0 +1,34 @@
+"""bench/vllm_server_parity.py without starting a server: which targets a summary misses (its exit status)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "vllm_server_parity.py"
+
+
+@pytest.fixture(scope="module")
+def parity():
+    spec = importlib.util.spec_from_file_location("vllm_server_parity", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(model, concurrency, throughput_met, ttft_met, failures_met=None):
+    return {"model": model, "concurrency": concurrency,
+            "ratios": {"throughput_met": throughput_met, "ttft_p99_met": ttft_met, "no_failures_met": failures_met}}
+
+
+def test_a_run_that_meets_every_target_misses_nothing(parity):
+    assert parity.missed([_row("tiny", 16, True, True, True), _row("512", 128, True, True)]) == []
+
+
+def test_each_missed_or_unjudged_target_is_named(parity):
+    summary = [_row("tiny", 16, True, False, True), _row("512", 128, False, True),
+               _row("512", 16, None, None, False)]  # failed requests: the ratios cannot be judged
+    assert parity.missed(summary) == ["tiny c=16 TTFT p99", "512 c=128 throughput", "512 c=16 throughput",
+                                      "512 c=16 TTFT p99", "512 c=16 no failed request"]
