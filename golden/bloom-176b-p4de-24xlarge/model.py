@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 e0c96bc75b965e4193c423079b0e74958806cf562d8e961ccb27a5e26c313154
-plan sha256 3b2fef405828cc0d6a5965a68f752d5abc6124037adee5f236f0ff2e57e30d77
+plan sha256 8b5bd03fcbc00f1d5b9efc2fb4f9fc77d53b38c69fba14e96b2a0e56245f8c09
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

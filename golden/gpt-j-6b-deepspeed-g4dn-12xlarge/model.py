@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 640 tokens, on cuda.
 
 spec sha256 62ef75f0adb3b3385eacfeecd6e48f0cff67402b701e7b97ebc813995cf1de5f
-plan sha256 1a6cab4773b14280533356620e2eb311944689f5c27f4d6a10a5ab8c2f3c4202
+plan sha256 2967d31c83f13ea2bf90ef477e73b0caff8bcc8b9dd0bc2c7e7902d39f671f5d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

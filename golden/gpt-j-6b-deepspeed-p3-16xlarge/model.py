@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waitin
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 8e15e73d3bb4c32e37ade5482162e4fa13c25d478b63c04bc79fd3884b80d79f
-plan sha256 ef9b982f980fe737a7a750b3d2ba0db3d6a8274c44cd6bf3823acdf16a13a876
+plan sha256 2525c2c6a39090abf424039fabf937ea0a429b82e3a6c31299e77e9e5dbc47f0
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 4 requests waiting
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 75d95f99dea9db70e7fb18656f22a2053feb3a5d5b7040e5d066a6449bbe96b3
-plan sha256 737b62e8a45f3fa0031639ce287d768736a3b92913b7218b6f940db78e80a518
+plan sha256 eb599094fc6d97a8b983f01aad580569b6e407cafbcfa21f15a6ea0fd8ebbae1
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

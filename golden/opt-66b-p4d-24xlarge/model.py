@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waitin
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 c2a5f805fc15272aed97e8f6d0cfaca6c4a6bc5f051dd647e98abd28207ffdfc
-plan sha256 26063f2c7b8ad9941d3b430e6b1849d78c4379b695d7bbb51459dad22c8f98f1
+plan sha256 3131529f7fa53d0cb846d6968ec1f1dfea53a6c9fe5c930a2e7552fc7bd85bda
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.
