@@ -81,29 +81,28 @@ def _kv_cache_memory_bytes(plan) -> int:
     return int(values[0])
 
 
-def test_plan_kv_blocks_match_what_vllm_allocates_for_two_budgets(checkpoint, tmp_path):
+def test_plan_kv_blocks_match_what_vllm_allocates_for_two_budgets(checkpoint, tmp_path_factory):
+    """Two vLLM starts: the 128-wide fp32 Llama at a 3 GiB budget with the pool given as the environment
+    variable, and a 256-wide, 2-layer bf16 Llama (heads of 64, 2 KV heads) at 4 GiB with the pool given as
+    serving.properties' option.kv_cache_memory_bytes. The plan's pool, blocks × block_size tokens, is
+    exactly what vLLM allocates. vLLM's log line "CPU KV cache size: N tokens" is not that pool but max
+    concurrency × max_model_len (vllm/v1/core/kv_cache_utils.py `get_kv_cache_capacity`): a request of
+    max_model_len (96) tokens takes whole 128-token blocks, so N is 96/128 of the pool."""
+    from lmc.testing.checkpoints import make_checkpoint
+
+    tmp_path = tmp_path_factory.mktemp("spec")
     small, large = _plan(tmp_path, "3GiB"), _plan(tmp_path, "4GiB")
     assert (small.engine, large.engine) == ("vllm", "vllm")
     assert small.vllm.cpu_kvcache_space_gib < large.vllm.cpu_kvcache_space_gib  # the budget moves the pool
-    for plan, how in ((small, "env"), (large, "serving.properties")):
-        reported = _vllm_blocks(checkpoint, plan, how)
-        assert reported["block_size"] == plan.kv_cache.block_size
-        assert abs(plan.kv_cache.blocks - reported["blocks"]) <= 0.10 * reported["blocks"], (plan.kv_cache, reported)
+    reported = _vllm_blocks(checkpoint, small, "env")
+    assert reported["block_size"] == small.kv_cache.block_size
+    assert abs(small.kv_cache.blocks - reported["blocks"]) <= 0.10 * reported["blocks"], (small.kv_cache, reported)
 
-
-def test_bf16_plan_pool_is_the_tokens_vllm_allocates(tmp_path_factory):
-    """bf16 on a 256-wide, 2-layer Llama (heads of 64, 2 KV heads) at a 4 GiB budget: the plan's pool,
-    blocks × block_size tokens, is exactly what vLLM allocates. vLLM's log line "CPU KV cache size: N
-    tokens" is not that pool but max concurrency × max_model_len (vllm/v1/core/kv_cache_utils.py
-    `get_kv_cache_capacity`): a request of max_model_len (96) tokens takes whole 128-token blocks, so N is
-    96/128 of the pool (1,572,864 of 2,097,152 tokens here), in fp32 as in bf16."""
-    from lmc.testing.checkpoints import make_checkpoint
-
-    checkpoint = make_checkpoint("llama", tmp_path_factory.mktemp("llama-256") / "ckpt", seed=0, hidden_size=256,
-                                 intermediate_size=512)
-    plan = _plan(tmp_path_factory.mktemp("spec"), "4GiB", model=checkpoint, dtype="bf16")
+    wide = make_checkpoint("llama", tmp_path_factory.mktemp("llama-256") / "ckpt", seed=0, hidden_size=256,
+                           intermediate_size=512)
+    plan = _plan(tmp_path, "4GiB", model=wide, dtype="bf16")
     assert (plan.engine, plan.dtype) == ("vllm", "bf16")
-    reported, log = _vllm_probe(checkpoint, plan, "env")
+    reported, log = _vllm_probe(wide, plan, "serving.properties")
     pool_tokens = plan.kv_cache.blocks * plan.kv_cache.block_size
     assert (plan.kv_cache.block_size, pool_tokens) == (reported["block_size"], reported["blocks"] * reported["block_size"])
     assert pool_tokens == plan.vllm.cpu_kvcache_space_gib * 2**30 // (2 * 2 * 2 * 64 * 2)  # 1 KiB a token in bf16
