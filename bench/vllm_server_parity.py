@@ -448,11 +448,14 @@ def missed(summary: list[dict]) -> list[str]:
     """The targets a run missed, one label each (a target that could not be judged counts as missed)."""
     out = []
     for row in summary:
-        ratios = row.get("ratios") or {}
-        for key, label in (("throughput_met", "throughput"), ("ttft_p99_met", "TTFT p99"),
-                           ("no_failures_met", "no failed request")):
-            if key in ratios and ratios[key] is not True and not (key == "no_failures_met" and ratios[key] is None):
-                out.append(f"{row['model']} c={row['concurrency']} {label}")
+        ratios = row.get("ratios")
+        if not ratios:
+            continue
+        # None for a ratio: failed requests left it unjudged (missed); for no_failures_met: not this concurrency
+        checks = [("throughput", ratios["throughput_met"]), ("TTFT p99", ratios["ttft_p99_met"])]
+        if ratios["no_failures_met"] is not None:
+            checks.append(("no failed request", ratios["no_failures_met"]))
+        out += [f"{row['model']} c={row['concurrency']} {label}" for label, met in checks if met is not True]
     return out
 
 

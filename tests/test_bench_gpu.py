@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +10,17 @@ import pytest
 
 from lmc.schema import load_spec
 
+try:
+    from _scripts import load_script
+except ImportError:  # tests/ imported as a package
+    from tests._scripts import load_script
+
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu" / "gpu_loop.py"
 
 
 @pytest.fixture(scope="module")
 def loop():
-    spec = importlib.util.spec_from_file_location("gpu_loop", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/gpu/gpu_loop.py")
 
 
 def test_arguments(loop):

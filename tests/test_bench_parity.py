@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "vllm_server_parity.py"
+try:
+    from _scripts import load_script
+except ImportError:  # tests/ imported as a package
+    from tests._scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def parity():
-    spec = importlib.util.spec_from_file_location("vllm_server_parity", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/vllm_server_parity.py")
 
 
 def _row(model, concurrency, throughput_met, ttft_met, failures_met=None):

@@ -218,7 +218,7 @@ def test_data_parallel_attention_reads_a_share_of_the_experts_and_pays_all_to_al
     """DeepSeek-V3 on eight H200s: with data-parallel attention over 8 groups (TP 1 each) a rank holds and
     reads 1/8 of the routed experts (those the 8 groups' tokens touch), every MoE block adds two
     all-to-alls, and a replica's throughput counts all its groups."""
-    from lmc.planner.latency import _dp_comm_ms, _dp_weights, alltoall_ms, moe_layer_count, predict
+    from lmc.planner.latency import _dp_comm_ms, alltoall_ms, dp_weight_bytes, moe_layer_count, predict
 
     deepseek = catalog.model_facts("deepseek-ai/DeepSeek-V3")
     p5en = catalog.hardware_facts("ml.p5en.48xlarge")
@@ -228,8 +228,8 @@ def test_data_parallel_attention_reads_a_share_of_the_experts_and_pays_all_to_al
     assert alltoall_ms(p5en, efficiency, 1, 1e6) == 0 and alltoall_ms(p5en, efficiency, 8, 2e6) > alltoall_ms(
         p5en, efficiency, 8, 1e6) > 0
     # All experts touched (a large step): the experts' share of the bytes falls by the DP degree.
-    whole = _dp_weights(1.0, deepseek, 1, 1 << 30)
-    spread = _dp_weights(1.0, deepseek, 8, 1 << 30)
+    whole = dp_weight_bytes(1.0, deepseek, 1)
+    spread = dp_weight_bytes(1.0, deepseek, 8)
     assert whole == pytest.approx(1.0) and 0.1 < spread < 0.2  # the experts are ~95 % of DeepSeek's matrices
     assert _dp_comm_ms(deepseek, p5en, efficiency, 1, 8, 16, "bf16") == pytest.approx(
         2 * 58 * alltoall_ms(p5en, efficiency, 8, 16 * deepseek.hidden_size * 2 * deepseek.experts_per_token))

@@ -352,9 +352,10 @@ def overhead_bound_on_gpu(stream: float, matmul: dict[str, float],
                           figures: dict[str, EngineFigures | None]) -> tuple[dict[str, EngineFigures | None], str | None]:
     """On a GPU the hf engine's decode step is its fixed costs: the calibration model's weights read in
     less time than those costs vary (seen on an H200: 7.5 ms steps of which the reads are 0.8 ms), so no
-    rate can be solved from it (none, or one beyond what the device measured). There such a dtype takes the device's own measurements (the
-    copy bandwidth for decode, the matmul rate for prefill and batched decode) and a note says so; the
-    fixed costs, which decide the engine's steps there, stay measured. Returns (figures, note or None)."""
+    rate can be solved from it (none, or one beyond what the device measured). There such a dtype takes
+    the device's own measurements (the copy bandwidth for decode, the matmul rate for prefill and batched
+    decode) and a note says so; the fixed costs, which decide the engine's steps there, stay measured.
+    Returns (figures, note or None)."""
     unsolved = [dtype for dtype, f in figures.items() if dtype in matmul and implausible(stream, matmul, {dtype: f})]
     if not unsolved:
         return figures, None
@@ -497,7 +498,6 @@ def calibrate(device: str = "cpu", dtypes: tuple[str, ...] | None = None, scratc
                 break
             bar.write(f"  disturbed ({doubt}); measuring again", file=sys.stderr)
         else:
-            filled = None
             notes.append(f"the engine figures looked disturbed in {_ATTEMPTS} tries ({doubt}): calibrate again "
                          "when the machine is quiet")
         if filled:

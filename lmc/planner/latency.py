@@ -124,7 +124,7 @@ def _moe_touched_share(model: ModelFacts, batch: int) -> float:
     return 1 - (1 - k / experts) ** batch
 
 
-def expert_share(model: ModelFacts) -> float:
+def _expert_share(model: ModelFacts) -> float:
     """Share of the split matrices that are experts (0 for dense models)."""
     if model.num_experts <= 1:
         return 0.0
@@ -135,7 +135,7 @@ def active_decode_parameters(model: ModelFacts) -> float:
     """Parameters one decoded token multiplies through: decoder matrices (active experts) + LM head."""
     split = param_split(model)
     matrices = split.sharded * decoder_share(model)
-    share = expert_share(model)
+    share = _expert_share(model)
     if share:
         matrices = matrices * (1 - share) + matrices * share * model.experts_per_token / model.num_experts
     return matrices + model.vocab_size * model.hidden_size
@@ -145,7 +145,7 @@ def active_prefill_parameters(model: ModelFacts) -> float:
     """Parameters each prompt token multiplies through (the encoder's for T5, decoder's otherwise)."""
     split = param_split(model)
     matrices = split.sharded * (1 - decoder_share(model) if model.is_encoder_decoder else 1.0)
-    share = expert_share(model)
+    share = _expert_share(model)
     if share:
         matrices = matrices * (1 - share) + matrices * share * model.experts_per_token / model.num_experts
     return matrices + model.vocab_size * model.hidden_size
@@ -171,14 +171,15 @@ def alltoall_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, ranks: in
     return (link.allreduce_base_us + (ranks - 1) * link.latency_us + transfer + efficiency.allreduce_overhead_us) * 1e-3
 
 
-def _dp_weights(weights: float, model: ModelFacts, dp: int, tokens: int) -> float:
-    """Per-rank weight bytes a step reads: with data-parallel attention over `dp` groups and expert
-    parallelism, the routed experts are spread over dp times the ranks, and the step's `tokens` (all
-    groups') decide which of them are read."""
-    share = expert_share(model)
+def dp_weight_bytes(weights: float, model: ModelFacts, dp: int, tokens: int | None = None) -> float:
+    """Per-rank weight bytes with data-parallel attention over `dp` groups and expert parallelism: the
+    routed experts are spread over dp times the ranks. `tokens`: a step's tokens (all groups'), which
+    decide the experts it reads; None: every expert the rank holds."""
+    share = _expert_share(model)
     if not share:
         return weights
-    return weights * (1 - share) + weights * share * _moe_touched_share(model, tokens) / dp
+    touched = 1.0 if tokens is None else _moe_touched_share(model, tokens)
+    return weights * (1 - share) + weights * share * touched / dp
 
 
 def _dp_comm_ms(model: ModelFacts, hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int, dp: int,
@@ -203,7 +204,7 @@ def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     --enable-expert-parallel): `batch` is one DP group's, and every group steps together."""
     efficiency = efficiency_for(engine, model, hardware, dtype)
     act = compute_dtype(dtype, model, hardware)
-    weights = _dp_weights(decode_weight_bytes(model, engine, dtype, tp, hardware), model, dp, batch * dp)
+    weights = dp_weight_bytes(decode_weight_bytes(model, engine, dtype, tp, hardware), model, dp, batch * dp)
     if model.is_encoder_decoder:
         context = input_tokens + output_tokens / 2  # cross-attention over the input + self-attention so far
     else:
@@ -250,8 +251,8 @@ def ttft_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     causal_share = 1.0 if materializes_attention_scores(engine, hardware) else 0.5
     flops += 4 * causal_share * input_tokens * input_tokens * model.attention_heads * model.head_dim * blocks / tp
     compute_ms = flops / (rank_tflops(hardware, act, tp) * 1e12 * efficiency.prefill_compute) * 1e3
-    weights = weight_bytes(model, engine, dtype, tp, hardware)
-    memory_ms = _dp_weights(weights, model, dp, 1 << 30) / effective_bandwidth(hardware, efficiency, tp) * 1e3
+    weights = dp_weight_bytes(weight_bytes(model, engine, dtype, tp, hardware), model, dp)
+    memory_ms = weights / effective_bandwidth(hardware, efficiency, tp) * 1e3
     if dp > 1:
         comm_ms = _dp_comm_ms(model, hardware, efficiency, tp, dp, input_tokens, act)
     else:
@@ -294,7 +295,7 @@ def predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     throughput = replicas * dp * batch / tpot * 1e3
     # Each rank reads what it holds: with expert parallelism, 1/dp of the experts.
     load = load_seconds(model, hardware, engine, dtype, tp, min(replicas, per_instance) * dp) * (
-        _dp_weights(1.0, model, dp, 1 << 30) if dp > 1 else 1.0)
+        dp_weight_bytes(1.0, model, dp) if dp > 1 else 1.0)
     cost_hour, cost_million = cost_figures(hardware, instances, throughput)
     return Timing(ttft, tpot, throughput, load, cost_hour, cost_million, instances)
 
@@ -309,5 +310,6 @@ def cost_figures(hardware: HardwareFacts, instances: int, throughput: float) -> 
 
 __all__ = [
     "Timing", "WEIGHT_ONLY", "active_decode_parameters", "allreduce_ms", "allreduce_us", "cost_figures",
-    "alltoall_ms", "efficiency_for", "load_seconds", "moe_layer_count", "predict", "send_us", "tpot_ms", "ttft_ms",
+    "alltoall_ms", "dp_weight_bytes", "efficiency_for", "load_seconds", "moe_layer_count", "predict", "send_us",
+    "tpot_ms", "ttft_ms",
 ]

@@ -558,17 +558,15 @@ def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layou
                                      load.max_output_tokens, load.concurrency)
         return scale_timing(base, model, hardware, engine, dtype, tp, pp, replicas, batch, load.max_input_tokens,
                             load.max_output_tokens, load.peak_requests_per_second, staged=True)
+    dp = layout.data_parallel_size if layout is not None else 1  # a replica: dp groups of tp ranks, `batch` each
     if layout is not None:
         base = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, load.max_input_tokens,
                             load.max_output_tokens, load.concurrency)
-        dp = layout.data_parallel_size  # a replica is dp groups of tp ranks, `batch` sequences each
-        return scale_timing(base, model, hardware, engine, dtype, tp * dp, pp, replicas, batch * dp,
-                            load.max_input_tokens, load.max_output_tokens, load.peak_requests_per_second)
     else:
         base = predict(model, hardware, engine, dtype, tp, replicas, batch, load.max_input_tokens,
                        load.max_output_tokens)
-    return scale_timing(base, model, hardware, engine, dtype, tp, pp, replicas, batch, load.max_input_tokens,
-                        load.max_output_tokens, load.peak_requests_per_second)
+    return scale_timing(base, model, hardware, engine, dtype, tp * dp, pp, replicas, batch * dp,
+                        load.max_input_tokens, load.max_output_tokens, load.peak_requests_per_second)
 
 
 def vllm_batch_sizes(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,

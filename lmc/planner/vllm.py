@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, ModelFacts
-from lmc.planner.latency import Timing, expert_share, cost_figures, predict, tpot_ms, ttft_ms
+from lmc.planner.latency import Timing, cost_figures, dp_weight_bytes, predict, tpot_ms, ttft_ms
 from lmc.planner.memory import (
     capacity_bytes,
     compute_dtype,
@@ -154,8 +154,7 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     batched = max_num_batched_tokens(hardware, tp, max_num_seqs)
     weights = weight_bytes(model, engine, dtype, tp, hardware)
     if dp > 1:
-        share = expert_share(model)
-        weights = int(weights * (1 - share) + weights * share / dp)
+        weights = int(dp_weight_bytes(weights, model, dp))
     activations = activation_bytes(model, engine, tp, act_dtype, batched, max_num_seqs)
     runtime = runtime_bytes(efficiency, hardware, tp)
     utilization = gpu_memory_utilization(hardware, memory_fraction, memory_cap)

@@ -150,8 +150,9 @@ async def _watch(engine, state: FrontState) -> None:
     """An engine that dies while serving (not one being shut down): 503 at once, then the server stops."""
     while not (engine.errored and state.refusing is None):
         await asyncio.sleep(ENGINE_POLL_S)
-    state.stop("the vLLM engine died", "engine_dead", EngineDied("the vLLM engine died while serving; exiting so the "
-                                                  "container is restarted"), ENGINE_DEAD_GRACE_S)
+    state.stop("the vLLM engine died", "engine_dead",
+               EngineDied("the vLLM engine died while serving; exiting so the container is restarted"),
+               ENGINE_DEAD_GRACE_S)
 
 
 def _start_lifeline(node, state: FrontState):
