@@ -121,3 +121,14 @@ def test_the_table_puts_engines_side_by_side_with_device_and_date(loop):
     assert hf_line.endswith("NVIDIA H100 80GB HBM3, 2026-11-25 11:00 UTC")
     assert vllm_line.startswith("vllm") and "not run: lmc plan exited 1" in vllm_line
     assert vllm_line.endswith("(NVIDIA H100 80GB HBM3, 2026-11-25 11:00 UTC)")
+
+
+def test_profile_decode_without_cuda_stops_with_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the profile would run")
+    script = SCRIPT.parent / "profile_decode.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr == "profile_decode: no CUDA GPU here (torch.cuda.is_available() is False); run it on a GPU host\n"

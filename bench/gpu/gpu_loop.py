@@ -8,7 +8,7 @@ served and benched with each engine, against the plan and the bandwidth roofline
 2. A random Llama-2-7B-shaped checkpoint (hidden 4096, 32 layers, MLP 11008; the tiny tokenizer's
    384-token vocabulary: 6.5 B parameters), weights drawn on the GPU and written in fp16. `--layers`
    keeps the width and takes fewer layers (8: 1.6 B parameters), for a short lease.
-3. Per engine (hf; deepspeed with kernel injection; vllm): a spec pinned to it on the measured
+3. Per engine (hf; deepspeed, AutoTP without kernel injection; vllm): a spec pinned to it on the measured
    profile, `lmc plan`, `lmc build --format dir`, `lmc runtime` on a free port; the `openai` client's
    completion and chat calls (plain and streamed) must answer; `lmc bench URL --pid` at concurrency
    1, 8 and 32 (peak device memory per process from nvidia-smi); `lmc plan --compare`.
