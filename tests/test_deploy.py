@@ -140,7 +140,8 @@ def _crd_schema(filename: str, kind: str) -> dict:
 
 
 CRD_FILES = {"LeaderWorkerSet": "leaderworkerset.x-k8s.io_leaderworkersets.yaml.gz",
-             "InferenceService": "serving.kserve.io_inferenceservices.yaml.gz"}
+             "InferenceService": "serving.kserve.io_inferenceservices.yaml.gz",
+             "ServingRuntime": "serving.kserve.io_servingruntimes.yaml.gz"}
 
 
 def validate_manifest(document: dict) -> list[str]:
@@ -213,26 +214,81 @@ def test_deploy_files_are_golden_and_valid(spec: Path, target: str, snapshot):
 
 
 def test_only_the_documented_refusals():
-    """Every plannable spec deploys to every target, except a pipeline across instances on SageMaker and
-    KServe, and the local CPU on SageMaker (which has no such instance type)."""
+    """Every plannable spec deploys to every target, except a pipeline across instances on SageMaker (and on
+    KServe unless it is one vLLM copy on GPUs), and the local CPU on SageMaker (which has no such instance type)."""
     refused = {(s.stem, t): refusal(s, t) for s, t in CASES if planned(s) is not None and refusal(s, t) is not None}
     expected = set()
     for spec in SPECS:
         result = planned(spec)
         if result is None:
             continue
-        if result.plan.deployment.pipeline_parallel_degree > 1:
-            expected |= {(spec.stem, "sagemaker"), (spec.stem, "kserve")}
+        d = result.plan.deployment
+        if d.pipeline_parallel_degree > 1:
+            expected.add((spec.stem, "sagemaker"))
+            if result.plan.engine != "vllm" or d.instances > d.pipeline_parallel_degree:
+                expected.add((spec.stem, "kserve"))
         if not result.plan.target.instance.startswith("ml."):
             expected.add((spec.stem, "sagemaker"))
     assert set(refused) == expected
     assert ("llama-3-1-405b-p4d-24xlarge", "kubernetes") not in refused and ("tiny-llama-cpu", "sagemaker") in refused
+    assert ("llama-3-1-405b-p4d-24xlarge", "kserve") not in refused  # KServe's multi-node InferenceService, on Ray
     assert "4 pipeline stages on 4 instances" in refused[("llama-3-1-405b-p4d-24xlarge", "sagemaker")]
     assert "an endpoint needs an ml.* instance type" in refused[("tiny-llama-cpu", "sagemaker")]
-    # A vLLM plan across instances: KServe's multi-node path is Ray's, which lmc's nodes do not join.
-    kserve = refused[("llama-3-1-405b-p4d-24xlarge", "kserve")]
-    assert planned(ROOT / "specs" / "llama-3-1-405b-p4d-24xlarge.toml").plan.engine == "vllm"
-    assert "runs vLLM on the Ray cluster its runtime starts (workerSpec)" in kserve and "LeaderWorkerSet" in kserve
+
+
+def _with_deployment(plan, **changes):
+    return plan.model_copy(update={"deployment": plan.deployment.model_copy(update=changes)})
+
+
+def test_kserve_refuses_several_copies_an_hf_pipeline_and_cpus_across_instances():
+    result = planned(ROOT / "specs" / "llama-3-1-405b-p4d-24xlarge.toml")
+    hardware, account = result.hardware, Account(name="llama")
+    with pytest.raises(NoFeasiblePlanError, match="one Ray cluster serving one model copy, and the plan runs 2 copies "
+                                                  "of 4 instances"):
+        render_deployment("kserve", _with_deployment(result.plan, instances=8), hardware, account)
+    with pytest.raises(NoFeasiblePlanError, match="KServe's multi-node serving runs vLLM on Ray; lmc's own pipeline"):
+        render_deployment("kserve", result.plan.model_copy(update={"engine": "hf"}), hardware, account)
+    cpu = planned(ROOT / "specs" / "tiny-llama-cpu-vllm.toml").hardware
+    with pytest.raises(NoFeasiblePlanError, match="vLLM's cpu platform does not run on Ray"):
+        render_deployment("kserve", result.plan, cpu, account)
+
+
+def test_the_kserve_multi_node_files_place_each_lmc_runtime_on_ray():
+    """The ServingRuntime's head and worker containers, with the variables KServe's controller adds
+    (pkg/controller/v1beta1/inferenceservice/components/predictor.go: RAY_NODE_COUNT, HEAD_SVC), give each
+    `lmc runtime` its place on the Ray cluster: the head waits for PP nodes, a worker joins the head's Service."""
+    from lmc.runtime.vllm_ray import resolve_ray_place
+
+    for stem, pp in (("llama-3-1-405b-p4d-24xlarge", 4), ("deepseek-v3-2x-p5-48xlarge", 2)):
+        plan = planned(ROOT / "specs" / f"{stem}.toml").plan
+        files = deploy_files(ROOT / "specs" / f"{stem}.toml", "kserve")
+        assert set(files) == {"kserve/servingruntime.yaml", "kserve/inferenceservice.yaml", "kserve/README.md"}
+        runtime = documents(files["kserve/servingruntime.yaml"].decode())[0]
+        isvc = documents(files["kserve/inferenceservice.yaml"].decode())[0]
+        predictor = isvc["spec"]["predictor"]
+        assert predictor["model"]["runtime"] == runtime["metadata"]["name"]
+        assert predictor["model"]["modelFormat"]["name"] == runtime["spec"]["supportedModelFormats"][0]["name"]
+        workers = runtime["spec"]["workerSpec"]
+        assert (workers["pipelineParallelSize"], workers["tensorParallelSize"]) == (pp, plan.tensor_parallel_degree)
+        assert (predictor["workerSpec"]["pipelineParallelSize"], predictor["workerSpec"]["tensorParallelSize"]) == (
+            pp, plan.tensor_parallel_degree)
+        head, worker = runtime["spec"]["containers"][0], workers["containers"][0]
+        assert (head["name"], worker["name"]) == ("kserve-container", "worker-container")
+        # KServe's Ray mode: nodes = TP·PP / the worker's GPUs, so each pod asks for TP GPUs
+        assert head["resources"]["limits"]["nvidia.com/gpu"] == worker["resources"]["limits"]["nvidia.com/gpu"] == str(
+            plan.tensor_parallel_degree)
+        assert 6379 in {port["containerPort"] for port in head["ports"]} and "ports" not in worker
+
+        def environment(container, **injected):
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            env.update(POD_IP="10.0.3.7", POD_NAMESPACE="serving")  # the fieldRefs, as the kubelet fills them
+            return {**env, **injected}
+
+        head_place = resolve_ray_place(plan.model_dump(mode="json"), environment(head, RAY_NODE_COUNT=str(pp)))
+        assert (head_place.role, head_place.address, head_place.nodes) == ("head", "10.0.3.7:6379", pp)
+        worker_place = resolve_ray_place(plan.model_dump(mode="json"), environment(
+            worker, RAY_NODE_COUNT=str(pp), HEAD_SVC=f"{stem}-head-1"))
+        assert (worker_place.role, worker_place.address) == ("worker", f"{stem}-head-1.serving.svc.cluster.local:6379")
 
 
 def test_no_unused_deploy_goldens():

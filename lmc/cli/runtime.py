@@ -175,21 +175,36 @@ def _verify(artifact, where: str = "") -> None:
 
 def _run_vllm(artifact, args, port: int, timeout: float | None, max_body: float | None, generation_config: str) -> int:
     """A vLLM plan: vLLM's own OpenAI server (lmc.runtime.vllm_server) once the artifact is verified;
-    across instances, this node's place from the rendezvous (a worker node runs its ranks headless)."""
+    across instances, this node's place from the rendezvous (a worker node runs its ranks headless) or on
+    the Ray cluster the environment names."""
     from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES
     from lmc.runtime.startup import default_request_timeout_s
     from lmc.runtime.vllm_nodes import resolve_vllm_node
     from lmc.runtime.vllm_server import describe, serve
 
+    from lmc.runtime.vllm_ray import resolve_ray_place, run_worker, serve_on_ray
+
+    def serve_here(node) -> int:
+        logging.getLogger("lmc.runtime").info("%s", describe(artifact.plan))
+        return serve(artifact, host=args.host, port=port,
+                     request_timeout_s=timeout or default_request_timeout_s(artifact.plan),
+                     max_body_bytes=int(max_body or DEFAULT_MAX_BODY_BYTES),
+                     generation_config=generation_config, node=node)
+
+    place = resolve_ray_place(artifact.plan, os.environ)
+    if place is not None:  # a Ray cluster (KServe's multi-node InferenceService, KubeRay): lmc.runtime.vllm_ray
+        _verify(artifact, place.describe())
+        if not place.is_leader:
+            from lmc.runtime.vllm_backend import engine_environment
+
+            os.environ.update(engine_environment(artifact.plan))  # inherited by Ray's workers on this node
+            return run_worker(place)
+        return serve_on_ray(artifact, place, lambda: serve_here(place))
     node = resolve_vllm_node(artifact.plan, os.environ)
     if node is not None and not node.is_leader:
         return _run_vllm_node(artifact, node)
     _verify(artifact, f"{node.describe()}: this node serves HTTP" if node is not None else "")
-    logging.getLogger("lmc.runtime").info("%s", describe(artifact.plan))
-    return serve(artifact, host=args.host, port=port,
-                 request_timeout_s=timeout or default_request_timeout_s(artifact.plan),
-                 max_body_bytes=int(max_body or DEFAULT_MAX_BODY_BYTES),
-                 generation_config=generation_config, node=node)
+    return serve_here(node)
 
 
 def _run_vllm_node(artifact, node) -> int:

