@@ -153,55 +153,6 @@ def shard_path(tp: int, rank: int) -> str:
     return f"shards/tp{tp}/rank{rank}.safetensors"
 
 
-# ---------------------------------------------------------------- pipeline stages
-
-# Families whose checkpoints lmc can cut into pipeline stages: decoder layers named `model.layers.N.`, the
-# embedding `model.embed_tokens`, the final norm `model.norm`, the LM head `lm_head` (tied or not).
-PIPELINE_FAMILIES = ("llama",)
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_FIRST_STAGE = re.compile(r"(?:^|\.)embed_tokens\.")
-_LAST_STAGE = re.compile(r"(^lm_head\.|(?:^|\.)model\.norm\.|^norm\.)")
-
-
-def stage_layers(layers: int, stages: int) -> list[range]:
-    """The decoder layers each pipeline stage runs: an even split, in order, the first `layers % stages`
-    stages one layer more (80 layers over 3 stages: 27, 27, 26)."""
-    if not 1 <= stages <= layers:
-        raise ValueError(f"{layers} layers cannot be cut into {stages} pipeline stages (each needs a layer)")
-    base, extra = divmod(layers, stages)
-    bounds = [0]
-    for stage in range(stages):
-        bounds.append(bounds[-1] + base + (stage < extra))
-    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
-
-
-def layer_index(name: str) -> int | None:
-    """The decoder layer a checkpoint tensor belongs to (None: not a layer's)."""
-    match = _LAYER_INDEX.search(name)
-    return int(match.group(1)) if match else None
-
-
-def tensor_stages(name: str, layers: int, stages: int, tied_head: bool) -> tuple[int, ...]:
-    """The stages whose shard holds checkpoint tensor `name`: a layer's tensors its stage; the embedding
-    the first stage (and the last, when the LM head is tied to it: there it is the head); the final norm
-    and the LM head the last stage; anything else (buffers) every stage."""
-    index = layer_index(name)
-    if index is not None:
-        if not 0 <= index < layers:
-            raise ValueError(f"{name}: layer {index} outside the model's {layers} layers")
-        return next((s,) for s, span in enumerate(stage_layers(layers, stages)) if index in span)
-    if _FIRST_STAGE.search(name):
-        return (0, stages - 1) if tied_head and stages > 1 else (0,)
-    if _LAST_STAGE.search(name):
-        return (stages - 1,)
-    return tuple(range(stages))
-
-
-def stage_shard_path(stages: int, tp: int, stage: int, rank: int) -> str:
-    """Where TP rank `rank` of pipeline stage `stage` finds its weights inside the artifact."""
-    return f"shards/pp{stages}-tp{tp}/stage{stage}-rank{rank}.safetensors"
-
-
 def pipeline_degree(plan: dict) -> int:
     """A plan dict's pipeline-parallel degree (deployment.pipeline_parallel_degree; 1 when absent)."""
     value = (plan.get("deployment") or {}).get("pipeline_parallel_degree", 1)

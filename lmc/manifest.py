@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lmc.errors import ArtifactError
-from lmc.layouts import pipeline_degree, shard_path, stage_shard_path
+from lmc.layouts import pipeline_degree, shard_path
 
 MANIFEST_NAME = "lmc.json"
 FORMAT_VERSION = 1
@@ -168,8 +168,8 @@ def expected_files(manifest: dict[str, Any]) -> list[str]:
         names += [VLLM_SHARDED_STATE.format(rank=rank, part=0) for rank in range(tp)]  # each rank's first part
     elif vllm or plan.get("engine") == "neuronx":
         names.append("model.safetensors")  # the whole checkpoint, cast
-    elif tp and stages > 1:
-        names += [stage_shard_path(stages, tp, stage, rank) for stage in range(stages) for rank in range(tp)]
+    elif stages > 1:
+        pass  # an artifact of lmc's removed hf pipeline: `lmc runtime` refuses it with the reason
     elif tp:
         names += [shard_path(tp, rank) for rank in range(tp)]
     return names

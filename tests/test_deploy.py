@@ -225,7 +225,7 @@ def test_only_the_documented_refusals():
         d = result.plan.deployment
         if d.pipeline_parallel_degree > 1:
             expected.add((spec.stem, "sagemaker"))
-            if result.plan.engine != "vllm" or d.instances > d.pipeline_parallel_degree:
+            if d.instances > d.pipeline_parallel_degree:
                 expected.add((spec.stem, "kserve"))
         if not result.plan.target.instance.startswith("ml."):
             expected.add((spec.stem, "sagemaker"))
@@ -240,14 +240,12 @@ def _with_deployment(plan, **changes):
     return plan.model_copy(update={"deployment": plan.deployment.model_copy(update=changes)})
 
 
-def test_kserve_refuses_several_copies_an_hf_pipeline_and_cpus_across_instances():
+def test_kserve_refuses_several_copies_and_cpus_across_instances():
     result = planned(ROOT / "specs" / "llama-3-1-405b-p4d-24xlarge.toml")
     hardware, account = result.hardware, Account(name="llama")
     with pytest.raises(NoFeasiblePlanError, match="one Ray cluster serving one model copy, and the plan runs 2 copies "
                                                   "of 4 instances"):
         render_deployment("kserve", _with_deployment(result.plan, instances=8), hardware, account)
-    with pytest.raises(NoFeasiblePlanError, match="KServe's multi-node serving runs vLLM on Ray; lmc's own pipeline"):
-        render_deployment("kserve", result.plan.model_copy(update={"engine": "hf"}), hardware, account)
     cpu = planned(ROOT / "specs" / "tiny-llama-cpu-vllm.toml").hardware
     with pytest.raises(NoFeasiblePlanError, match="vLLM's cpu platform does not run on Ray"):
         render_deployment("kserve", result.plan, cpu, account)

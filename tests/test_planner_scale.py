@@ -40,24 +40,38 @@ def test_stage_model_holds_its_share_of_the_blocks_and_one_vocabulary_matrix():
     assert stage_model(LLAMA_405B, 1) is LLAMA_405B
 
 
-def test_405b_bf16_spans_instances_with_a_stated_pipeline_degree():
-    # lmc's own hf pipeline (a batch passes the stages in turn); vLLM's is below.
+def hf_stages(s, model, hardware, pp: int) -> list:
+    """The hf engine's pipeline layouts the search still models (for --explain's comparison) at `pp` stages."""
+    from lmc.planner.search import enumerate_configs
+
+    configs, _ = enumerate_configs(s, model, hardware, engine_facts(), (pp,))
+    return [c for c in configs if c.engine == "hf" and c.fits]
+
+
+def test_lmcs_retired_hf_pipeline_is_still_modelled_for_the_comparison():
+    # lmc's own hf pipeline (a batch passes the stages in turn) was removed; its layouts are still predicted,
+    # for the comparison `lmc plan --explain` shows. A spec that pins it is told why it cannot have it.
     s = spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 4},
-             pin={"engine": "hf"})
-    p = plan(s, LLAMA_405B, P4D)
-    pp = p.deployment.pipeline_parallel_degree
-    assert pp >= 2 and p.dtype == "bf16"
-    assert p.deployment.instances == pp * p.replicas
-    assert p.memory_per_device.headroom >= 0
-    # one instance holds a quarter of 811 GB at most: the plan could not have fitted on one
+             pin={"dtype": "bf16"})
+    staged = [c for c in hf_stages(s, LLAMA_405B, P4D, 4) if c.tp == 8]
+    assert staged
+    # one instance holds a quarter of 811 GB at most: the model could not have fitted on one
     assert LLAMA_405B.parameters * 2 > P4D.devices * P4D.device_memory_bytes
-    assert p.decision("pipeline_parallel_degree").reason.startswith("no layout fits one ml.p4d.24xlarge")
     # The hand-overs over EFA are in the predicted TPOT: the single-instance figure plus (pp - 1) hops.
-    engine = engine_facts()[p.engine]
-    one = predict(LLAMA_405B, P4D, engine, p.dtype, p.tensor_parallel_degree, 1, p.batch_size, 1024, 256)
-    hop = hop_ms(P4D.network, p.batch_size * LLAMA_405B.hidden_size * 2)
-    assert p.predicted.tpot_ms == pytest.approx(one.tpot_ms + (pp - 1) * hop, abs=0.01)
-    assert p.predicted.cost_per_hour == pytest.approx(P4D.price_per_hour * p.deployment.instances)
+    engine = engine_facts()["hf"]
+    for c in staged:
+        one = predict(LLAMA_405B, P4D, engine, "bf16", 8, 1, c.batch, 1024, 256)
+        hop = hop_ms(P4D.network, c.batch * LLAMA_405B.hidden_size * 2)
+        assert c.timing.tpot_ms == pytest.approx(one.tpot_ms + 3 * hop, abs=0.01)
+        assert c.timing.cost_per_hour == pytest.approx(P4D.price_per_hour * 4 * c.replicas)
+    with pytest.raises(NoFeasiblePlanError) as err:
+        plan(spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 4},
+                  pin={"engine": "hf"}), LLAMA_405B, P4D)
+    assert str(err.value).startswith("meta-llama/Llama-3.1-405B fits across instances only as the hf engine's "
+                                     "pipeline stages")
+    assert str(err.value).endswith("lmc's own hf pipeline was removed: vLLM's multi-node engine runs every model it "
+                                   "could split (Llama) across instances, on GPUs and CPUs")
+    assert 'pin.engine = "vllm"' in err.value.details[0]
 
 
 def test_without_room_for_stages_the_405b_has_no_plan_and_is_told_how_many_instances_would_do():
@@ -75,7 +89,7 @@ def test_a_model_that_fits_one_instance_stays_on_one_unless_pinned():
     s = spec(target={"instance": "ml.p4d.24xlarge", "instances": 2})
     assert plan(s, LLAMA_8B, P4D).deployment.pipeline_parallel_degree == 1
     pinned = spec(target={"instance": "ml.p4d.24xlarge", "instances": 2},
-                  pin={"engine": "hf", "pipeline_parallel_degree": 2})
+                  pin={"engine": "vllm", "pipeline_parallel_degree": 2})
     p = plan(pinned, LLAMA_8B, P4D)
     assert (p.deployment.pipeline_parallel_degree, p.deployment.instances) == (2, 2)
     assert p.decision("pipeline_parallel_degree").reason.startswith("pinned by the spec")
@@ -171,30 +185,27 @@ def test_vllm_across_instances_keeps_a_micro_batch_per_stage_in_flight():
     assert p.predicted.tpot_ms == pytest.approx(whole.tpot_ms + hops, abs=0.01)
     mean_step = micro / whole.throughput_tokens_per_s * 1e3 + hops
     assert p.predicted.throughput_tokens_per_s == pytest.approx(running / mean_step * 1e3, rel=1e-3)
-    hf = plan(spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 32},
-                   pin={"engine": "hf", "dtype": "bf16"}), LLAMA_405B, P4D)
-    assert p.predicted.throughput_tokens_per_s > 2 * hf.predicted.throughput_tokens_per_s
+    hf = hf_stages(s.model_copy(update={"pin": s.pin.model_copy(update={"engine": None})}), LLAMA_405B, P4D, 4)
+    assert hf and p.predicted.throughput_tokens_per_s > 2 * max(c.timing.throughput_tokens_per_s for c in hf)
 
 
-def test_lmcs_own_pipeline_is_offered_only_where_vllm_cannot_carry_the_model():
+def test_lmcs_retired_pipeline_is_shown_rejected_beside_vllms_layouts():
     # the 405B across four p4d: vLLM's multi-node layouts; lmc's hf pipeline is shown rejected, with its figures
+    from lmc.planner.search import PIPELINE_RETIRED, enumerate_configs, retire_lmc_pipeline
+
     s = spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 4})
     p = plan(s, LLAMA_405B, P4D)
     assert (p.engine, p.deployment.pipeline_parallel_degree) == ("vllm", 4)
     hf = [a for a in p.alternatives if a.engine == "hf"]
     assert hf and not [a for a in hf if a.verdict == "feasible"]
-    kept = [a for a in hf if "lmc's own pipeline is kept for models vLLM cannot run" in a.reason]
+    kept = [a for a in hf if a.reason.startswith(PIPELINE_RETIRED)]
     assert kept and all("pipeline stages" in a.reason and "TPOT" in a.reason for a in kept)
     bf16 = next(a for a in kept if a.dtype == "bf16" and a.tensor_parallel_degree == 8)
-    pinned = plan(spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 4},
-                       pin={"engine": "hf", "dtype": "bf16"}), LLAMA_405B, P4D)
-    assert f"TPOT {pinned.predicted.tpot_ms:.2f} ms" in bf16.reason  # the figures of the plan it would have been
-    # where no vLLM layout carries the model across instances (a model vLLM does not run), lmc's pipeline
-    # layouts stay on offer
-    from lmc.planner.search import enumerate_configs, retire_lmc_pipeline
-
+    figures = {f"TPOT {c.timing.tpot_ms:.2f} ms" for c in hf_stages(s, LLAMA_405B, P4D, 4)
+               if c.dtype == "bf16" and c.tp == 8}
+    assert any(f in bf16.reason for f in figures)  # the figures of a layout it would have been
+    # every fitting staged layout of another engine is retired, whether or not a vLLM layout fits
     configs, _ = enumerate_configs(s, LLAMA_405B, P4D, engine_facts(), range(2, 5))
     staged_hf = [c for c in configs if c.engine == "hf" and c.fits]
-    assert staged_hf and retire_lmc_pipeline(staged_hf) == staged_hf
-    retired = [c for c in retire_lmc_pipeline(configs) if c.engine == "hf" and c.fits]
-    assert len(retired) == len(staged_hf) and all(c.superseded and not c.feasible for c in retired)
+    retired = retire_lmc_pipeline(staged_hf)
+    assert retired and all(c.superseded == PIPELINE_RETIRED and not c.feasible for c in retired)

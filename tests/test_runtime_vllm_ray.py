@@ -46,7 +46,7 @@ def test_the_place_comes_from_kserves_multi_node_environment():
     (PLAN, {"RAY_NODE_COUNT": "2", "RAY_PORT": "99999"}, "RAY_PORT = 99999: not a TCP port number"),
     (PLAN, {"RAY_ADDRESS": "raycluster-head-svc"}, "RAY_ADDRESS = 'raycluster-head-svc': expected HOST:PORT"),
     (PLAN, {"RAY_NODE_COUNT": "2", "LWS_GROUP_SIZE": "2"}, "both a Ray cluster and LeaderWorkerSet (LWS_GROUP_SIZE)"),
-    ({**PLAN, "engine": "hf"}, {"RAY_NODE_COUNT": "2"}, "only vLLM plans run on Ray"),
+    ({**PLAN, "engine": "hf"}, {"RAY_NODE_COUNT": "2"}, "only vLLM plans run across instances"),
 ])
 def test_an_incomplete_ray_environment_is_one_line(plan, env, message):
     with pytest.raises(RendezvousError) as caught:

@@ -104,13 +104,9 @@ def _run(args: argparse.Namespace) -> int:
     generation_config = _generation_config(args.generation_config)
     artifact = open_artifact(path, check_hashes=False)  # the manifest, every file present, sizes
     try:
-        from lmc.runtime.rendezvous import resolve_role
-
         if artifact.plan.get("engine") == "vllm":
             return _run_vllm(artifact, args, port, timeout, max_body, generation_config)
-        role = resolve_role(artifact.plan, os.environ)  # a pipeline-parallel plan: this node's stage
-        if role is not None and not role.is_leader:
-            return _run_stage_node(artifact, role)
+        _refuse_lmc_pipeline(artifact.plan)
         # First, so the engine's imports (seconds) overlap everything else: on CPU hosts the fork server
         # imports them once and every rank is forked from it. It touches nothing from the artifact.
         start_process_server(artifact.plan)
@@ -124,8 +120,7 @@ def _run(args: argparse.Namespace) -> int:
         gate = mp_context(artifact.plan).Event()
         # None: the Runtime reads the model's generation_config.json itself.
         runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body,
-                          worker_gate=gate, sampling_defaults=None if generation_config == "auto" else {},
-                          group_factory=_pipeline_groups(artifact, gate, role))
+                          worker_gate=gate, sampling_defaults=None if generation_config == "auto" else {})
         try:
             runtime.scheduler.start_groups()
             _verify(artifact)
@@ -151,16 +146,16 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if cut_short else 0
 
 
-def _pipeline_groups(artifact, gate, role):
-    """The leader's worker group for a pipeline-parallel plan (stage 0 of the pipeline); None otherwise."""
-    if role is None:
-        return None
-    from lmc.runtime.workers import WorkerGroup
+def _refuse_lmc_pipeline(plan) -> None:
+    """An artifact built for lmc's own hf pipeline (removed: vLLM runs plans across instances) stops here."""
+    from lmc.errors import ArtifactError
+    from lmc.layouts import pipeline_degree
 
-    def group_factory(index: int, events) -> WorkerGroup:
-        return WorkerGroup(artifact.model_dir, artifact.plan, index, events, gate=gate, pipeline=role)
-
-    return group_factory
+    stages = pipeline_degree(dict(plan))
+    if stages > 1:
+        raise ArtifactError(f"this artifact splits the model into {stages} pipeline stages for lmc's own "
+                            f"{plan.get('engine')} pipeline, which was removed: plan and build the spec again (vLLM "
+                            "runs models across instances)")
 
 
 def _verify(artifact, where: str = "") -> None:
@@ -215,13 +210,3 @@ def _run_vllm_node(artifact, node) -> int:
     _verify(artifact, node.describe())
     return run_worker_node(engine_arguments(artifact.plan, artifact.model_dir), engine_environment(artifact.plan),
                            node)
-
-
-def _run_stage_node(artifact, role) -> int:
-    """A pipeline worker node: verify the artifact, then run this node's stage until the leader stops it."""
-    from lmc.runtime.stage_node import run_stage_node
-    from lmc.runtime.workers import start_process_server
-
-    start_process_server(artifact.plan)
-    _verify(artifact, f"{role.describe()}, no HTTP on this node")
-    return run_stage_node(artifact.model_dir, artifact.plan, role)

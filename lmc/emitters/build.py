@@ -8,7 +8,6 @@ staging directory is removed whatever happens: a failed build leaves nothing beh
 Artifact layout (DESIGN.md): serving.properties, model.py, requirements.txt, lmc.json, the
 checkpoint's config.json / generation_config.json / tokenizer files, then
   hf, deepspeed:  shards/tp{N}/rank{r}.safetensors, already in the planned dtype;
-  hf across P instances (pipeline degree P > 1, Llama family): shards/pp{P}-tp{N}/stage{s}-rank{r}.safetensors;
   neuronx:        model.safetensors (cast, whole) and neuron/ (see lmc.emitters.neuron);
   vllm:           no model.py; vLLM's model-rank-{r}-part-{p}.safetensors (load_format=sharded_state)
                   when the build machine can run vLLM for the plan, else model.safetensors (cast, whole)
@@ -112,8 +111,6 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
                     _stage_neuron_weights(info, plan, result.model, staging, progress)
                 elif plan.engine == "vllm":
                     vllm_format, vllm_note = _stage_vllm_weights(info, plan, result, staging, say, progress)
-                elif plan.deployment.pipeline_parallel_degree > 1:
-                    _stage_pipeline_weights(info, plan, result.model, staging, say, progress)
                 else:
                     from lmc.emitters.partition import partition_checkpoint
 
@@ -209,36 +206,12 @@ def _copy_checkpoint_files(info: Any, checkpoint: Path, staging: Path) -> None:
 
 
 def check_pipeline_plan(plan: Plan) -> None:
-    """What lmc can run across instances: vLLM's multi-node mode (lmc.runtime.vllm_nodes), and the hf engine on a
-    Llama-family model (lmc.runtime.engines.pipeline). Anything else with a pipeline degree > 1 stops the build
-    with one line."""
-    from lmc.layouts import PIPELINE_FAMILIES
-
+    """lmc runs plans across instances on vLLM's multi-node engine only (lmc.runtime.vllm_nodes,
+    lmc.runtime.vllm_ray): any other engine with a pipeline degree > 1 stops the build with one line."""
     stages = plan.deployment.pipeline_parallel_degree
-    if stages <= 1 or plan.engine == "vllm":  # vLLM runs its stages itself (lmc.runtime.vllm_nodes)
-        return
-    if plan.engine != "hf":
+    if stages > 1 and plan.engine != "vllm":
         raise ArtifactError(f"pipeline parallel degree {stages}: lmc runs plans across instances on vLLM's "
-                            f"multi-node mode or on the hf engine (torch.distributed between the instances), not "
-                            f"{plan.engine}")
-    if plan.model.family not in PIPELINE_FAMILIES:
-        raise ArtifactError(f"pipeline parallel degree {stages}: lmc cuts only the {', '.join(PIPELINE_FAMILIES)} "
-                            f"family into stages, not {plan.model.family}; plan for one instance instead")
-    if stages > plan.model.layers:
-        raise ArtifactError(f"pipeline parallel degree {stages} exceeds the model's {plan.model.layers} layers")
-
-
-def _stage_pipeline_weights(info: Any, plan: Plan, model: Any, staging: Path, say: Progress,
-                            progress: Progress | None) -> None:
-    """Per pipeline stage, per TP rank: that stage's layers only (lmc.emitters.partition.partition_pipeline)."""
-    from lmc.emitters.partition import partition_pipeline
-
-    stages = plan.deployment.pipeline_parallel_degree
-    say(f"partitioning weights into {stages} pipeline stages x tensor parallel degree "
-        f"{plan.tensor_parallel_degree} ({plan.dtype})")
-    partition_pipeline(info, family=plan.model.family, dtype=plan.dtype, tp=plan.tensor_parallel_degree,
-                       stages=stages, layers=plan.model.layers, head_dim=model.head_dim, kv_heads=model.kv_heads,
-                       out_dir=staging, progress=progress)
+                            f"multi-node engine only, not {plan.engine} (lmc's own hf pipeline was removed)")
 
 
 def _stage_neuron_weights(info: Any, plan: Plan, model: Any, staging: Path, progress: Progress | None) -> None:

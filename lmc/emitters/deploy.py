@@ -24,7 +24,6 @@ from lmc.planner.sizing import GB, GIB, PLATFORM_MAX_TIMEOUT_S, Sizing, replicas
 TARGETS = ("sagemaker", "kubernetes", "kserve")
 PLACEHOLDER = "REPLACE_ME"
 PORT = 8080
-RENDEZVOUS_PORT = 29500  # lmc runtime's torch.distributed store on the leader (LMC_RENDEZVOUS_PORT's default)
 # vLLM across instances (lmc.runtime.vllm_nodes): vLLM's torch.distributed master and lmc's lifeline, on the leader.
 VLLM_MASTER_PORT = 29501
 LIFELINE_PORT = 29510
@@ -116,9 +115,6 @@ def check_kserve(plan: Plan, hardware: HardwareFacts) -> None:
     pp = plan.deployment.pipeline_parallel_degree
     if pp <= 1:
         return
-    if plan.engine != "vllm":
-        check_single_node(plan, "KServe", "KServe's multi-node serving runs vLLM on Ray; lmc's own pipeline stages "
-                                          "rendezvous through LeaderWorkerSet")
     copies = plan.deployment.instances // pp
     if copies > 1:
         raise NoFeasiblePlanError(
@@ -278,15 +274,10 @@ def _pod_spec(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Siz
 
 def _leader_spec(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing) -> dict:
     """The leader serves HTTP and hosts the group's rendezvous (named, for network policies): vLLM's
-    torch.distributed master and lmc's lifeline for a vLLM plan, lmc's torch.distributed store for its own
-    pipeline."""
+    torch.distributed master and lmc's lifeline."""
     spec = _group_pod(plan, hardware, account, sizing, serves=True)
-    ports = spec["containers"][0]["ports"]
-    if plan.engine == "vllm":
-        ports += [{"name": "vllm-master", "containerPort": VLLM_MASTER_PORT, "protocol": "TCP"},
-                  {"name": "lifeline", "containerPort": LIFELINE_PORT, "protocol": "TCP"}]
-    else:
-        ports.append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+    spec["containers"][0]["ports"] += [{"name": "vllm-master", "containerPort": VLLM_MASTER_PORT, "protocol": "TCP"},
+                                       {"name": "lifeline", "containerPort": LIFELINE_PORT, "protocol": "TCP"}]
     return spec
 
 

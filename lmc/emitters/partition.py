@@ -24,10 +24,6 @@ Dtypes (`dtype`, the plan's):
 
 Header metadata of every file: format=pt, lmc.family, lmc.tp, lmc.rank, lmc.dtype, and for int8/fp8
 lmc.quantization = "per-row-symmetric" and lmc.scale_suffix = "_scale".
-
-Pipeline parallelism (`partition_pipeline`, Llama family): the same per-rank files, once per stage, each
-with only that stage's tensors (`shards/pp{P}-tp{T}/stage{s}-rank{r}.safetensors`, lmc.layouts.stage_shard_path;
-the layer split is lmc.layouts.stage_layers), with lmc.pp and lmc.stage in the header metadata too.
 """
 
 from __future__ import annotations
@@ -77,33 +73,6 @@ def partition_checkpoint(info: CheckpointInfo, *, family: str, dtype: str, tp: i
     _write_rank_files(info, sorted(info.tensors), paths, family=family, dtype=dtype, tp=tp, head_dim=head_dim,
                       kv_heads=kv_heads, metadata={}, progress=progress)
     return paths
-
-
-def partition_pipeline(info: CheckpointInfo, *, family: str, dtype: str, tp: int, stages: int, layers: int,
-                       head_dim: int, kv_heads: int, out_dir: Path,
-                       progress: bool | Callable[[str], None] | None = None) -> list[list[Path]]:
-    """Pipeline parallelism: per stage, each TP rank's shard of that stage's tensors alone
-    (lmc.layouts.tensor_stages: its layers; the first stage also the embedding, the last the final norm
-    and the LM head, or the embedding again where the head is tied to it). Returns [stage][rank] paths;
-    file names lmc.layouts.stage_shard_path. Names stay the checkpoint's (global layer indices)."""
-    from lmc.layouts import PIPELINE_FAMILIES, stage_shard_path, tensor_stages
-
-    if family not in PIPELINE_FAMILIES:
-        raise CheckpointError(f"pipeline parallelism: lmc cuts only the {', '.join(PIPELINE_FAMILIES)} family into "
-                              f"stages, not {family}; plan for one instance (a bigger instance, a lower dtype)")
-    tied = "lm_head.weight" not in info.tensors
-    try:
-        owners = {name: tensor_stages(name, layers, stages, tied) for name in info.tensors}
-    except ValueError as exc:
-        raise CheckpointError(f"cannot cut the checkpoint into {stages} pipeline stages: {exc}") from None
-    out = []
-    for stage in range(stages):
-        paths = [Path(out_dir) / stage_shard_path(stages, tp, stage, rank) for rank in range(tp)]
-        names = sorted(name for name, held in owners.items() if stage in held)
-        _write_rank_files(info, names, paths, family=family, dtype=dtype, tp=tp, head_dim=head_dim, kv_heads=kv_heads,
-                          metadata={"lmc.pp": str(stages), "lmc.stage": str(stage)}, progress=progress)
-        out.append(paths)
-    return out
 
 
 def _write_rank_files(info: CheckpointInfo, names: list[str], paths: list[Path], *, family: str, dtype: str, tp: int,
@@ -260,21 +229,6 @@ def gather_shards(paths: list[Path], family: str, head_dim: int, kv_heads: int) 
         if suffix and name + suffix in ranks[0]:
             parts = [part.float() * rank[name + suffix][:, None] for part, rank in zip(parts, ranks)]
         full[name] = _join(family, name, parts, tp, kv_heads)
-    return full
-
-
-def gather_pipeline(stage_paths: list[list[Path]], family: str, head_dim: int,
-                    kv_heads: int) -> dict[str, "torch.Tensor"]:
-    """Reassemble full tensors from partition_pipeline's files ([stage][rank]): each stage's ranks gathered
-    (gather_shards), the stages merged. A tensor two stages hold (a tied embedding) must be the same in both."""
-    import torch
-
-    full: dict[str, torch.Tensor] = {}
-    for stage, paths in enumerate(stage_paths):
-        for name, tensor in gather_shards(paths, family, head_dim, kv_heads).items():
-            if name in full and not torch.equal(full[name], tensor):
-                raise InternalError(f"stage {stage} holds a {name!r} that differs from an earlier stage's")
-            full[name] = tensor
     return full
 
 

@@ -487,16 +487,14 @@ def data_parallel_degrees(spec, model: ModelFacts, hardware: HardwareFacts, engi
     return degrees
 
 
-PIPELINE_RETIRED = ("lmc's own pipeline is kept for models vLLM cannot run across instances; vLLM's multi-node "
-                    "engine runs this one")
+PIPELINE_RETIRED = ("lmc's own hf pipeline was removed: vLLM's multi-node engine runs every model it could split "
+                    "(Llama) across instances, on GPUs and CPUs")
 
 
 def retire_lmc_pipeline(configs: list[Config]) -> list[Config]:
-    """Across instances, lmc's own pipeline (the hf engine's stages joined by lmc's torch.distributed loop)
-    is kept only for a model vLLM cannot carry across instances: where a vLLM layout with stages fits,
-    the other engines' staged layouts are not offered (--explain shows them rejected, with their figures)."""
-    if not any(c.engine == "vllm" and c.pp > 1 and c.fits for c in configs):
-        return configs
+    """Across instances lmc runs vLLM's multi-node engine only: the other engines' staged layouts (the hf
+    engine's stages, lmc's own pipeline until it was removed) are not offered, and --explain shows the best of
+    them rejected with their figures, for comparison."""
     return [replace(c, superseded=PIPELINE_RETIRED) if c.engine != "vllm" and c.pp > 1 and c.fits else c
             for c in configs]
 
@@ -918,7 +916,7 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
             verdict, reason = "rejected", "goal missed: " + reason
         out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
                                verdict=verdict, reason=reason))
-    # lmc's pipeline where vLLM's runs the model (retire_lmc_pipeline): the best per group, with its figures.
+    # lmc's retired pipeline (retire_lmc_pipeline): the best per group, with its figures, for comparison.
     retired = _best_per_group(spec, model, hardware, [replace(c, superseded=None) for c in configs if c.superseded],
                               goal_met)
     for c in sorted(retired.values(), key=lambda c: sort_key(spec, model, hardware, c, goal_met)):
@@ -975,6 +973,11 @@ def no_feasible_plan(spec, model: ModelFacts, hardware: HardwareFacts, engines: 
         closest = max(configs, key=lambda c: (c.memory.headroom, -c.batch))
         details.append(f"closest: {closest.engine} {closest.dtype} TP {closest.tp} batch {closest.batch} needs "
                        f"{_gib(closest.memory.total)} per device > {_gib(closest.memory.capacity)}")
+    elif configs and not any(c.fits and not c.superseded for c in configs):  # only lmc's retired pipeline fits
+        best = min((c for c in configs if c.fits), key=lambda c: (c.pp, c.timing.tpot_ms))
+        message = (f"{model.id} fits across instances only as the {best.engine} engine's pipeline stages "
+                   f"({best.dtype} TP {best.tp} × PP {best.pp}), and {PIPELINE_RETIRED}")
+        details.append("let the planner choose the engine (no pin.engine, or pin.engine = \"vllm\")")
     elif configs and not any(c.fits and not c.over_rate for c in configs):  # the rate needs more instances
         rate_bound = True
         load = spec.workload
@@ -1070,7 +1073,7 @@ def _pipeline_option(spec, model: ModelFacts, hardware: HardwareFacts, engines: 
     """The fewest instances beyond target.instances that pipeline stages would fit across."""
     if spec.pin.pipeline_parallel_degree is not None or hardware.network is None:
         return None
-    if not any(model.family in e.pipeline_families for e in engines.values()):
+    if not any(model.family in e.pipeline_families or e.pipeline_any_architecture for e in engines.values()):
         return None
     for pp in range(spec.target.instances + 1, MAX_PIPELINE_DEGREE + 1):
         wider = spec.model_copy(update={"target": spec.target.model_copy(update={"instances": pp})})

@@ -98,7 +98,7 @@ def resolve_ray_place(plan: Mapping[str, Any], environ: Mapping[str, str]) -> Ra
         return None
     if plan.get("engine") != "vllm":
         raise RendezvousError(f"the environment names a Ray cluster but the plan's engine is {plan.get('engine')}: "
-                              "only vLLM plans run on Ray (lmc's hf pipeline uses LeaderWorkerSet)")
+                              "only vLLM plans run across instances")
     lws = [name for name in LWS_ENV if environ.get(name)]
     if lws:
         raise RendezvousError(f"both a Ray cluster and LeaderWorkerSet ({', '.join(lws)}) are in the environment: "

@@ -72,12 +72,7 @@ def device_kind(plan: dict[str, Any]) -> str:
 
 
 def groups_per_instance(plan: dict[str, Any]) -> int:
-    """Worker groups this container runs: the plan's replicas spread over its instances. A pipeline-parallel
-    plan runs one: each instance holds one stage of one copy of the model."""
-    from lmc.layouts import pipeline_degree
-
-    if pipeline_degree(plan) > 1:
-        return 1
+    """Worker groups this container runs: the plan's replicas spread over its instances."""
     instances = int((plan.get("target") or {}).get("instances", 1) or 1)
     return max(1, math.ceil(int(plan["replicas"]) / instances))
 
@@ -122,26 +117,18 @@ class WorkerSpec:
     env: dict[str, str] = field(default_factory=dict)
     engine: str = ""  # the plan's engine and model family: which libraries to import while
     family: str = ""  # start-up verification runs
-    # A pipeline-parallel plan: this node's stage (lmc.runtime.rendezvous.PipelineRole). `rank` and
-    # `world_size` stay the TP rank and degree within the stage.
-    pipeline: Any = None
     scheduling: str = "dynamic"  # the plan's: "continuous" runs _serve_continuous where the engine can
     kv_block_size: int = 16  # the plan's kv_cache.block_size: a paged cache's block, the unit of the KV metrics
 
 
 def worker_spec(model_dir: Path, plan: dict[str, Any], group: int, rank: int, backend: str, port: int,
-                pipeline: Any = None, extra_env: dict[str, str] | None = None) -> WorkerSpec:
-    """What rank `rank` of worker group `group` runs: its environment (torch.distributed's names: for a
-    pipeline stage, its global rank in the world of all stages, the leader's address) and its role."""
+                extra_env: dict[str, str] | None = None) -> WorkerSpec:
+    """What rank `rank` of worker group `group` runs: its environment (torch.distributed's names) and its role."""
     tp = processes_per_group(plan)
-    if pipeline is None:
-        where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(tp)}
-    else:
-        where = {"MASTER_ADDR": pipeline.leader_address, "MASTER_PORT": str(pipeline.port),
-                 "RANK": str(pipeline.global_rank(rank)), "WORLD_SIZE": str(pipeline.world_size)}
+    where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(tp)}
     env = {**where, **device_env(plan, group, rank), **(extra_env or {})}
     return WorkerSpec(str(model_dir), group, rank, tp, backend, env, engine=str(plan.get("engine", "")),
-                      family=str((plan.get("model") or {}).get("family", "")), pipeline=pipeline,
+                      family=str((plan.get("model") or {}).get("family", "")),
                       scheduling=str(plan.get("scheduling") or "dynamic"),
                       kv_block_size=int((plan.get("kv_cache") or {}).get("block_size") or 16))
 
@@ -275,7 +262,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None, lifeline: 
         log.debug("libraries imported in %.1fs; waiting for the artifact to be verified", time.monotonic() - started)
         gate.wait()
     control = None
-    if spec.world_size > 1 and spec.pipeline is None:
+    if spec.world_size > 1:
         import datetime
 
         import torch.distributed as dist
@@ -290,11 +277,8 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None, lifeline: 
         control = dist.new_group(backend="gloo", timeout=timeout) if spec.backend != "gloo" else dist.group.WORLD
 
     try:
-        if spec.pipeline is not None:  # joining the other instances is part of loading: its failure is fatal too
-            engine, control = _load_stage(spec)
-        else:
-            engine = load_model_module(Path(spec.model_dir)).create_engine()
-            engine.load(Path(spec.model_dir), spec.rank, spec.world_size)
+        engine = load_model_module(Path(spec.model_dir)).create_engine()
+        engine.load(Path(spec.model_dir), spec.rank, spec.world_size)
     except BaseException as exc:
         # An LmcError (missing SDK, unreadable shard, no CUDA) fails the same way on every restart:
         # say so, so the front end stops instead of retrying while /ping answers 503 forever.
@@ -308,42 +292,22 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, gate=None, lifeline: 
         log.exception("rank %d failed to load the model", spec.rank)
         sys.exit(LOAD_RAISED_EXIT)
     log.info("loaded rank %d/%d in %.1fs since the process started", spec.rank, spec.world_size, time.monotonic() - started)
-    if spec.world_size > 1 or spec.pipeline is not None:
+    if spec.world_size > 1:
         import torch.distributed as dist
 
         # The group is ready when every rank is, not when rank 0 is: /ping must not say 200 earlier.
-        # A pipeline: every rank of every stage, on every instance.
-        dist.barrier(group=None if spec.pipeline is not None else control)
+        dist.barrier(group=control)
     if conn is not None:
         conn.send(("ready",))
-    if spec.pipeline is not None and not spec.pipeline.is_leader:
-        engine.serve_stage()  # until stage 0 says stop
+    # Continuous batching needs the engine's running batch.
+    if spec.scheduling == "continuous" and _runs_continuous(engine):
+        _serve_continuous(engine, spec, conn, control)
     else:
-        # Continuous batching needs the engine's running batch: a pipeline's stages decode batches whole.
-        if spec.scheduling == "continuous" and spec.pipeline is None and _runs_continuous(engine):
-            _serve_continuous(engine, spec, conn, control)
-        else:
-            _serve_loop(engine, spec, conn, control)
-        if spec.pipeline is not None:
-            engine.shutdown()
-    if spec.world_size > 1 or spec.pipeline is not None:
+        _serve_loop(engine, spec, conn, control)
+    if spec.world_size > 1:
         from lmc.runtime.engines.tp import leave_process_group
 
         leave_process_group()
-
-
-def _load_stage(spec: WorkerSpec):
-    """A pipeline stage's rank: join the pipeline's world, then load this stage's shard. Returns the engine
-    and the stage's control group."""
-    from lmc.manifest import read_manifest
-    from lmc.runtime.engines.pipeline import create_pipeline_engine, init_stage_groups
-
-    groups = init_stage_groups(spec.pipeline, spec.rank, spec.backend)
-    manifest = read_manifest(Path(spec.model_dir))
-    task = (manifest["spec"].get("model") or {}).get("task") or "text-generation"
-    engine = create_pipeline_engine(manifest["plan"], task, spec.pipeline, groups)
-    engine.load(Path(spec.model_dir), spec.rank, spec.world_size)
-    return engine, groups.control
 
 
 def _next_message(spec: WorkerSpec, conn: Connection | None, control, inbox: deque) -> tuple:
@@ -374,8 +338,6 @@ def _serve_loop(engine, spec: WorkerSpec, conn: Connection | None, control) -> N
         if kind == "stop":
             return
         if kind == "noop":
-            if hasattr(engine, "heartbeat"):  # a pipeline's other stages wait with a timeout too
-                engine.heartbeat()
             continue
         _, batch_id, requests, forward = message
         on_token = None
@@ -603,8 +565,7 @@ class WorkerGroup:
     """One replica: spawns its ranks, restarts them when one dies, forwards their messages."""
 
     def __init__(self, model_dir: Path, plan: dict[str, Any], group: int, events: GroupEvents,
-                 extra_env: dict[str, str] | None = None, restart_backoff_s: float = 0.5, gate=None,
-                 pipeline: Any = None):
+                 extra_env: dict[str, str] | None = None, restart_backoff_s: float = 0.5, gate=None):
         self.model_dir = Path(model_dir)
         self.plan = plan
         self.group = group
@@ -612,8 +573,7 @@ class WorkerGroup:
         self.extra_env = dict(extra_env or {})
         self.world_size = processes_per_group(plan)
         kind = device_kind(plan)
-        self.backend = "none" if self.world_size == 1 and pipeline is None else ("nccl" if kind == "gpu" else "gloo")
-        self.pipeline = pipeline  # this node's PipelineRole for a pipeline-parallel plan
+        self.backend = "none" if self.world_size == 1 else ("nccl" if kind == "gpu" else "gloo")
         self.restart_backoff_s = restart_backoff_s
         self.gate = gate
         self.restarts = 0
@@ -741,8 +701,7 @@ class WorkerGroup:
         for rank in range(self.world_size):
             if self._stopping.is_set():
                 break
-            spec = worker_spec(self.model_dir, self.plan, self.group, rank, self.backend, port, self.pipeline,
-                               self.extra_env)
+            spec = worker_spec(self.model_dir, self.plan, self.group, rank, self.backend, port, self.extra_env)
             proc = context.Process(target=worker_main, args=(spec, child if rank == 0 else None, self.gate, lifeline),
                                name=f"lmc-worker-g{self.group}r{rank}", daemon=True)
             proc.start()

@@ -589,9 +589,7 @@ class _CausalState:
         (the positions only rows that left needed)."""
         self.cache.batch_select_indices(indices)
         self.mask, self.positions = self.mask[indices], self.positions[indices]
-        # A pipeline's later stages keep caches of their own (engines/pipeline.py) that only follow
-        # batch_select_indices: their columns must stay as they are.
-        if not self.mergeable or getattr(self.cache, "_lmc_pipeline", False):
+        if not self.mergeable:
             return
         used = self.mask.any(0).nonzero()
         lead = int(used[0]) if len(used) else 0
