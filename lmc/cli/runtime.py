@@ -130,8 +130,6 @@ def _run(args: argparse.Namespace) -> int:
                      artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,
                      artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"],
                      artifact.plan["job_queue_size"], timeout)
-            if role is not None:
-                log.info("%s: this node serves HTTP and drives generation", role.describe())
             if runtime.sampling_defaults:
                 log.info("OpenAI routes default to the model's generation_config.json: %s",
                          ", ".join(f"{key} {value}" for key, value in runtime.sampling_defaults.items()))
