@@ -17,6 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from gpu_loop import LLAMA_7B  # the loop's model (this directory is on sys.path when run as a script)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="profile_decode.py", description=__doc__.splitlines()[0])
@@ -27,8 +29,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("profile_decode: no CUDA GPU here (torch.cuda.is_available() is False); run it on a GPU host")
     dtype = torch.float16 if args.device == "cuda" else torch.float32
-    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
-                         num_hidden_layers=args.layers, vocab_size=384)  # the tiny tokenizer's, as gpu_loop
+    config = LlamaConfig(**{**LLAMA_7B, "num_hidden_layers": args.layers}, vocab_size=384)  # the tiny tokenizer's
     with torch.device(args.device):
         model = LlamaForCausalLM(config).to(dtype).eval()
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)

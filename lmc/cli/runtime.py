@@ -173,9 +173,8 @@ def _run_vllm(artifact, args, port: int, timeout: float | None, max_body: float 
     from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES
     from lmc.runtime.startup import default_request_timeout_s
     from lmc.runtime.vllm_nodes import resolve_vllm_node
-    from lmc.runtime.vllm_server import describe, serve
-
     from lmc.runtime.vllm_ray import resolve_ray_place, run_worker, serve_on_ray
+    from lmc.runtime.vllm_server import describe, serve
 
     def serve_here(node) -> int:
         logging.getLogger("lmc.runtime").info("%s", describe(artifact.plan))

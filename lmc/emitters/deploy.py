@@ -399,7 +399,8 @@ def kserve_multinode_files(plan: Plan, hardware: HardwareFacts, account: Account
     """A vLLM plan across instances on KServe: a ServingRuntime with a workerSpec (the head's container and the
     workers', both `lmc runtime` on the artifact KServe's storage initializer puts in /mnt/models) and the
     InferenceService that names it, with the plan's TP and PP (KServe runs PP nodes of TP GPUs each)."""
-    d = plan.deployment
+    sizes = {"pipelineParallelSize": plan.deployment.pipeline_parallel_degree,
+             "tensorParallelSize": plan.tensor_parallel_degree}
     ray_env = [{"name": "RAY_PORT", "value": str(RAY_PORT)},
                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
@@ -418,8 +419,7 @@ def kserve_multinode_files(plan: Plan, hardware: HardwareFacts, account: Account
             "supportedModelFormats": [{"name": KSERVE_MODEL_FORMAT, "version": "1", "autoSelect": False}],
             "multiModel": False,
             **head,
-            "workerSpec": {"pipelineParallelSize": d.pipeline_parallel_degree,
-                           "tensorParallelSize": plan.tensor_parallel_degree, **worker},
+            "workerSpec": {**sizes, **worker},
         },
     }
     isvc = {
@@ -430,8 +430,7 @@ def kserve_multinode_files(plan: Plan, hardware: HardwareFacts, account: Account
             "model": {"modelFormat": {"name": KSERVE_MODEL_FORMAT}, "runtime": account.name,
                       "storageUri": account.model_data_or_placeholder},
             "terminationGracePeriodSeconds": 120,
-            "workerSpec": {"pipelineParallelSize": d.pipeline_parallel_degree,
-                           "tensorParallelSize": plan.tensor_parallel_degree, "terminationGracePeriodSeconds": 120},
+            "workerSpec": {**sizes, "terminationGracePeriodSeconds": 120},
         }},
     }
     return {"kserve/servingruntime.yaml": yaml_text.dump(runtime).encode(),

@@ -153,8 +153,9 @@ def verify_for_rank(model_dir: Path, rank: int, world_size: int) -> dict[str, An
     manifest = verify_artifact(model_dir, check_hashes=False)
     stages = pipeline_degree(manifest["plan"])
     if stages > 1:
-        raise ArtifactError(f"{model_dir}: planned for {stages} instances (pipeline parallel degree {stages}): serve it "
-                            "with `lmc runtime` on each instance (a LeaderWorkerSet), not in DJL Serving")
+        raise ArtifactError(f"{model_dir}: planned for {stages} instances (pipeline parallel degree {stages}) on lmc's "
+                            "own hf pipeline, which was removed: plan and build the spec again (vLLM runs models "
+                            "across instances)")
     tp = manifest["plan"].get("tensor_parallel_degree")
     others = {shard_path(tp, other) for other in range(tp) if other != rank} if world_size > 1 and isinstance(tp, int) else set()
     verify_hashes(model_dir, dict(manifest, files={rel: entry for rel, entry in manifest["files"].items() if rel not in others}),

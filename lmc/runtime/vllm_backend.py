@@ -64,8 +64,8 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
     # once in eager mode), so eager stages fail the first request (`assert self.intermediate_tensors is not
     # None`); compiled, two stages on two "nodes" answer. GPUs keep vLLM's default (compiled, CUDA graphs).
     enforce_eager = section.get("enforce_eager")
-    stages = int((plan.get("deployment") or {}).get("pipeline_parallel_degree") or 1)
-    args["enforce_eager"] = bool(cpu and stages == 1 if enforce_eager is None else enforce_eager)
+    args["enforce_eager"] = bool(cpu and args["pipeline_parallel_size"] == 1 if enforce_eager is None
+                                 else enforce_eager)
     if section.get("max_num_batched_tokens"):
         args["max_num_batched_tokens"] = int(section["max_num_batched_tokens"])
     if kv_cache.get("block_size"):

@@ -138,8 +138,28 @@ def require_ray() -> None:
                              "(lmc's `ray` extra) in the serving image")
 
 
-def _ray_cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "ray.scripts.scripts", *args]
+def _ray_start(*args: str) -> list[str]:
+    """`ray start ARGS --block`, on the pod's own address where the pod has one (POD_IP)."""
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", *args, "--block", "--disable-usage-stats"]
+    if os.environ.get("POD_IP"):
+        argv.append(f"--node-ip-address={os.environ['POD_IP']}")
+    return argv
+
+
+class _Silence:
+    """How long the head's GCS port has not answered: `gone()` once it has been silent past HEAD_GONE_S."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.since: float | None = None
+
+    def gone(self) -> bool:
+        if _answers(self.address):
+            self.since = None
+            return False
+        if self.since is None:
+            self.since = time.monotonic()
+        return time.monotonic() - self.since > HEAD_GONE_S
 
 
 def _stop(process: subprocess.Popen | None, drain: bool = True) -> None:
@@ -164,10 +184,7 @@ def _stop(process: subprocess.Popen | None, drain: bool = True) -> None:
 def start_head(place: RayPlace) -> subprocess.Popen:
     """Ray's head on this node (its own process group, so nothing it starts outlives lmc)."""
     require_ray()
-    argv = _ray_cli("start", "--head", f"--port={place.port}", "--block", "--disable-usage-stats",
-                    "--include-dashboard=false")
-    if os.environ.get("POD_IP"):
-        argv.append(f"--node-ip-address={os.environ['POD_IP']}")
+    argv = _ray_start("--head", f"--port={place.port}", "--include-dashboard=false")
     log.info("starting Ray's head: %s", " ".join(argv[2:]))
     head = subprocess.Popen(argv, start_new_session=True, env={**HEALTH_CHECK, **os.environ})
     deadline = time.monotonic() + 60
@@ -210,22 +227,16 @@ def run_worker(place: RayPlace) -> int:
             raise RendezvousError(f"the Ray head {place.address} never answered within {place.timeout_s:g}s "
                                   "(LMC_RENDEZVOUS_TIMEOUT_S)")
         stopping.wait(1.0)
-    argv = _ray_cli("start", f"--address={place.address}", "--block", "--disable-usage-stats")
-    if os.environ.get("POD_IP"):
-        argv.append(f"--node-ip-address={os.environ['POD_IP']}")
+    argv = _ray_start(f"--address={place.address}")
     log.info("joining the Ray head %s: %s", place.address, " ".join(argv[2:]))
     worker = subprocess.Popen(argv, start_new_session=True)
-    silent_since: float | None = None
+    silence = _Silence(place.address)
     head_gone = False
     try:
         while not stopping.is_set():
             if worker.poll() is not None:
                 raise RendezvousError(f"Ray's node process exited {worker.returncode} (its log above has the cause)")
-            if _answers(place.address):
-                silent_since = None
-            elif silent_since is None:
-                silent_since = time.monotonic()
-            elif time.monotonic() - silent_since > HEAD_GONE_S:
+            if silence.gone():
                 log.info("the Ray head %s is gone; stopping this node", place.address)
                 head_gone = True
                 return 1
@@ -249,19 +260,14 @@ class ClusterWatch:
         self._closing = False
         self._process = subprocess.Popen([sys.executable, "-m", "lmc.runtime.vllm_ray", "watch", address],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._thread = threading.Thread(target=self._read, name="lmc-ray-watch", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._read, name="lmc-ray-watch", daemon=True).start()
         # Ray's client waits 60 s for a GCS that died: the head's port is probed beside it
         threading.Thread(target=self._probe, name="lmc-ray-probe", daemon=True).start()
 
     def _probe(self) -> None:
-        silent_since: float | None = None
+        silence = _Silence(self.address)
         while not self._closing:
-            if _answers(self.address):
-                silent_since = None
-            elif silent_since is None:
-                silent_since = time.monotonic()
-            elif time.monotonic() - silent_since > HEAD_GONE_S:
+            if silence.gone():
                 self._ended()
                 return
             time.sleep(1.0)
