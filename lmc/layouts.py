@@ -157,3 +157,26 @@ def pipeline_degree(plan: dict) -> int:
     """A plan dict's pipeline-parallel degree (deployment.pipeline_parallel_degree; 1 when absent)."""
     value = (plan.get("deployment") or {}).get("pipeline_parallel_degree", 1)
     return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1024 else 1
+
+
+def _count(value: object) -> int:
+    """A positive count read from a plan dict (1 when absent or not one)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1 << 20 else 1
+
+
+def data_parallel_degree(plan: dict) -> int:
+    """A plan dict's vLLM data-parallel degree (vllm.data_parallel_size; 1 when absent)."""
+    return _count((plan.get("vllm") or {}).get("data_parallel_size", 1))
+
+
+def instances_per_copy(plan: dict) -> int:
+    """Instances one model copy of a plan dict runs on: its pipeline stages, each spanning as many instances
+    as its TP × DP ranks fill (vLLM's data-parallel groups across instances, GPUs only: CPU ranks are
+    processes on one host)."""
+    target = plan.get("target") or {}
+    ranks = _count(plan.get("tensor_parallel_degree")) * data_parallel_degree(plan)
+    devices = target.get("devices")
+    if target.get("accelerator") == "cpu" or _count(devices) != devices or ranks <= devices:
+        return pipeline_degree(plan)  # within one instance (or a plan dict that does not say its devices)
+    span = -(-ranks // devices)
+    return pipeline_degree(plan) * span

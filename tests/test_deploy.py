@@ -214,25 +214,30 @@ def test_deploy_files_are_golden_and_valid(spec: Path, target: str, snapshot):
 
 
 def test_only_the_documented_refusals():
-    """Every plannable spec deploys to every target, except a pipeline across instances on SageMaker (and on
-    KServe unless it is one vLLM copy on GPUs), and the local CPU on SageMaker (which has no such instance type)."""
+    """Every plannable spec deploys to every target, except a copy across instances on SageMaker (and on
+    KServe unless it is one vLLM copy of pipeline stages on GPUs: not data-parallel groups across instances),
+    and the local CPU on SageMaker (which has no such instance type)."""
     refused = {(s.stem, t): refusal(s, t) for s, t in CASES if planned(s) is not None and refusal(s, t) is not None}
     expected = set()
     for spec in SPECS:
         result = planned(spec)
         if result is None:
             continue
-        d = result.plan.deployment
-        if d.pipeline_parallel_degree > 1:
+        d, vllm = result.plan.deployment, result.plan.vllm
+        dp = vllm.data_parallel_size if vllm is not None else 1
+        nodes = d.pipeline_parallel_degree * max(result.plan.tensor_parallel_degree * dp // result.plan.target.devices, 1)
+        if nodes > 1:
             expected.add((spec.stem, "sagemaker"))
-            if d.instances > d.pipeline_parallel_degree:
+            if d.instances > nodes or dp > 1:
                 expected.add((spec.stem, "kserve"))
         if not result.plan.target.instance.startswith("ml."):
             expected.add((spec.stem, "sagemaker"))
     assert set(refused) == expected
     assert ("llama-3-1-405b-p4d-24xlarge", "kubernetes") not in refused and ("tiny-llama-cpu", "sagemaker") in refused
     assert ("llama-3-1-405b-p4d-24xlarge", "kserve") not in refused  # KServe's multi-node InferenceService, on Ray
-    assert "4 pipeline stages on 4 instances" in refused[("llama-3-1-405b-p4d-24xlarge", "sagemaker")]
+    assert "(TP 8 × PP 4) on 4 instances" in refused[("llama-3-1-405b-p4d-24xlarge", "sagemaker")]
+    assert ("deepseek-v3-wide-ep-2x-p5-48xlarge", "kubernetes") not in refused
+    assert "spreads data-parallel groups over 2 instances" in refused[("deepseek-v3-wide-ep-2x-p5-48xlarge", "kserve")]
     assert "an endpoint needs an ml.* instance type" in refused[("tiny-llama-cpu", "sagemaker")]
 
 
@@ -442,7 +447,7 @@ def test_cli_pipeline_plan_on_sagemaker_exits_3(tmp_path):
     spec = ROOT / "specs" / "llama-3-1-405b-p4d-24xlarge.toml"
     code, _, err = _run(["deploy", str(spec), "--target", "sagemaker", "-o", str(tmp_path)])
     assert code == 3
-    assert "use --target kubernetes (a LeaderWorkerSet of the stages)" in err
+    assert "use --target kubernetes (a LeaderWorkerSet of each copy's instances)" in err
 
 
 def test_crd_files_are_the_upstream_bytes_listed_in_their_readme():

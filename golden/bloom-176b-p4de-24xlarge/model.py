@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 e0c96bc75b965e4193c423079b0e74958806cf562d8e961ccb27a5e26c313154
-plan sha256 8b5bd03fcbc00f1d5b9efc2fb4f9fc77d53b38c69fba14e96b2a0e56245f8c09
+spec sha256 581fc0dc6715dc0750d7a1fb14ba574a95a12100005b2a5f962f47fe4619f4e2
+plan sha256 59383e8ceb356ac4166a41608a522f4a4c64d7f8c0a1aebd99e0330e4a6f7f77
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -4,8 +4,8 @@ Serves google/flan-t5-xxl (t5, text2text-generation) with the deepspeed engine i
 tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
-spec sha256 a8dee8b60f287bfb24003e52474d35ecf294d779e13dc33a6cb6ff0ba6adc83c
-plan sha256 f3aad4d6f7e83219eab0fa4cf66c46d89a6874f020e45252c22100b8cda6c43a
+spec sha256 7c192495d885cad6e855afcf0e605517175721af258a0ed55033876c1e112550
+plan sha256 2cc6d124e7ae9ef0a3b741f885e35b784632482b038d5154272bc4edc0924477
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 50 ms),
 sequences of up to 640 tokens, on cuda.
 
-spec sha256 62ef75f0adb3b3385eacfeecd6e48f0cff67402b701e7b97ebc813995cf1de5f
-plan sha256 2967d31c83f13ea2bf90ef477e73b0caff8bcc8b9dd0bc2c7e7902d39f671f5d
+spec sha256 885f1b25c3fa1a2bd2dd1aff46d734697edb1ed6c270583a40d7339dae80bcd0
+plan sha256 d50e73866eccefc18682c94b02be2b87fbfc4e524c3d98cd1e254c84ea61b0ea
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

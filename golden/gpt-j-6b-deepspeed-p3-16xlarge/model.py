@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 32 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waiting at most 50 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 8e15e73d3bb4c32e37ade5482162e4fa13c25d478b63c04bc79fd3884b80d79f
-plan sha256 2525c2c6a39090abf424039fabf937ea0a429b82e3a6c31299e77e9e5dbc47f0
+spec sha256 55f581b4a130b3c143feeb72d1a8f3e30dab1358e3dd45a3f124015b6e312f6d
+plan sha256 6e69b35a9145c3ef24fc2ea2530d9ef8e18b38f52be33085e202dd1e7f1d0d4a
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 1, continuous batching of up to 4 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 4 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 75d95f99dea9db70e7fb18656f22a2053feb3a5d5b7040e5d066a6449bbe96b3
-plan sha256 eb599094fc6d97a8b983f01aad580569b6e407cafbcfa21f15a6ea0fd8ebbae1
+spec sha256 fc322f184d73208ab57194d9447d207b839aa0a5d75662327c480704d86adc30
+plan sha256 31066be7761b0488db7c68da8c09aee3bb9e7e1a58a245f14593d4d67cbdf8bf
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

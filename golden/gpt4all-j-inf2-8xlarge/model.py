@@ -6,8 +6,8 @@ tensor parallel degree 2, dynamic batches of up to 4 requests
 No compiled Neuron graphs are packed: transformers-neuronx cannot serialize compiled GPTJForSampling graphs, so they are compiled when the container starts
 (predicted load time including the compile: 378.9 s).
 
-spec sha256 43f14a793a6f8a748d924dd4de427e684085918bc64a39471fa4cf47f1db1be6
-plan sha256 0421612b71a18ff4ca646556eac9a56bddd7168cd5a51aa731cbb59b241b18b9
+spec sha256 c0c372b16b1f59e6748a1a88cc8353bb2b022ea16f57398ea019fed17fc5f633
+plan sha256 2f700dd30fd6447e251c8a8b1ebc7e3b22cd002aba8c9ffe71ae2fd11b40bf55
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

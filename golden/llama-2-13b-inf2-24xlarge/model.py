@@ -5,8 +5,8 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 2048 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 721382418abbcc978f070aaf546b4d8090abf6513a1a185d75fd2fad11948b92
-plan sha256 4b6cb72091c0bbf68fd29ddbdb015fb8e5916bdc8350466dffe01aa9d32fdc52
+spec sha256 5a59a1e9600c65576a6cb902c9207e8f87b296ef9ee91119583e955e6d77710a
+plan sha256 1890c1745fcd147279e7df9b0236f3501d3c6d45587e36a7c06b34f1a402fc67
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

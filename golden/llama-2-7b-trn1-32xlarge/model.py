@@ -5,8 +5,8 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 1536 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 90bee4d271caa4bba830fe6e8d892a195a927e998aeb04c46fbb0c21a835448f
-plan sha256 71c8a81924614a0ea38be78cd4219fda516a3958ebbbcb01a7d19edfba419ff9
+spec sha256 511602b121dd722ebf25114ec13ba45cdde8ffcc2a06f5ce6b83489111e10edb
+plan sha256 015c7920d4054c20170b399b3ab5a512f7082647b5c084af7b8c0492df9b3d2b
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

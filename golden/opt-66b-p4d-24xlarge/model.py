@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 16 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 c2a5f805fc15272aed97e8f6d0cfaca6c4a6bc5f051dd647e98abd28207ffdfc
-plan sha256 3131529f7fa53d0cb846d6968ec1f1dfea53a6c9fe5c930a2e7552fc7bd85bda
+spec sha256 7672fcff04d7fa9c4be1f54dc03e3e6cee852136e67319c5764956a29bf03414
+plan sha256 d089460db22e22214fdc550f28efdb717afe6e781b7b9aa36fbfae6d129888f0
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

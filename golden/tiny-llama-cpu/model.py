@@ -5,8 +5,8 @@ tensor parallel degree 2, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 96 tokens, on cpu.
 
-spec sha256 27683f815c8a05788e35890f04d5400168c5926df40c7ef1a922745eddc844bd
-plan sha256 83350178206f11d08f08ad6d10469b8befc102695aaa120379982544058c3fe4
+spec sha256 fb8c73f430dadfc92a09407b1ff79c97c240ce754add7683653bbe35a289508d
+plan sha256 5b7ffcd4e5272fef847bd1e053e836536bae8e77650f767bae3dde75d1eb93b3
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

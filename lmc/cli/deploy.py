@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from lmc.pipeline import plan_from_spec
     from lmc.schema import load_spec
     from lmc.schema.spec import DeploySpec
+    from lmc.planner.sizing import copy_layout
 
     loaded = load_spec(args.spec)
     result = plan_from_spec(loaded)
@@ -57,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
     plan = result.plan
     d = plan.deployment
     print(f"plan: {plan.model.id} on {d.instances} × {plan.target.instance}: {plan.engine} {plan.dtype}, "
-          f"TP {plan.tensor_parallel_degree}" + (f" × PP {d.pipeline_parallel_degree}" if d.pipeline_parallel_degree > 1
-                                                 else "") + f", autoscaling {d.min_instances}-{d.max_instances}")
+          f"{copy_layout(plan)}, autoscaling {d.min_instances}-{d.max_instances}")
     for path in files:
         print(f"  wrote {out / path}")
     missing = account.placeholders(args.target)

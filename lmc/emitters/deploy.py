@@ -19,13 +19,17 @@ from lmc.errors import NoFeasiblePlanError
 from lmc.emitters import yaml_text
 from lmc.planner.facts import HardwareFacts
 from lmc.planner.plan import Plan
-from lmc.planner.sizing import GB, GIB, PLATFORM_MAX_TIMEOUT_S, Sizing, replicas_per_instance, size_deployment
+from lmc.planner.sizing import (GB, GIB, PLATFORM_MAX_TIMEOUT_S, Sizing, copy_instances, copy_layout,
+                                 data_parallel_size, replicas_per_instance, size_deployment)
 
 TARGETS = ("sagemaker", "kubernetes", "kserve")
 PLACEHOLDER = "REPLACE_ME"
 PORT = 8080
 # vLLM across instances (lmc.runtime.vllm_nodes): vLLM's torch.distributed master and lmc's lifeline, on the leader.
 VLLM_MASTER_PORT = 29501
+# vLLM's data-parallel RPC port (ParallelConfig.data_parallel_rpc_port, which lmc leaves at vLLM's default):
+# a data-parallel plan across instances has the worker nodes' engines hand-shake with the leader there.
+VLLM_DP_RPC_PORT = 29550
 LIFELINE_PORT = 29510
 EFA_LINK_BPS = 100e9  # one EFA device: 100 Gbps (p4d: 4 of them, p5/p5en: 32)
 MODEL_DIR = "/opt/ml/model"
@@ -112,14 +116,19 @@ KSERVE_MODEL_FORMAT = "lmc"
 
 
 def check_kserve(plan: Plan, hardware: HardwareFacts) -> None:
-    pp = plan.deployment.pipeline_parallel_degree
-    if pp <= 1:
+    nodes = copy_instances(plan)
+    if nodes <= 1:
         return
-    copies = plan.deployment.instances // pp
+    if data_parallel_size(plan) > 1:
+        raise NoFeasiblePlanError(
+            f"KServe cannot run this plan: its multi-node InferenceService runs vLLM's TP × PP on Ray, and the plan's "
+            f"{copy_layout(plan)} spreads data-parallel groups over {nodes} instances (vLLM's multiprocessing DP, "
+            "which lmc runs on LeaderWorkerSet)", ["use --target kubernetes (a LeaderWorkerSet)"])
+    copies = plan.deployment.instances // nodes
     if copies > 1:
         raise NoFeasiblePlanError(
             f"KServe cannot run this plan: its multi-node InferenceService is one Ray cluster serving one model copy, "
-            f"and the plan runs {copies} copies of {pp} instances",
+            f"and the plan runs {copies} copies of {nodes} instances",
             [f"deploy {copies} InferenceServices, or use --target kubernetes (a LeaderWorkerSet of {copies} groups)"])
     if hardware.kind != "gpu":
         raise NoFeasiblePlanError(
@@ -128,11 +137,11 @@ def check_kserve(plan: Plan, hardware: HardwareFacts) -> None:
 
 
 def check_single_node(plan: Plan, platform: str, why: str) -> None:
-    pp = plan.deployment.pipeline_parallel_degree
-    if pp > 1:
+    nodes = copy_instances(plan)
+    if nodes > 1:
         raise NoFeasiblePlanError(
-            f"{platform} cannot run this plan: it splits each model copy into {pp} pipeline stages on {pp} "
-            f"instances, and {why}", ["use --target kubernetes (a LeaderWorkerSet of the stages)"])
+            f"{platform} cannot run this plan: it lays each model copy ({copy_layout(plan)}) on {nodes} "
+            f"instances, and {why}", ["use --target kubernetes (a LeaderWorkerSet of each copy's instances)"])
 
 
 def check_sagemaker(plan: Plan, hardware: HardwareFacts) -> None:
@@ -278,6 +287,9 @@ def _leader_spec(plan: Plan, hardware: HardwareFacts, account: Account, sizing: 
     spec = _group_pod(plan, hardware, account, sizing, serves=True)
     spec["containers"][0]["ports"] += [{"name": "vllm-master", "containerPort": VLLM_MASTER_PORT, "protocol": "TCP"},
                                        {"name": "lifeline", "containerPort": LIFELINE_PORT, "protocol": "TCP"}]
+    if data_parallel_size(plan) > 1:  # the other nodes' engines hand-shake with the leader's front end here
+        spec["containers"][0]["ports"].append({"name": "vllm-dp-rpc", "containerPort": VLLM_DP_RPC_PORT,
+                                               "protocol": "TCP"})
     return spec
 
 
@@ -329,18 +341,19 @@ def kubernetes_files(plan: Plan, hardware: HardwareFacts, account: Account, sizi
     name, d = account.name, plan.deployment
     labels = _labels(account)
     selector = {"app.kubernetes.io/name": name}
-    if d.pipeline_parallel_degree > 1:
+    nodes = copy_instances(plan)
+    if nodes > 1:
         template = {"metadata": {"labels": labels, "annotations": _annotations(plan)}}
         workload = {
             "apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
             "metadata": {"name": name, "labels": labels},
             "spec": {
-                "replicas": d.instances // d.pipeline_parallel_degree,
+                "replicas": d.instances // nodes,
                 "startupPolicy": "LeaderCreated",
                 "rolloutStrategy": {"type": "RollingUpdate",
                                     "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
                 "leaderWorkerTemplate": {
-                    "size": d.pipeline_parallel_degree,
+                    "size": nodes,
                     "restartPolicy": "RecreateGroupOnPodRestart",
                     "leaderTemplate": {**template, "spec": _leader_spec(plan, hardware, account, sizing)},
                     "workerTemplate": {**template, "spec": _group_pod(plan, hardware, account, sizing, serves=False)},
@@ -377,7 +390,7 @@ def kubernetes_files(plan: Plan, hardware: HardwareFacts, account: Account, sizi
 
 def kserve_files(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing) -> dict[str, bytes]:
     d = plan.deployment
-    if d.pipeline_parallel_degree > 1:
+    if copy_instances(plan) > 1:
         return kserve_multinode_files(plan, hardware, account, sizing)
     pod = _pod_spec(plan, hardware, account, sizing, serves=True, model_dir=KSERVE_MODEL_DIR, download=False)
     container = pod["containers"][0]
@@ -449,9 +462,7 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
     lines += [f"- `{path.split('/', 1)[1]}`{_describe_file(path)}" for path in sorted(files)]
     lines += ["", "## Where each number comes from", "",
               f"- instance type {hardware.name}, {d.instances} instance(s): the plan ({plan.engine} {plan.dtype}, "
-              f"TP {plan.tensor_parallel_degree}"
-              + (f" × PP {d.pipeline_parallel_degree}" if d.pipeline_parallel_degree > 1 else "")
-              + f", {plan.replicas} replica(s)); `lmc plan --explain` says why",
+              f"{copy_layout(plan)}, {plan.replicas} replica(s)); `lmc plan --explain` says why",
               f"- autoscaling {d.min_instances}–{d.max_instances} instance(s): plan.deployment (the workload's "
               "requests_per_second and peak_requests_per_second, or the instances the plan uses)",
               f"- artifact {sizing.artifact_bytes.value / GB:.1f} GB: {sizing.artifact_bytes.reason}",
@@ -476,19 +487,25 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
                   "failures allowed = the start-up timeout; readiness and liveness on `/ping`",
                   f"- devices per pod {sizing.devices_per_instance.value}: {sizing.devices_per_instance.reason}",
                   f"- /dev/shm {sizing.shm_bytes.value / GIB:.0f} GiB: {sizing.shm_bytes.reason}"]
-        if d.pipeline_parallel_degree > 1 and efa_devices(hardware):
+        nodes = copy_instances(plan)
+        if nodes > 1 and efa_devices(hardware):
+            carried = ("the stages' hand-overs" if d.pipeline_parallel_degree > 1 else
+                       "the experts' all-to-alls between the instances")
             lines.append(f"- EFA {efa_devices(hardware)} device(s) per pod: {hardware.network.name} of {hardware.name} "
-                         "in 100 Gbps devices; NCCL "
-                         "over libfabric (FI_PROVIDER=efa, GPUDirect RDMA) carries the stages' hand-overs")
-        if d.pipeline_parallel_degree > 1 and plan.engine == "vllm" and target == "kserve":
+                         f"in 100 Gbps devices; NCCL over libfabric (FI_PROVIDER=efa, GPUDirect RDMA) carries {carried}")
+        if nodes > 1 and plan.engine == "vllm" and target == "kserve":
             lines.append(f"- port {RAY_PORT} on the head: Ray's GCS, which the workers join (HEAD_SVC); KServe "
                          f"starts {d.pipeline_parallel_degree - 1} worker(s) of {plan.tensor_parallel_degree} GPUs "
                          "beside the head (workerSpec: PP nodes of TP GPUs); a node Ray declares dead stops the "
                          "head's serving (exit 1), and a worker whose head is gone exits 1")
-        elif d.pipeline_parallel_degree > 1 and plan.engine == "vllm":
+        elif nodes > 1 and plan.engine == "vllm":
             lines.append(f"- ports {VLLM_MASTER_PORT} and {LIFELINE_PORT} on the leader: vLLM's multi-node "
                          "torch.distributed master, and lmc's lifeline (a lost node stops the group, which "
                          "RecreateGroupOnPodRestart starts again)")
+            if data_parallel_size(plan) > 1:
+                lines.append(f"- port {VLLM_DP_RPC_PORT} on the leader: vLLM's data-parallel RPC port, where the other "
+                             "instances' engines hand-shake with the leader's front end (vLLM then connects them over "
+                             "ports it picks and announces there: keep the group's pods open to each other)")
     else:
         lines.append(f"- scaling target {sizing.invocations_per_instance_per_minute.value:g} invocations per "
                      f"instance per minute: {sizing.invocations_per_instance_per_minute.reason}")
@@ -507,7 +524,7 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
     if account.compressed:
         data = "a model.tar.gz: `lmc build SPEC`, then `aws s3 cp model.tar.gz URI`"
     lines.append(f"The model data is {data}.")
-    lines += ["", *_apply_steps(target, d.pipeline_parallel_degree)]
+    lines += ["", *_apply_steps(target, copy_instances(plan))]
     return "\n".join(lines) + "\n"
 
 
@@ -517,14 +534,14 @@ def _describe_file(path: str) -> str:
         words = name[:-5].split("-")
         return ": the request body of " + "".join(w.capitalize() for w in words)
     return {"deployment.yaml": ": a Deployment, one pod per instance",
-            "leaderworkerset.yaml": ": a LeaderWorkerSet, one group of pipeline stages per model copy",
+            "leaderworkerset.yaml": ": a LeaderWorkerSet, one group of instances per model copy",
             "service.yaml": ": a Service in front of the serving pods",
             "inferenceservice.yaml": ": a KServe InferenceService (raw deployment)",
             "servingruntime.yaml": ": the ServingRuntime it names: the Ray head's container and the workers' "
                                    "(workerSpec)"}.get(name, "")
 
 
-def _apply_steps(target: str, pp: int) -> list[str]:
+def _apply_steps(target: str, nodes: int) -> list[str]:
     if target == "sagemaker":
         return ["Apply, in this order:", "",
                 "    aws sagemaker create-model --cli-input-json file://create-model.json",
@@ -536,11 +553,11 @@ def _apply_steps(target: str, pp: int) -> list[str]:
         steps = ["Apply with `kubectl apply -f .`; the pods need read access to the model data (their service "
                  "account), nodes of the instance type in nodeSelector, and node ephemeral storage that holds the "
                  "model volume (on NVMe instances, the kubelet's root on the instance store)."]
-        if pp > 1:
+        if nodes > 1:
             steps.append("LeaderWorkerSet must be installed (https://github.com/kubernetes-sigs/lws); each group's "
                          "pods join through LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX.")
         return steps
-    if pp > 1:
+    if nodes > 1:
         return ["Apply with `kubectl apply -f servingruntime.yaml -f inferenceservice.yaml` on a cluster with KServe "
                 "0.15 or later (raw deployment mode, multi-node); its storage initializer fetches storageUri into "
                 "/mnt/models on the head and on every worker. The image needs lmc's `ray` extra: the head's `lmc "

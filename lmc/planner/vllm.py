@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, ModelFacts
-from lmc.planner.latency import Timing, cost_figures, dp_weight_bytes, predict, tpot_ms, ttft_ms
+from lmc.planner.latency import Timing, copy_instances, cost_figures, dp_weight_bytes, predict, tpot_ms, ttft_ms
 from lmc.planner.memory import (
     capacity_bytes,
     compute_dtype,
@@ -164,7 +164,7 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     needed = max_num_seqs * -(-sequence // bytes_per_block) * bytes_per_block
     space_gib = None
     if hardware.kind == "cpu":  # each rank allocates VLLM_CPU_KVCACHE_SPACE whole GiB
-        capacity = capacity_bytes(hardware, memory_fraction, memory_cap) // host_share(hardware, tp)
+        capacity = capacity_bytes(hardware, memory_fraction, memory_cap) // host_share(hardware, tp * dp)
         space_gib = max((capacity - weights - activations - runtime) // GIB, 0)
         pool = space_gib * GIB
         needed = max(-(-needed // GIB), 1) * GIB
@@ -192,7 +192,8 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
                  concurrency: int) -> Timing:
     """TTFT, TPOT and throughput of continuous batching at the workload's concurrency (module docstring).
     With data-parallel attention (layout.data_parallel_size > 1) `running` is one DP group's, each of a
-    replica's groups runs as many, and they step together: a prefill in one group delays every group's step."""
+    replica's groups runs as many, and (MoE models) they step together: a prefill in one group delays every
+    group's step."""
     dp = layout.data_parallel_size
     running = running_sequences(layout.max_num_seqs, replicas * dp, concurrency)
     # Instances, load and price per hour as for any engine; the rest is continuous batching's (its
@@ -212,9 +213,10 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     # prefill beyond a one-token pass. The mean step (throughput) pays them all; the median step
     # (the p50 TPOT the goal names) pays one chunk only when most steps carry one.
     prefill_extra = max(base.ttft_ms - ttft_ms(model, hardware, engine, dtype, tp, 1, dp), 0.0)
-    # Data-parallel groups step in lockstep (each MoE block's all-to-all waits for every group): a prompt
-    # joining any group holds up all of them, so every group's joins count against each step.
-    joins = running * dp / output_tokens
+    # An MoE model's data-parallel groups step in lockstep (each MoE block's all-to-all waits for every
+    # group): a prompt joining any group holds up all of them, so every group's joins count against each
+    # step. A dense model's groups are independent engines (vLLM runs them as DP 1 each).
+    joins = running * (dp if model.num_experts > 1 else 1) / output_tokens
     mean_step = decode + joins * prefill_extra
     tpot = decode + (prefill_extra / chunks if joins * chunks >= 0.5 else 0.0)
 
@@ -321,7 +323,8 @@ def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts,
                       cpu_kvcache_space_gib=layout.cpu_kvcache_space_gib,
                       dtype=VLLM_DTYPES[compute_dtype(dtype, model, hardware)],
                       quantization="fp8" if online_fp8 else None,
-                      enable_expert_parallel=bool(spec.pin.expert_parallel) or layout.data_parallel_size > 1,
+                      enable_expert_parallel=bool(spec.pin.expert_parallel) or (layout.data_parallel_size > 1
+                                                                  and model.num_experts > 1),
                       data_parallel_size=layout.data_parallel_size,
                       max_num_queued_reqs=admitted.max_num_queued_reqs, retry_after_s=admitted.retry_after_s,
                       tool_call_parser=spec.serving.tool_call_parser, reasoning_parser=spec.serving.reasoning_parser)
@@ -332,7 +335,7 @@ def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str
     """How a vLLM artifact carries its weights, and why (the build follows this; README has the details)."""
     if data_parallel > 1 and not remote and not quantized:
         return ("checkpoint", f"the checkpoint in the planned dtype: with {data_parallel} data-parallel groups each "
-                              "rank loads its experts from it (vLLM's sharded_state is written per rank of one "
+                              "rank loads its part from it (vLLM's sharded_state is written per rank of one "
                               "tensor-parallel group)")
     if quantized and not remote:
         return ("checkpoint", f"the {quantized}-quantized checkpoint as published: vLLM reads its "
@@ -348,7 +351,7 @@ def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str
 
 
 def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: HardwareFacts, layout: VllmLayout,
-                   memory: MemoryPerDevice, replicas: int, admitted: Admission) -> list[Decision]:
+                   memory: MemoryPerDevice, replicas: int, admitted: Admission, tp: int) -> list[Decision]:
     """The decisions of a vLLM plan: its own reasons for batch, delay and KV cache, and its engine arguments."""
     load = spec.workload
     per_token = layout.bytes_per_block // layout.block_size
@@ -394,13 +397,23 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
         Decision(key="weights", value=fmt, reason=why),
         Decision(key="admission", value=admitted.max_num_queued_reqs, reason=admitted.reason),
     ]
-    if model.num_experts > 1 and layout.data_parallel_size > 1:
-        dp = layout.data_parallel_size
+    dp = layout.data_parallel_size
+    span = copy_instances(hardware, tp * dp)
+    across = (f"; the ranks fill {span} instances, so the all-to-alls also cross {hardware.network.name}"
+              if span > 1 and hardware.network is not None else "")
+    if model.num_experts > 1 and dp > 1:
         out.insert(goal_at + 5, Decision(
             key="expert_parallel", value=True,
-            reason=(f"data-parallel attention: {dp} groups, each with its own {layout.max_num_seqs} sequences and KV "
-                    f"pool; the {model.num_experts} experts spread over all their ranks (vLLM --data-parallel-size "
-                    f"{dp} --enable-expert-parallel), two all-to-alls per MoE block instead of all-reduces")))
+            reason=(("pinned by the spec (pin.data_parallel_degree): " if spec.pin.data_parallel_degree else "")
+                    + f"data-parallel attention: {dp} groups, each with its own {layout.max_num_seqs} sequences and "
+                    f"KV pool; the {model.num_experts} experts spread over all their ranks (vLLM --data-parallel-size "
+                    f"{dp} --enable-expert-parallel), two all-to-alls per MoE block instead of all-reduces{across}")))
+    elif dp > 1:
+        out.insert(goal_at + 5, Decision(
+            key="data_parallel_size", value=dp,
+            reason=(f"pinned by the spec: {dp} independent vLLM engines of TP {tp} behind one endpoint (vLLM "
+                    f"--data-parallel-size {dp}; its front end balances requests over them), each with its own "
+                    f"{layout.max_num_seqs} sequences and KV pool; a dense model's engines never wait for each other")))
     elif model.num_experts > 1:
         ep = bool(spec.pin.expert_parallel)
         out.insert(goal_at + 5, Decision(

@@ -72,7 +72,7 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         args["block_size"] = int(kv_cache["block_size"])
     if section.get("enable_expert_parallel"):
         args["enable_expert_parallel"] = True
-    if int(section.get("data_parallel_size") or 1) > 1:  # data-parallel attention groups in this instance
+    if int(section.get("data_parallel_size") or 1) > 1:  # data-parallel groups (MoE: attention), here or across nodes
         args["data_parallel_size"] = int(section["data_parallel_size"])
     if section.get("dtype"):  # the plan's engine arguments (a quantized checkpoint: vLLM reads its config)
         args["dtype"] = str(section["dtype"])

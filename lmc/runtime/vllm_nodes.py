@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from lmc.layouts import pipeline_degree
+from lmc.layouts import data_parallel_degree, instances_per_copy, pipeline_degree
 from lmc.runtime.rendezvous import LWS_ENV, RendezvousError, integer_env, rendezvous_timeout
 
 log = logging.getLogger("lmc.runtime")
@@ -74,26 +74,28 @@ class VllmNode:
 def resolve_vllm_node(plan: Mapping[str, Any], environ: Mapping[str, str]) -> VllmNode | None:
     """This node's place for a vLLM plan (None: one instance, nothing to join); a one-line
     RendezvousError when the rendezvous is missing or cannot place the plan's ranks."""
-    stages = pipeline_degree(dict(plan))
+    plan = dict(plan)
+    stages, dp, copy = pipeline_degree(plan), data_parallel_degree(plan), instances_per_copy(plan)
+    layout = f"TP {plan['tensor_parallel_degree']}" + (f" × PP {stages}" if stages > 1 else "") + (
+        f" × DP {dp}" if dp > 1 else "")
     present = [name for name in LWS_ENV if environ.get(name)]
     if not present:
-        if stages > 1:
-            raise RendezvousError(f"the plan runs on {stages} instances (pipeline parallel degree {stages}) but "
-                                  f"{', '.join(LWS_ENV)} are not set: run it as a LeaderWorkerSet of size "
-                                  f"{stages} (lmc deploy --target kubernetes)")
+        if copy > 1:
+            raise RendezvousError(f"the plan runs on {copy} instances ({layout}) but {', '.join(LWS_ENV)} are not "
+                                  f"set: run it as a LeaderWorkerSet of size {copy} (lmc deploy --target kubernetes)")
         return None
     missing = [name for name in LWS_ENV if name not in present]
     if missing:
         raise RendezvousError(f"{', '.join(missing)} not set beside {', '.join(present)}: the LeaderWorkerSet's "
                               "environment is incomplete")
     nodes, index = integer_env(environ, "LWS_GROUP_SIZE"), integer_env(environ, "LWS_WORKER_INDEX")
-    world = int(plan["tensor_parallel_degree"]) * stages
+    world = int(plan["tensor_parallel_degree"]) * stages * dp
     if nodes < 1 or world % nodes:
         raise RendezvousError(f"LWS_GROUP_SIZE = {nodes} does not divide the plan's {world} vLLM ranks "
-                              f"(TP {plan['tensor_parallel_degree']} × PP {stages}) into equal nodes")
-    if stages > 1 and nodes != stages:
-        raise RendezvousError(f"LWS_GROUP_SIZE = {nodes}, but the plan puts its {stages} pipeline stages on "
-                              f"{stages} instances: the LeaderWorkerSet's size must be {stages}")
+                              f"({layout}) into equal nodes")
+    if copy > 1 and nodes != copy:
+        raise RendezvousError(f"LWS_GROUP_SIZE = {nodes}, but the plan lays its {layout} ranks on {copy} "
+                              f"instances: the LeaderWorkerSet's size must be {copy}")
     if not 0 <= index < nodes:
         raise RendezvousError(f"LWS_WORKER_INDEX = {index}: outside the group of {nodes} (0 … {nodes - 1})")
     if nodes == 1:
@@ -247,6 +249,8 @@ def run_worker_node(arguments: dict[str, Any], environment: dict[str, str], node
     signal.signal(signal.SIGINT, stop)
     threading.Thread(target=watch, name="lmc-lifeline", daemon=True).start()
     os.environ.update(environment)
+    if int(arguments.get("data_parallel_size") or 1) > 1:
+        return _run_data_parallel_node(arguments, node, lifeline, outcome)
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
@@ -263,5 +267,30 @@ def run_worker_node(arguments: dict[str, Any], environment: dict[str, str], node
     finally:
         if executor is not None:
             executor.shutdown()
+        lifeline.close()
+    return outcome["code"]
+
+
+def _run_data_parallel_node(arguments: dict[str, Any], node: VllmNode, lifeline: socket.socket,
+                            outcome: dict[str, int]) -> int:
+    """A worker node of a data-parallel plan: its whole DP groups (vLLM infers which from nnodes and
+    node_rank) run as `vllm serve --headless` runs them, by vLLM's own run_headless: engine cores that
+    hand-shake with the leader's front end over the data-parallel RPC port (the master address). vLLM's
+    SIGTERM handler stops them; the lifeline's end sends that signal."""
+    from vllm.entrypoints.cli.serve import run_headless
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from lmc.runtime.vllm_backend import cli_flags
+
+    argv = cli_flags({**arguments, **node.engine_arguments(), "headless": True})
+    args = make_arg_parser(FlexibleArgumentParser(prog="lmc runtime")).parse_args(argv)
+    args.api_server_count = 0  # headless: no API server on this node (as `vllm serve --headless` sets)
+    log.info("%s: running this node's data-parallel engines headless", node.describe())
+    try:
+        run_headless(args)
+    except SystemExit:
+        pass
+    finally:
         lifeline.close()
     return outcome["code"]

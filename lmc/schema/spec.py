@@ -104,6 +104,7 @@ class PinSpec(_Strict):
     replicas: int | None = Field(default=None, ge=1, le=100_000, description="Model copies across the instances.")
     pipeline_parallel_degree: int | None = Field(default=None, ge=1, le=64, description="Pipeline stages, one instance each, per model copy.")
     expert_parallel: bool | None = Field(default=None, description="vLLM, mixture-of-experts models: whole experts on each tensor-parallel rank (vLLM's enable_expert_parallel) instead of every expert split across the ranks.")
+    data_parallel_degree: int | None = Field(default=None, ge=1, le=1024, description="vLLM --data-parallel-size: groups of tensor_parallel_degree ranks per model copy, each with its own attention, KV pool and max_num_seqs, behind one endpoint; mixture-of-experts models spread their experts over all the groups' ranks (expert parallel). On GPUs the groups may span instances. 1: none.")
 
 
 class ServingSpec(_Strict):
