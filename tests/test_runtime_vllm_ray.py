@@ -71,6 +71,12 @@ def test_vllms_parser_takes_the_ray_executor():
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     assert (args.distributed_executor_backend, args.tensor_parallel_size, args.pipeline_parallel_size) == ("ray", 8, 4)
     assert "--nnodes" not in argv  # Ray places the ranks: no multiprocessing rendezvous
+    # A data-parallel plan (the wide-EP DeepSeek-V3 golden) on a Ray cluster (a KubeRay driver): vLLM's Ray DP
+    # backend places the engines as actors over the nodes.
+    Artifact.plan = json.loads((ROOT / "golden" / "deepseek-v3-wide-ep-2x-p5-48xlarge" / "plan.json").read_text())
+    driver = resolve_ray_place(Artifact.plan, {"RAY_ADDRESS": "raycluster-head-svc:6379"})
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_argv(Artifact, "0.0.0.0", 8080, "auto", driver))
+    assert (args.data_parallel_backend, args.data_parallel_size, args.enable_expert_parallel) == ("ray", 16, True)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """A vLLM plan across instances on a Ray cluster: vLLM's Ray executor (`distributed_executor_backend = "ray"`),
 the way KServe's multi-node runtime and KubeRay run vLLM. lmc writes no distributed code here either: Ray forms
 the cluster and places vLLM's ranks; lmc starts Ray's own processes, waits for the nodes, verifies each node's
-copy of the artifact, and stops the group when a node is lost.
+copy of the artifact, and stops the group when a node is lost. A plan with data-parallel groups also gets vLLM's
+Ray DP backend (`data_parallel_backend = "ray"`: its engines are Ray actors placed over the nodes).
 
 Where an `lmc runtime` stands, from its environment (KServe's controller sets RAY_NODE_COUNT on the head and
 HEAD_SVC on the workers of a multi-node InferenceService; lmc's InferenceService adds POD_NAMESPACE):
@@ -38,6 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from lmc.layouts import data_parallel_degree
 from lmc.runtime.rendezvous import LWS_ENV, RendezvousError, integer_env, rendezvous_timeout
 
 log = logging.getLogger("lmc.runtime")
@@ -65,6 +67,7 @@ class RayPlace:
     address: str  # the head's GCS address (host:port); on the head, POD_IP's (else 127.0.0.1) and RAY_PORT
     nodes: int | None  # the nodes to wait for (None: vLLM's placement waits for the resources itself)
     timeout_s: float
+    data_parallel: bool = False  # the plan has data-parallel groups: vLLM places them as Ray actors too
 
     @property
     def is_leader(self) -> bool:
@@ -75,7 +78,12 @@ class RayPlace:
         return int(self.address.rsplit(":", 1)[1])
 
     def engine_arguments(self) -> dict[str, Any]:
-        return {"distributed_executor_backend": "ray"}
+        """vLLM's Ray executor; with data-parallel groups, vLLM's Ray DP backend too (`--data-parallel-backend
+        ray`: the engines are Ray actors over the cluster's nodes, not processes of this node)."""
+        arguments = {"distributed_executor_backend": "ray"}
+        if self.data_parallel:
+            arguments["data_parallel_backend"] = "ray"
+        return arguments
 
     def describe(self) -> str:
         if self.role == "worker":
@@ -120,9 +128,11 @@ def resolve_ray_place(plan: Mapping[str, Any], environ: Mapping[str, str]) -> Ra
         nodes = integer_env(environ, "RAY_NODE_COUNT")
         if nodes < 1:
             raise RendezvousError(f"RAY_NODE_COUNT = {nodes}: at least 1")
-        return RayPlace("head", f"{environ.get('POD_IP') or '127.0.0.1'}:{port}", nodes, timeout)
+        return RayPlace("head", f"{environ.get('POD_IP') or '127.0.0.1'}:{port}", nodes, timeout,
+                        data_parallel_degree(dict(plan)) > 1)
     nodes = integer_env(environ, "LMC_RAY_NODES") if environ.get("LMC_RAY_NODES") else None
-    return RayPlace("driver", _host_port(ray_address.removeprefix("ray://"), "RAY_ADDRESS"), nodes, timeout)
+    return RayPlace("driver", _host_port(ray_address.removeprefix("ray://"), "RAY_ADDRESS"), nodes, timeout,
+                    data_parallel_degree(dict(plan)) > 1)
 
 
 def _host_port(address: str, name: str) -> str:
