@@ -153,15 +153,14 @@ def shard_path(tp: int, rank: int) -> str:
     return f"shards/tp{tp}/rank{rank}.safetensors"
 
 
+def _count(value: object, limit: int = 1 << 20) -> int:
+    """A positive count read from a plan dict, at most `limit` (1 when absent or not one)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= limit else 1
+
+
 def pipeline_degree(plan: dict) -> int:
     """A plan dict's pipeline-parallel degree (deployment.pipeline_parallel_degree; 1 when absent)."""
-    value = (plan.get("deployment") or {}).get("pipeline_parallel_degree", 1)
-    return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1024 else 1
-
-
-def _count(value: object) -> int:
-    """A positive count read from a plan dict (1 when absent or not one)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1 << 20 else 1
+    return _count((plan.get("deployment") or {}).get("pipeline_parallel_degree", 1), 1024)
 
 
 def data_parallel_degree(plan: dict) -> int:
@@ -169,14 +168,24 @@ def data_parallel_degree(plan: dict) -> int:
     return _count((plan.get("vllm") or {}).get("data_parallel_size", 1))
 
 
+def instances_spanned(ranks: int, devices: int, cpu: bool) -> int:
+    """Instances one pipeline stage's `ranks` (TP × DP) span: 1 where they fit one instance's `devices`,
+    else ranks / devices (vLLM's data-parallel groups across instances, GPUs only). CPU ranks are processes
+    sharing one host: always 1. The planner, the deployment files and the runtime all count with this."""
+    return 1 if cpu or ranks <= devices else -(-ranks // devices)
+
+
+def parallel_layout(tp: int, dp: int = 1, pp: int = 1) -> str:
+    """One model copy's parallel layout in words: "TP 8 × PP 2", "DP 16 × TP 1"."""
+    return (f"DP {dp} × " if dp > 1 else "") + f"TP {tp}" + (f" × PP {pp}" if pp > 1 else "")
+
+
 def instances_per_copy(plan: dict) -> int:
-    """Instances one model copy of a plan dict runs on: its pipeline stages, each spanning as many instances
-    as its TP × DP ranks fill (vLLM's data-parallel groups across instances, GPUs only: CPU ranks are
-    processes on one host)."""
+    """Instances one model copy of a plan dict runs on: its pipeline stages, each spanning the instances its
+    TP × DP ranks fill (instances_spanned)."""
     target = plan.get("target") or {}
-    ranks = _count(plan.get("tensor_parallel_degree")) * data_parallel_degree(plan)
     devices = target.get("devices")
-    if target.get("accelerator") == "cpu" or _count(devices) != devices or ranks <= devices:
-        return pipeline_degree(plan)  # within one instance (or a plan dict that does not say its devices)
-    span = -(-ranks // devices)
-    return pipeline_degree(plan) * span
+    if _count(devices) != devices:  # a plan dict that does not say its devices: within one instance
+        return pipeline_degree(plan)
+    ranks = _count(plan.get("tensor_parallel_degree")) * data_parallel_degree(plan)
+    return pipeline_degree(plan) * instances_spanned(ranks, devices, target.get("accelerator") == "cpu")

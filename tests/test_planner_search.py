@@ -389,10 +389,10 @@ def test_a_pinned_data_parallel_degree_across_instances():
     lws = {"LWS_LEADER_ADDRESS": "10.0.0.7", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
     node = resolve_vllm_node(as_dict, lws)
     assert node.engine_arguments() == {"nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.7", "master_port": 29501}
-    with pytest.raises(RendezvousError, match=r"lays its TP 1 × DP 16 ranks on 2 instances: the LeaderWorkerSet's "
+    with pytest.raises(RendezvousError, match=r"lays its DP 16 × TP 1 ranks on 2 instances: the LeaderWorkerSet's "
                                               r"size must be 2"):
         resolve_vllm_node(as_dict, {**lws, "LWS_GROUP_SIZE": "4"})
-    with pytest.raises(RendezvousError, match=r"the plan runs on 2 instances \(TP 1 × DP 16\) but"):
+    with pytest.raises(RendezvousError, match=r"the plan runs on 2 instances \(DP 16 × TP 1\) but"):
         resolve_vllm_node(as_dict, {})
 
 

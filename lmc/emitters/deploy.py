@@ -19,8 +19,9 @@ from lmc.errors import NoFeasiblePlanError
 from lmc.emitters import yaml_text
 from lmc.planner.facts import HardwareFacts
 from lmc.planner.plan import Plan
-from lmc.planner.sizing import (GB, GIB, PLATFORM_MAX_TIMEOUT_S, Sizing, copy_instances, copy_layout,
-                                 data_parallel_size, replicas_per_instance, size_deployment)
+from lmc.planner.sizing import (GB, GIB, PLATFORM_MAX_TIMEOUT_S, Sizing, copy_layout,
+                                 data_parallel_size, instances_per_copy_of, replicas_per_instance,
+                                 size_deployment)
 
 TARGETS = ("sagemaker", "kubernetes", "kserve")
 PLACEHOLDER = "REPLACE_ME"
@@ -116,7 +117,7 @@ KSERVE_MODEL_FORMAT = "lmc"
 
 
 def check_kserve(plan: Plan, hardware: HardwareFacts) -> None:
-    nodes = copy_instances(plan)
+    nodes = instances_per_copy_of(plan)
     if nodes <= 1:
         return
     if data_parallel_size(plan) > 1:
@@ -137,7 +138,7 @@ def check_kserve(plan: Plan, hardware: HardwareFacts) -> None:
 
 
 def check_single_node(plan: Plan, platform: str, why: str) -> None:
-    nodes = copy_instances(plan)
+    nodes = instances_per_copy_of(plan)
     if nodes > 1:
         raise NoFeasiblePlanError(
             f"{platform} cannot run this plan: it lays each model copy ({copy_layout(plan)}) on {nodes} "
@@ -341,7 +342,7 @@ def kubernetes_files(plan: Plan, hardware: HardwareFacts, account: Account, sizi
     name, d = account.name, plan.deployment
     labels = _labels(account)
     selector = {"app.kubernetes.io/name": name}
-    nodes = copy_instances(plan)
+    nodes = instances_per_copy_of(plan)
     if nodes > 1:
         template = {"metadata": {"labels": labels, "annotations": _annotations(plan)}}
         workload = {
@@ -390,7 +391,7 @@ def kubernetes_files(plan: Plan, hardware: HardwareFacts, account: Account, sizi
 
 def kserve_files(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing) -> dict[str, bytes]:
     d = plan.deployment
-    if copy_instances(plan) > 1:
+    if instances_per_copy_of(plan) > 1:
         return kserve_multinode_files(plan, hardware, account, sizing)
     pod = _pod_spec(plan, hardware, account, sizing, serves=True, model_dir=KSERVE_MODEL_DIR, download=False)
     container = pod["containers"][0]
@@ -487,7 +488,7 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
                   "failures allowed = the start-up timeout; readiness and liveness on `/ping`",
                   f"- devices per pod {sizing.devices_per_instance.value}: {sizing.devices_per_instance.reason}",
                   f"- /dev/shm {sizing.shm_bytes.value / GIB:.0f} GiB: {sizing.shm_bytes.reason}"]
-        nodes = copy_instances(plan)
+        nodes = instances_per_copy_of(plan)
         if nodes > 1 and efa_devices(hardware):
             carried = ("the stages' hand-overs" if d.pipeline_parallel_degree > 1 else
                        "the experts' all-to-alls between the instances")
@@ -524,7 +525,7 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
     if account.compressed:
         data = "a model.tar.gz: `lmc build SPEC`, then `aws s3 cp model.tar.gz URI`"
     lines.append(f"The model data is {data}.")
-    lines += ["", *_apply_steps(target, copy_instances(plan))]
+    lines += ["", *_apply_steps(target, instances_per_copy_of(plan))]
     return "\n".join(lines) + "\n"
 
 

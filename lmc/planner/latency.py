@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lmc.layouts import instances_spanned
 from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, InterconnectFacts, ModelFacts
 from lmc.planner.measured import measured_efficiency
 from lmc.planner.memory import (
@@ -174,12 +175,8 @@ def alltoall_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, ranks: in
 
 
 def copy_instances(hardware: HardwareFacts, ranks: int) -> int:
-    """Instances one model copy's `ranks` (TP × DP, one stage) span: 1 where they fit one instance's
-    devices, else ranks / devices (data-parallel groups across instances, GPUs only). CPU ranks are
-    processes sharing one host: always 1."""
-    if hardware.kind == "cpu" or ranks <= hardware.devices:
-        return 1
-    return -(-ranks // hardware.devices)
+    """Instances one model copy's `ranks` (TP × DP, one stage) span on `hardware` (lmc.layouts.instances_spanned)."""
+    return instances_spanned(ranks, hardware.devices, hardware.kind == "cpu")
 
 
 def alltoall_across_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, ranks: int,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import textwrap
 
-from lmc.layouts import instances_per_copy
 from lmc.planner.plan import Plan
+from lmc.planner.sizing import instances_per_copy_of
 
 WIDTH = 100
 BAR = 34
@@ -54,7 +54,7 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
     pipeline = f"PP {stages} · " if stages > 1 else ""
     if plan.vllm is not None and plan.vllm.data_parallel_size > 1:
         groups = "attention; experts parallel over all ranks" if plan.vllm.enable_expert_parallel else "engines"
-        copy = instances_per_copy(plan.model_dump(mode="json"))
+        copy = instances_per_copy_of(plan)
         across = f", {copy} instances per copy" if copy > 1 and stages == 1 else ""
         pipeline = f"DP {plan.vllm.data_parallel_size} ({groups}{across}) · " + pipeline
     lines.append(f"  engine {plan.engine} · dtype {plan.dtype}{quant} · TP {plan.tensor_parallel_degree} · "

@@ -483,13 +483,11 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
                                                 f"TP {tp} {why}", (3,)))
                     continue
                 for pp in stages:
-                    if pp > 1 or not across:
-                        if (pin.data_parallel_degree or 1) == 1:
-                            configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp,
-                                                      rejections)
-                        for dp in data_parallel_degrees(spec, model, hardware, engine, tp, pp):
-                            configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp,
-                                                      rejections, dp)
+                    if (pin.data_parallel_degree or 1) == 1:
+                        configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp, rejections)
+                    for dp in data_parallel_degrees(spec, model, hardware, engine, tp, pp):
+                        configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp, rejections,
+                                                  dp)
                 if across and pin.data_parallel_degree is None:
                     for dp in data_parallel_degrees(spec, model, hardware, engine, tp, 1, across=True):
                         configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, 1,
@@ -513,13 +511,10 @@ def data_parallel_degrees(spec, model: ModelFacts, hardware: HardwareFacts, engi
         return [pinned] if pinned > 1 and data_parallel_fits(spec, model, hardware, tp, pinned) is None else []
     if model.num_experts <= 1 or hardware.kind != "gpu" or spec.pin.expert_parallel is False:
         return []
-    if across and hardware.network is None:
-        return []
     degrees, dp = [], 2
-    while tp * dp <= hardware.devices * (spec.target.instances if across else 1):
-        if model.num_experts % (tp * dp) == 0 and (tp * dp > hardware.devices) == across:
-            if not across or (tp * dp) % hardware.devices == 0:
-                degrees.append(dp)
+    while tp * dp <= hardware.devices * spec.target.instances:
+        if (tp * dp > hardware.devices) == across and data_parallel_fits(spec, model, hardware, tp, dp) is None:
+            degrees.append(dp)
         dp *= 2
     return degrees
 
@@ -978,7 +973,7 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
                       key=lambda c: sort_key(spec, model, hardware, c, goal_met))
     out = []
     for c in feasible:
-        verdict, reason = "feasible", _describe(spec, model, c)
+        verdict, reason = "feasible", _describe(spec, model, hardware, c)
         if c.goal_gap > 1.0 and goal_met:
             verdict, reason = "rejected", "goal missed: " + reason
         out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
@@ -988,7 +983,7 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
                               goal_met)
     for c in sorted(retired.values(), key=lambda c: sort_key(spec, model, hardware, c, goal_met)):
         out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
-                               verdict="rejected", reason=f"{PIPELINE_RETIRED}: {_describe(spec, model, c)}"))
+                               verdict="rejected", reason=f"{PIPELINE_RETIRED}: {_describe(spec, model, hardware, c)}"))
     # Configurations that do not fit or cost too much: the smallest deficit per (engine, dtype, tp).
     short: dict[tuple, Config] = {}
     for c in configs:
@@ -1011,12 +1006,12 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
     return out[:ALTERNATIVES]
 
 
-def _describe(spec, model: ModelFacts, c: Config) -> str:
+def _describe(spec, model: ModelFacts, hardware: HardwareFacts, c: Config) -> str:
     t = c.timing
     cost = f", ${t.cost_per_million_tokens:.2f}/M tokens" if t.cost_per_million_tokens is not None else ""
     stages = f"{c.pp} pipeline stages, " if c.pp > 1 else ""
     if c.dp > 1:
-        span = c.timing.instances_used // max(c.replicas, 1)
+        span = copy_instances(hardware, c.tp * c.dp)
         stages += (f"data-parallel attention {c.dp} × TP {c.tp}, expert parallel, " if model.num_experts > 1 else
                    f"data-parallel {c.dp} × TP {c.tp}, ") + (f"across {span} instances, " if span > 1 else "")
     return (f"{stages}batch {c.batch}: TPOT {t.tpot_ms:.2f} ms, TTFT {t.ttft_ms:.0f} ms, "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from lmc.errors import NoFeasiblePlanError
 from lmc.planner.facts import HardwareFacts
-from lmc.layouts import instances_per_copy
+from lmc.layouts import instances_spanned, parallel_layout
 from lmc.planner.plan import Plan
 
 GB = 10**9
@@ -66,22 +66,23 @@ def data_parallel_size(plan: Plan) -> int:
     return plan.vllm.data_parallel_size if plan.vllm is not None else 1
 
 
-def copy_instances(plan: Plan) -> int:
-    """Instances one model copy runs on: its pipeline stages, or its data-parallel groups across instances
-    (lmc.layouts.instances_per_copy, which the runtime reads from the artifact's plan)."""
-    return instances_per_copy(plan.model_dump(mode="json"))
+def instances_per_copy_of(plan: Plan) -> int:
+    """Instances one model copy runs on: its pipeline stages, each spanning the instances its TP × DP ranks
+    fill (lmc.layouts.instances_spanned; the runtime counts the same from the artifact's plan dict)."""
+    ranks = plan.tensor_parallel_degree * data_parallel_size(plan)
+    return plan.deployment.pipeline_parallel_degree * instances_spanned(ranks, plan.target.devices,
+                                                                        plan.target.accelerator == "cpu")
 
 
 def copy_layout(plan: Plan) -> str:
     """One copy's parallel layout in words: "TP 8 × PP 2", "DP 16 × TP 1"."""
-    dp, pp = data_parallel_size(plan), plan.deployment.pipeline_parallel_degree
-    return ((f"DP {dp} × " if dp > 1 else "") + f"TP {plan.tensor_parallel_degree}"
-            + (f" × PP {pp}" if pp > 1 else ""))
+    return parallel_layout(plan.tensor_parallel_degree, data_parallel_size(plan),
+                           plan.deployment.pipeline_parallel_degree)
 
 
 def replicas_per_instance(plan: Plan) -> int:
     """Model copies (or, across instances, parts of copies) one instance serves."""
-    groups = max(plan.deployment.instances // copy_instances(plan), 1)
+    groups = max(plan.deployment.instances // instances_per_copy_of(plan), 1)
     return math.ceil(plan.replicas / groups)
 
 
@@ -156,7 +157,7 @@ def size_deployment(plan: Plan, hardware: HardwareFacts, *, compressed: bool, se
                                  "storage)")
     replicas_here = replicas_per_instance(plan)
     per_instance = min(hardware.devices, tp * dp * replicas_here)
-    span = copy_instances(plan) // pp
+    span = instances_per_copy_of(plan) // pp
     devices_fig = Figure(per_instance, f"TP {tp}" + (f" × DP {dp}" if dp > 1 else "")
                          + (f" = {tp * dp} ranks per copy, over {span} instances: all {hardware.devices} of each "
                             f"{hardware.name}" if span > 1 else

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from lmc.layouts import data_parallel_degree, instances_per_copy, pipeline_degree
+from lmc.layouts import data_parallel_degree, instances_per_copy, parallel_layout, pipeline_degree
 from lmc.runtime.rendezvous import LWS_ENV, RendezvousError, integer_env, rendezvous_timeout
 
 log = logging.getLogger("lmc.runtime")
@@ -76,8 +76,7 @@ def resolve_vllm_node(plan: Mapping[str, Any], environ: Mapping[str, str]) -> Vl
     RendezvousError when the rendezvous is missing or cannot place the plan's ranks."""
     plan = dict(plan)
     stages, dp, copy = pipeline_degree(plan), data_parallel_degree(plan), instances_per_copy(plan)
-    layout = f"TP {plan['tensor_parallel_degree']}" + (f" × PP {stages}" if stages > 1 else "") + (
-        f" × DP {dp}" if dp > 1 else "")
+    layout = parallel_layout(plan["tensor_parallel_degree"], dp, stages)
     present = [name for name in LWS_ENV if environ.get(name)]
     if not present:
         if copy > 1:

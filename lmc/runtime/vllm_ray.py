@@ -115,6 +115,7 @@ def resolve_ray_place(plan: Mapping[str, Any], environ: Mapping[str, str]) -> Ra
     if not 0 < port < 65536:
         raise RendezvousError(f"RAY_PORT = {port}: not a TCP port number")
     timeout = rendezvous_timeout(environ)
+    data_parallel = data_parallel_degree(dict(plan)) > 1
     if head_svc:
         address = environ.get("LMC_RAY_HEAD_ADDRESS")
         if not address:
@@ -128,11 +129,10 @@ def resolve_ray_place(plan: Mapping[str, Any], environ: Mapping[str, str]) -> Ra
         nodes = integer_env(environ, "RAY_NODE_COUNT")
         if nodes < 1:
             raise RendezvousError(f"RAY_NODE_COUNT = {nodes}: at least 1")
-        return RayPlace("head", f"{environ.get('POD_IP') or '127.0.0.1'}:{port}", nodes, timeout,
-                        data_parallel_degree(dict(plan)) > 1)
+        return RayPlace("head", f"{environ.get('POD_IP') or '127.0.0.1'}:{port}", nodes, timeout, data_parallel)
     nodes = integer_env(environ, "LMC_RAY_NODES") if environ.get("LMC_RAY_NODES") else None
     return RayPlace("driver", _host_port(ray_address.removeprefix("ray://"), "RAY_ADDRESS"), nodes, timeout,
-                    data_parallel_degree(dict(plan)) > 1)
+                    data_parallel)
 
 
 def _host_port(address: str, name: str) -> str:
