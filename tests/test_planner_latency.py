@@ -214,25 +214,36 @@ def test_a_profile_with_zero_or_infinite_figures_is_refused(tmp_path):
         assert excinfo.value.key_path == "target.profile"
 
 
-def test_data_parallel_attention_reads_a_share_of_the_experts_and_pays_all_to_alls():
+def test_data_parallel_attention_reads_a_share_of_the_experts_and_pays_the_gathers():
     """DeepSeek-V3 on eight H200s: with data-parallel attention over 8 groups (TP 1 each) a rank holds and
-    reads 1/8 of the routed experts (those the 8 groups' tokens touch), every MoE block adds two
-    all-to-alls, and a replica's throughput counts all its groups."""
-    from lmc.planner.latency import _dp_comm_ms, alltoall_ms, dp_weight_bytes, moe_layer_count, predict
+    reads 1/8 of the routed experts (those the 8 groups' tokens touch), every MoE block all-gathers all
+    groups' tokens and reduce-scatters the results (vLLM's default all2all backend), and a replica's
+    throughput counts all its groups."""
+    from lmc.planner.latency import _dp_comm_ms, allgather_ms, allreduce_ms, dp_weight_bytes, moe_layer_count, predict
 
     deepseek = catalog.model_facts("deepseek-ai/DeepSeek-V3")
     p5en = catalog.hardware_facts("ml.p5en.48xlarge")
     vllm = ENGINES["vllm"]
     efficiency = vllm.efficiency["gpu"]
     assert moe_layer_count(deepseek) == 58  # 61 blocks, the first three dense
-    assert alltoall_ms(p5en, efficiency, 1, 1e6) == 0 and alltoall_ms(p5en, efficiency, 8, 2e6) > alltoall_ms(
+    assert allgather_ms(p5en, efficiency, 1, 1e6) == 0 and allgather_ms(p5en, efficiency, 8, 2e6) > allgather_ms(
         p5en, efficiency, 8, 1e6) > 0
     # All experts touched (a large step): the experts' share of the bytes falls by the DP degree.
     whole = dp_weight_bytes(1.0, deepseek, 1)
     spread = dp_weight_bytes(1.0, deepseek, 8)
     assert whole == pytest.approx(1.0) and 0.1 < spread < 0.2  # the experts are ~95 % of DeepSeek's matrices
+    # TP 1: no all-reduce; per MoE block one all-gather and one reduce-scatter of the 8 groups' 16 tokens each.
+    width = deepseek.hidden_size * 2
     assert _dp_comm_ms(deepseek, p5en, efficiency, 1, 8, 16, "bf16") == pytest.approx(
-        2 * 58 * alltoall_ms(p5en, efficiency, 8, 16 * deepseek.hidden_size * 2 * deepseek.experts_per_token))
+        2 * 58 * allgather_ms(p5en, efficiency, 8, 8 * 16 * width))
+    # TP 2 × DP 4: attention's (and the 3 dense blocks') all-reduces within the pair, the gathers over all 8
+    # ranks, and the pair's re-gather of its own tokens after each MoE block (sequence-parallel MoE).
+    assert _dp_comm_ms(deepseek, p5en, efficiency, 2, 4, 16, "bf16") == pytest.approx(
+        (61 + 3) * allreduce_ms(p5en, efficiency, 2, 16 * width)
+        + 58 * (2 * allgather_ms(p5en, efficiency, 8, 4 * 16 * width) + allgather_ms(p5en, efficiency, 2, 16 * width)))
+    # A prompt's step gathers the prompt's tokens, not DP copies of it.
+    assert _dp_comm_ms(deepseek, p5en, efficiency, 1, 8, 1024, "bf16", gathered=1024) < _dp_comm_ms(
+        deepseek, p5en, efficiency, 1, 8, 1024, "bf16")
     one = predict(deepseek, p5en, vllm, "fp8", 1, 1, 16, 1024, 256, dp=8)
     assert one.throughput_tokens_per_s == pytest.approx(8 * 16 / one.tpot_ms * 1e3)
     assert one.instances_used == 1

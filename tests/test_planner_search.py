@@ -329,10 +329,10 @@ def test_expert_parallelism_is_an_option_for_moe_models_on_vllm():
 
 def test_data_parallel_groups_across_instances_are_weighed_when_nothing_fits_one():
     """DeepSeek-V3 on two p5.48xlarge (8 × H100 each: the fp8 checkpoint fits neither instance alone): beside
-    TP 8 × PP 2 the search lays DP × TP groups over all 16 GPUs of both instances, their all-to-alls crossing
+    TP 8 × PP 2 the search lays DP × TP groups over all 16 GPUs of both instances, their all-gathers crossing
     EFA; each is listed with its figures and 2 instances per copy."""
     from lmc.planner.engines import engine_facts
-    from lmc.planner.latency import alltoall_across_ms, alltoall_ms, copy_instances, efficiency_for
+    from lmc.planner.latency import allgather_ms, copy_instances, efficiency_for
     from lmc.planner.search import data_parallel_degrees
 
     deepseek = catalog.model_facts("deepseek-ai/DeepSeek-V3")
@@ -349,13 +349,18 @@ def test_data_parallel_groups_across_instances_are_weighed_when_nothing_fits_one
     assert data_parallel_degrees(two, deepseek, p5, vllm, 4, 1, across=True) == [4]
     assert data_parallel_degrees(two, deepseek, p5, vllm, 1, 1) == [2, 4, 8]  # the first pass: one instance
     assert data_parallel_degrees(two, deepseek, p5.model_copy(update={"network": None}), vllm, 1, 1, across=True) == []
-    # The all-to-all over 16 ranks on two instances costs more than the same over NVLink alone: the share
-    # for the other instance leaves over its EFA, shared by its 8 GPUs.
+    # The all-gather over 16 ranks on two instances costs more than the same over NVLink alone: each
+    # instance takes in 15/16 of the bytes over its EFA (a ring crosses into it once per NIC), and pays
+    # the network's latency; within one instance the link alone.
     efficiency = efficiency_for(vllm, deepseek, p5, "fp8")
-    message = 32 * deepseek.hidden_size * 2 * deepseek.experts_per_token
+    gathered = 16 * 32 * deepseek.hidden_size * 2
     assert copy_instances(p5, 16) == 2 and copy_instances(p5, 8) == 1
-    assert alltoall_across_ms(p5, efficiency, 16, message) > alltoall_ms(p5, efficiency, 16, message)
-    assert alltoall_across_ms(p5, efficiency, 8, message) == alltoall_ms(p5, efficiency, 8, message)
+    lonely = p5.model_copy(update={"network": None})
+    assert allgather_ms(p5, efficiency, 16, gathered) > allgather_ms(lonely, efficiency, 16, gathered)
+    assert allgather_ms(p5, efficiency, 8, gathered) == allgather_ms(lonely, efficiency, 8, gathered)
+    efa = p5.network
+    assert allgather_ms(p5, efficiency, 16, gathered) * 1e3 >= (
+        gathered * 15 / 16 / (efa.bandwidth_bytes_per_s * efficiency.allreduce_efficiency) * 1e6 + efa.latency_us)
     # A model that fits one instance is not spread across instances: DeepSeek-V3 on one p5en (8 × H200).
     p5en = catalog.hardware_facts("ml.p5en.48xlarge")
     one = plan(spec(**{**body, "target": {"instance": "ml.p5en.48xlarge", "instances": 2}}), model=deepseek,

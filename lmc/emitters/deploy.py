@@ -491,7 +491,7 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
         nodes = instances_per_copy_of(plan)
         if nodes > 1 and efa_devices(hardware):
             carried = ("the stages' hand-overs" if d.pipeline_parallel_degree > 1 else
-                       "the experts' all-to-alls between the instances")
+                       "the experts' all-gathers and reduce-scatters between the instances")
             lines.append(f"- EFA {efa_devices(hardware)} device(s) per pod: {hardware.network.name} of {hardware.name} "
                          f"in 100 Gbps devices; NCCL over libfabric (FI_PROVIDER=efa, GPUDirect RDMA) carries {carried}")
         if nodes > 1 and plan.engine == "vllm" and target == "kserve":

@@ -161,42 +161,30 @@ def moe_layer_count(model: ModelFacts) -> int:
     return model.layers if model.moe_layers is None else model.moe_layers
 
 
-def alltoall_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, ranks: int, message_bytes: float) -> float:
-    """One all-to-all inside an instance (expert parallelism's dispatch or combine): each rank sends
-    (ranks − 1)/ranks of its `message_bytes` to the others in one phase over the switch, paying the link's
-    latency once per peer (ranks − 1 sends, half the steps of a ring all-reduce) and that share at the
-    engine's achieved bandwidth, plus the engine's per-call cost. Not modelled: uneven expert loads (the
-    step waits for the busiest rank); no published figure checks it (validation.toml has none)."""
-    if ranks <= 1:
-        return 0.0
-    link = hardware.interconnect
-    transfer = message_bytes * (ranks - 1) / ranks / (link.bandwidth_bytes_per_s * efficiency.allreduce_efficiency) * 1e6
-    return (link.allreduce_base_us + (ranks - 1) * link.latency_us + transfer + efficiency.allreduce_overhead_us) * 1e-3
-
-
 def copy_instances(hardware: HardwareFacts, ranks: int) -> int:
     """Instances one model copy's `ranks` (TP × DP, one stage) span on `hardware` (lmc.layouts.instances_spanned)."""
     return instances_spanned(ranks, hardware.devices, hardware.kind == "cpu")
 
 
-def alltoall_across_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, ranks: int,
-                       message_bytes: float) -> float:
-    """One all-to-all over `ranks` that span instances (data-parallel groups across instances, expert
-    parallel): each rank sends (ranks − 1)/ranks of its `message_bytes` to the others; of that, the share
-    for ranks on its own instance goes over the instance's link (as alltoall_ms) while the rest leaves over
-    the network, which all `devices` ranks of an instance share (`network` bandwidth is per instance). The
-    two run at once: the slower decides, after the latencies of both (one per local peer, one per remote
-    instance). Falls back to alltoall_ms without network facts."""
+def allgather_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, ranks: int, total_bytes: float) -> float:
+    """One all-gather (or reduce-scatter: the same traffic) of `total_bytes` in all over `ranks`, as NCCL's
+    ring runs it: each rank receives (ranks − 1)/ranks of the bytes over the instance's link. Where the
+    ranks span instances, each instance also takes in (ranks − 1)/ranks of the bytes over its `network`
+    (every ring crosses into it once, each ring on its own NIC; the bandwidth is per instance); the two run
+    at once, so the slower counts. Latency by NCCL's ring count: (instances − 1) steps over the network,
+    the other (ranks − instances) over the link. Without network facts, the link alone."""
+    if ranks <= 1:
+        return 0.0
+    link = hardware.interconnect
+    share = total_bytes * (ranks - 1) / ranks
+    inside = share / (link.bandwidth_bytes_per_s * efficiency.allreduce_efficiency) * 1e6
     instances = copy_instances(hardware, ranks)
     network = hardware.network
     if instances <= 1 or network is None:
-        return alltoall_ms(hardware, efficiency, ranks, message_bytes)
-    local = ranks // instances
-    link = hardware.interconnect
-    inside = message_bytes * (local - 1) / ranks / (link.bandwidth_bytes_per_s * efficiency.allreduce_efficiency) * 1e6
-    leaving = local * message_bytes * (ranks - local) / ranks
-    outside = leaving / (network.bandwidth_bytes_per_s * efficiency.allreduce_efficiency) * 1e6
-    latency = (link.allreduce_base_us + (local - 1) * link.latency_us + network.allreduce_base_us
+        latency = link.allreduce_base_us + (ranks - 1) * link.latency_us
+        return (latency + inside + efficiency.allreduce_overhead_us) * 1e-3
+    outside = share / (network.bandwidth_bytes_per_s * efficiency.allreduce_efficiency) * 1e6
+    latency = (link.allreduce_base_us + (ranks - instances) * link.latency_us + network.allreduce_base_us
                + (instances - 1) * network.latency_us)
     return (latency + max(inside, outside) + efficiency.allreduce_overhead_us) * 1e-3
 
@@ -213,19 +201,25 @@ def dp_weight_bytes(weights: float, model: ModelFacts, dp: int, tokens: int | No
 
 
 def _dp_comm_ms(model: ModelFacts, hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int, dp: int,
-                tokens: int, act: str) -> float:
-    """A step's collectives for `tokens` on one rank. Tensor parallel alone: two all-reduces per block.
-    Data-parallel attention with expert parallelism: attention (and dense MLPs) all-reduce within the TP
-    group; each MoE block dispatches its tokens' hidden states to their experts' ranks and combines the
-    results (two all-to-alls over the tp × dp ranks, k copies of each token; over the network too where the
-    ranks span instances)."""
-    message = tokens * model.hidden_size * DTYPE_BYTES[act]
+                tokens: int, act: str, gathered: int | None = None) -> float:
+    """A step's collectives for `tokens` on one group's ranks. Tensor parallel alone: two all-reduces per
+    block. Data-parallel attention with expert parallelism, as vLLM's default all2all backend
+    (allgather_reducescatter) runs it: attention (and dense MLPs) all-reduce within the TP group; each MoE
+    block all-gathers every group's tokens' hidden states over the tp × dp ranks (dispatch) and
+    reduce-scatters the experts' results back (combine), over the network too where the ranks span
+    instances; with TP > 1 each group's ranks hold a slice of its tokens (vLLM's sequence-parallel MoE) and
+    all-gather the block's output within the group. `gathered`: the tokens all groups bring to a step
+    (default: `tokens` from each of the dp groups). The router's top-k ids and weights that travel with the
+    hidden states are left out (k·8 bytes a token against hidden·2)."""
+    width = model.hidden_size * DTYPE_BYTES[act]
+    message = tokens * width
     if dp <= 1:
         return allreduces_per_step(model) * allreduce_ms(hardware, efficiency, tp, message)
     moe = moe_layer_count(model)
     reduces = model.layers + (model.layers - moe)
-    return (reduces * allreduce_ms(hardware, efficiency, tp, message)
-            + 2 * moe * alltoall_across_ms(hardware, efficiency, tp * dp, message * model.experts_per_token))
+    total = (dp * tokens if gathered is None else gathered) * width
+    block = 2 * allgather_ms(hardware, efficiency, tp * dp, total) + allgather_ms(hardware, efficiency, tp, message)
+    return reduces * allreduce_ms(hardware, efficiency, tp, message) + moe * block
 
 
 def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int, batch: int,
@@ -285,7 +279,7 @@ def ttft_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     weights = dp_weight_bytes(weight_bytes(model, engine, dtype, tp, hardware), model, dp)
     memory_ms = weights / effective_bandwidth(hardware, efficiency, tp, dp) * 1e3
     if dp > 1:
-        comm_ms = _dp_comm_ms(model, hardware, efficiency, tp, dp, input_tokens, act)
+        comm_ms = _dp_comm_ms(model, hardware, efficiency, tp, dp, input_tokens, act, gathered=input_tokens)
     else:
         message = input_tokens * model.hidden_size * DTYPE_BYTES[act]
         comm_ms = 2 * blocks * allreduce_ms(hardware, efficiency, tp, message)
@@ -342,7 +336,7 @@ def cost_figures(hardware: HardwareFacts, instances: int, throughput: float) -> 
 
 
 __all__ = [
-    "Timing", "WEIGHT_ONLY", "active_decode_parameters", "allreduce_ms", "allreduce_us", "cost_figures",
-    "alltoall_across_ms", "alltoall_ms", "copy_instances", "dp_weight_bytes", "efficiency_for", "load_seconds", "moe_layer_count", "predict", "send_us",
+    "Timing", "WEIGHT_ONLY", "active_decode_parameters", "allgather_ms", "allreduce_ms", "allreduce_us",
+    "cost_figures", "copy_instances", "dp_weight_bytes", "efficiency_for", "load_seconds", "moe_layer_count", "predict", "send_us",
     "tpot_ms", "ttft_ms",
 ]

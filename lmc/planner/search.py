@@ -503,7 +503,7 @@ def data_parallel_degrees(spec, model: ModelFacts, hardware: HardwareFacts, engi
     (pin.expert_parallel = false), without pipeline stages: within one instance (tp × dp ≤ its devices),
     or, `across` instances (the search's second pass, when nothing fits one), groups that fill 2 …
     target.instances instances (tp × dp a multiple of the devices; the hardware's network carries the
-    all-to-alls)."""
+    experts' gathers)."""
     if engine.name != "vllm" or pp > 1:
         return []
     pinned = spec.pin.data_parallel_degree

@@ -213,7 +213,7 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     # prefill beyond a one-token pass. The mean step (throughput) pays them all; the median step
     # (the p50 TPOT the goal names) pays one chunk only when most steps carry one.
     prefill_extra = max(base.ttft_ms - ttft_ms(model, hardware, engine, dtype, tp, 1, dp), 0.0)
-    # An MoE model's data-parallel groups step in lockstep (each MoE block's all-to-all waits for every
+    # An MoE model's data-parallel groups step in lockstep (each MoE block's all-gather waits for every
     # group): a prompt joining any group holds up all of them, so every group's joins count against each
     # step. A dense model's groups are independent engines (vLLM runs them as DP 1 each).
     joins = running * (dp if model.num_experts > 1 else 1) / output_tokens
@@ -399,7 +399,7 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
     ]
     dp = layout.data_parallel_size
     span = copy_instances(hardware, tp * dp)
-    across = (f"; the ranks fill {span} instances, so the all-to-alls also cross {hardware.network.name}"
+    across = (f"; the ranks fill {span} instances, so the gathers also cross {hardware.network.name}"
               if span > 1 and hardware.network is not None else "")
     if model.num_experts > 1 and dp > 1:
         out.insert(goal_at + 5, Decision(
@@ -407,7 +407,8 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
             reason=(("pinned by the spec (pin.data_parallel_degree): " if spec.pin.data_parallel_degree else "")
                     + f"data-parallel attention: {dp} groups, each with its own {layout.max_num_seqs} sequences and "
                     f"KV pool; the {model.num_experts} experts spread over all their ranks (vLLM --data-parallel-size "
-                    f"{dp} --enable-expert-parallel), two all-to-alls per MoE block instead of all-reduces{across}")))
+                    f"{dp} --enable-expert-parallel); per MoE block vLLM's default all2all backend all-gathers every "
+                    f"group's tokens and reduce-scatters the results instead of all-reducing{across}")))
     elif dp > 1:
         out.insert(goal_at + 5, Decision(
             key="data_parallel_size", value=dp,
