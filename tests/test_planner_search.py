@@ -263,7 +263,7 @@ def test_data_parallel_attention_is_weighed_for_moe_models_on_one_instance():
     p5en.48xlarge: the search lays DP × TP groups beside TP 8 alone, lists each with its figures, and the
     chosen layout's engine arguments, serving.properties and decisions say what vLLM runs."""
     from lmc.emitters.render import render_text_files
-    from lmc.runtime.vllm_backend import engine_arguments
+    from lmc.runtime.vllm_backend import ALL2ALL_BACKEND, engine_arguments
 
     deepseek = catalog.model_facts("deepseek-ai/DeepSeek-V3")
     p5en = catalog.hardware_facts("ml.p5en.48xlarge")
@@ -281,6 +281,9 @@ def test_data_parallel_attention_is_weighed_for_moe_models_on_one_instance():
     assert arguments["data_parallel_size"] == dp and arguments["enable_expert_parallel"] is True
     properties = render_text_files(chosen, spec(**body))["serving.properties"].decode()
     assert f"option.data_parallel_size={dp}" in properties and "option.enable_expert_parallel=true" in properties
+    # The experts' collectives the planner costs, named for vLLM (the runtime) and LMI (serving.properties) alike.
+    assert arguments["all2all_backend"] == ALL2ALL_BACKEND == "allgather_reducescatter"
+    assert f"option.all2all_backend={ALL2ALL_BACKEND}" in properties
     # Pinned off, TP alone: the same model's per-device weights are the TP 8 share of everything.
     tp_only = plan(spec(pin={"expert_parallel": False}, **body), model=deepseek, hardware=p5en)
     assert tp_only.vllm.data_parallel_size == 1 and not any("data-parallel" in a.reason for a in tp_only.alternatives)
@@ -316,6 +319,9 @@ def test_expert_parallelism_is_an_option_for_moe_models_on_vllm():
     assert "option.enable_expert_parallel" not in render_text_files(default, spec(pin={"expert_parallel": False},
                                                                                    **body))["serving.properties"].decode()
     assert engine_arguments(ep.to_dict(), Path("/m"))["enable_expert_parallel"] is True
+    # One group (DP 1): vLLM runs no all2all for it, so no backend is named.
+    assert "all2all_backend" not in engine_arguments(ep.to_dict(), Path("/m"))
+    assert "option.all2all_backend" not in properties
     assert "enable_expert_parallel" not in engine_arguments(default.to_dict(), Path("/m"))
     with pytest.raises(SpecValueError, match="has no experts"):
         plan(spec(pin={"expert_parallel": True}), model=catalog.model_facts("Qwen/Qwen3-8B"))

@@ -103,13 +103,13 @@ def test_vllms_parser_reads_the_plan_from_the_command_line(tmp_path):
     keys = ["model", "served_model_name", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "dtype",
             "enforce_eager", "kv_cache_memory_bytes", "max_num_queued_reqs", "enable_auto_tool_choice",
             "tool_call_parser", "generation_config", "host", "port", "seed", "data_parallel_size",
-            "enable_expert_parallel"]
+            "enable_expert_parallel", "all2all_backend"]
     assert parsed_by_vllm(argv, keys) == {
         "model": str(tmp_path), "served_model_name": ["lmc/tiny"], "max_num_seqs": 4, "max_model_len": 96,
         "max_num_batched_tokens": 2048, "dtype": "bfloat16", "enforce_eager": True, "kv_cache_memory_bytes": 2 * GIB,
         "max_num_queued_reqs": 11, "enable_auto_tool_choice": True, "tool_call_parser": "pythonic",
         "generation_config": "vllm", "host": "127.0.0.1", "port": 8123, "seed": 0, "data_parallel_size": 2,
-        "enable_expert_parallel": True}
+        "enable_expert_parallel": True, "all2all_backend": "allgather_reducescatter"}
     assert argv[argv.index("--reasoning-parser") + 1] == "deepseek_r1"
     # the model's generation_config.json applies by default (vLLM's "auto"), as with `vllm serve`
     assert "--generation-config" not in serve_arguments(plan, tmp_path)

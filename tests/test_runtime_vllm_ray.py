@@ -76,7 +76,8 @@ def test_vllms_parser_takes_the_ray_executor():
     Artifact.plan = json.loads((ROOT / "golden" / "deepseek-v3-wide-ep-2x-p5-48xlarge" / "plan.json").read_text())
     driver = resolve_ray_place(Artifact.plan, {"RAY_ADDRESS": "raycluster-head-svc:6379"})
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_argv(Artifact, "0.0.0.0", 8080, "auto", driver))
-    assert (args.data_parallel_backend, args.data_parallel_size, args.enable_expert_parallel) == ("ray", 16, True)
+    assert (args.data_parallel_backend, args.data_parallel_size, args.enable_expert_parallel, args.all2all_backend) == (
+        "ray", 16, True, "allgather_reducescatter")
 
 
 @pytest.fixture(scope="module")
