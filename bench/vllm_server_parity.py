@@ -18,9 +18,11 @@ The engine configuration each server's vLLM logs ("Initializing a V1 LLM engine 
 compared, and any difference is printed.
 
 Both servers of a model stay up; the one not being measured is stopped with SIGSTOP (its whole process
-group: front end, engine core, workers) so that it takes no CPU, and SIGCONT'd for its turn. Runs
-alternate lmc, vllm, lmc, vllm, ... (--runs pairs per concurrency), each pair with its own prompts (seed),
-the same for both servers. Each run is one `vllm bench serve --backend vllm --endpoint /v1/completions
+group: front end, engine core, workers) so that it takes no CPU, and SIGCONT'd for its turn. Runs come
+in pairs (--runs pairs per concurrency), each pair with its own prompts (seed), the same for both servers,
+in the order lmc, vllm for even pairs and vllm, lmc for odd ones (A B B A: a drift of the host's speed,
+or a cost of going first, falls on both servers alike instead of on lmc, which went first in every pair
+until 2026-11-26). Each record keeps its position in the pair. Each run is one `vllm bench serve --backend vllm --endpoint /v1/completions
 --dataset-name random --random-input-len 48 --random-output-len 64 --ignore-eos --temperature 0
 --num-prompts N --max-concurrency C --num-warmups C --save-result --save-detailed`; its JSON is read back.
 The machine's load (os.getloadavg) is recorded before and after each run.
@@ -169,6 +171,11 @@ def config_differences(lmc: dict[str, Any], vllm: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------- servers
+
+def pair_order(run: int) -> tuple[str, ...]:
+    """The servers' order in pair `run`: lmc first in even pairs, vllm first in odd ones (A B B A)."""
+    return SERVERS if run % 2 == 0 else tuple(reversed(SERVERS))
+
 
 def free_port() -> int:
     from lmc.runtime.workers import free_port as lmc_free_port
@@ -559,10 +566,10 @@ def main(argv: list[str] | None = None) -> int:
                     requests = args.requests_for[concurrency]
                     for run in range(args.runs):
                         seed = args.seed + 1000 * ci + run
-                        for kind in SERVERS:
+                        for position, kind in enumerate(pair_order(run)):
                             server = pair[kind]
                             record = {"model": name, "concurrency": concurrency, "requests": requests, "run": run,
-                                      "server": kind, "seed": seed}
+                                      "server": kind, "position": position, "seed": seed}
                             report["runs"].append(record)
                             try:
                                 server.resume()
@@ -584,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
                             finally:
                                 server.pause()
                             res = record["result"]
-                            print(f"[{name}] c={concurrency} run {run} {kind:<4}: {res['output_throughput']:.1f} tok/s, "
+                            print(f"[{name}] c={concurrency} run {run} {kind:<4} ({'first' if position == 0 else 'second'}): "
+                                  f"{res['output_throughput']:.1f} tok/s, "
                                   f"TTFT p50 {res.get('p50_ttft_ms', 0):.1f} p99 {res.get('p99_ttft_ms', 0):.1f} ms, "
                                   f"TPOT p50 {res.get('p50_tpot_ms', 0):.2f} ms, {res['completed']} ok "
                                   f"{res['failed']} failed in {res['duration']:.1f} s; load "

@@ -29,3 +29,10 @@ def test_each_missed_or_unjudged_target_is_named(parity):
                _row("512", 16, None, None, False)]  # failed requests: the ratios cannot be judged
     assert parity.missed(summary) == ["tiny c=16 TTFT p99", "512 c=128 throughput", "512 c=16 throughput",
                                       "512 c=16 TTFT p99", "512 c=16 no failed request"]
+
+
+def test_each_server_goes_first_in_half_the_pairs(parity):
+    """A B B A: the cost of going first (a drift of the host, a cold client) falls on both servers alike."""
+    orders = [parity.pair_order(run) for run in range(4)]
+    assert orders == [("lmc", "vllm"), ("vllm", "lmc"), ("lmc", "vllm"), ("vllm", "lmc")]
+    assert sorted(order[0] for order in orders) == ["lmc", "lmc", "vllm", "vllm"]
