@@ -22,9 +22,10 @@ group: front end, engine core, workers) so that it takes no CPU, and SIGCONT'd f
 in pairs (--runs pairs per concurrency), each pair with its own prompts (seed), the same for both servers,
 in the order lmc, vllm for even pairs and vllm, lmc for odd ones (A B B A: a drift of the host's speed,
 or a cost of going first, falls on both servers alike instead of on lmc, which went first in every pair
-until 2026-11-26). Each record keeps its position in the pair. Each run is one `vllm bench serve --backend vllm --endpoint /v1/completions
---dataset-name random --random-input-len 48 --random-output-len 64 --ignore-eos --temperature 0
---num-prompts N --max-concurrency C --num-warmups C --save-result --save-detailed`; its JSON is read back.
+until 2026-11-26). Each record keeps its position in the pair. Each run is one `vllm bench serve
+--backend vllm --endpoint /v1/completions --dataset-name random --random-input-len 48
+--random-output-len 64 --ignore-eos --temperature 0 --num-prompts N --max-concurrency C --num-warmups C
+--save-result --save-detailed`; its JSON is read back.
 The machine's load (os.getloadavg) is recorded before and after each run.
 
 One table: per model, concurrency and server, output tokens/s over the runs (total tokens / total
@@ -341,11 +342,17 @@ def bucket_quantile(before: dict[float, float], after: dict[float, float], q: fl
     return next(le for le in sorted(delta) if delta[le] >= q * total)
 
 
-def scrape_ttft(server: "Server") -> dict[float, float]:
+def scrape_ttft(server: "Server") -> dict[float, float] | None:
+    """The server's TTFT histogram now; None when its /metrics does not answer (the run's figure is then
+    left out, the run itself is not lost)."""
     import urllib.request
 
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
-        return ttft_buckets(response.read().decode())
+    try:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
+            return ttft_buckets(response.read().decode())
+    except OSError as exc:  # URLError and timeouts included
+        print(f"{server.kind}: /metrics did not answer ({exc}); its own TTFT is left out", file=sys.stderr)
+        return None
 
 
 # ---------------------------------------------------------------- the client
@@ -527,7 +534,8 @@ def parse_args(argv: list[str] | None = None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,512", help="comma-separated, of: " + ", ".join(MODELS))
     parser.add_argument("--concurrency", type=_ints, default=[16, 128], help="comma-separated (default 16,128)")
-    parser.add_argument("--runs", type=int, default=2, help="runs per server and concurrency, in pairs: lmc, vllm then vllm, lmc (A B B A)")
+    parser.add_argument("--runs", type=int, default=2,
+                        help="runs per server and concurrency, in pairs: lmc, vllm then vllm, lmc (A B B A)")
     parser.add_argument("--requests-16", type=int, default=320, help="requests per run at concurrency 16")
     parser.add_argument("--requests-128", type=int, default=400, help="requests per run at concurrency 128")
     parser.add_argument("--requests", default="", metavar="C:N,...",
@@ -632,7 +640,9 @@ def main(argv: list[str] | None = None) -> int:
                                     f"{name}-c{concurrency}-r{run}-{kind}")
                                 record["wall_s"] = time.monotonic() - started
                                 # vLLM's own TTFT p99 over the run (its warm-ups included), by histogram bucket
-                                record["server_ttft_p99_le_s"] = bucket_quantile(before, scrape_ttft(server), 0.99)
+                                after = scrape_ttft(server)
+                                record["server_ttft_p99_le_s"] = (None if before is None or after is None
+                                                                  else bucket_quantile(before, after, 0.99))
                                 record["load_after"] = os.getloadavg()
                             except BenchError as exc:
                                 record["error"] = str(exc)
