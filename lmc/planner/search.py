@@ -443,7 +443,7 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
     across = stages is not None
     if stages is None:
         stages = (spec.pin.pipeline_parallel_degree or 1,)
-    pin, load, budget, goal = spec.pin, spec.workload, spec.budget, spec.goal
+    pin = spec.pin
     configs: list[Config] = []
     rejections: list[Rejection] = []
     names = [n for n in ENGINE_ORDER if n in engines] + sorted(n for n in engines if n not in ENGINE_ORDER)

@@ -93,8 +93,8 @@ def timeout_for(seconds: float, what: str, limit: int | None = PLATFORM_MAX_TIME
     if limit is not None and value > limit:
         raise NoFeasiblePlanError(
             f"the {what} timeout would be {value} s (predicted {seconds:.0f} s × {TIMEOUT_FACTOR:g}), above the "
-            f"platform's {limit} s", [f"use a larger instance (faster load) or a Kubernetes target, which has no "
-                                      f"such limit"])
+            f"platform's {limit} s", ["use a larger instance (faster load) or a Kubernetes target, which has no "
+                                      "such limit"])
     return Figure(value, f"predicted {seconds:.0f} s × {TIMEOUT_FACTOR:g} (at least +{TIMEOUT_FLOOR_S} s), "
                          "rounded up to whole minutes")
 
