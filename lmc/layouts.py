@@ -175,6 +175,13 @@ def instances_spanned(ranks: int, devices: int, cpu: bool) -> int:
     return 1 if cpu or ranks <= devices else -(-ranks // devices)
 
 
+# vLLM's all2all backend for data-parallel attention with expert parallelism: its default, an all-gather of
+# every group's tokens and a reduce-scatter of the results, which runs on any NCCL transport (EFA too) and is
+# what the planner costs (lmc.planner.latency._dp_comm_ms, docs/planner.md). The runtime's engine arguments
+# and serving.properties name it, so that a later vLLM's default cannot change it unseen.
+VLLM_ALL2ALL_BACKEND = "allgather_reducescatter"
+
+
 def parallel_layout(tp: int, dp: int = 1, pp: int = 1) -> str:
     """One model copy's parallel layout in words: "TP 8 × PP 2", "DP 16 × TP 1"."""
     return (f"DP {dp} × " if dp > 1 else "") + f"TP {tp}" + (f" × PP {pp}" if pp > 1 else "")

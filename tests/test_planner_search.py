@@ -263,7 +263,8 @@ def test_data_parallel_attention_is_weighed_for_moe_models_on_one_instance():
     p5en.48xlarge: the search lays DP × TP groups beside TP 8 alone, lists each with its figures, and the
     chosen layout's engine arguments, serving.properties and decisions say what vLLM runs."""
     from lmc.emitters.render import render_text_files
-    from lmc.runtime.vllm_backend import ALL2ALL_BACKEND, engine_arguments
+    from lmc.layouts import VLLM_ALL2ALL_BACKEND as ALL2ALL_BACKEND
+    from lmc.runtime.vllm_backend import engine_arguments
 
     deepseek = catalog.model_facts("deepseek-ai/DeepSeek-V3")
     p5en = catalog.hardware_facts("ml.p5en.48xlarge")

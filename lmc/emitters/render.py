@@ -17,6 +17,7 @@ from lmc import __version__
 from lmc.emitters import neuron
 from lmc.emitters.vllm_weights import LMC_DTYPES
 from lmc.errors import InternalError, SpecError
+from lmc.layouts import VLLM_ALL2ALL_BACKEND
 from lmc.planner.plan import Plan
 from lmc.schema import Spec
 
@@ -157,6 +158,7 @@ def context(plan: Plan, spec: Spec, vllm_weights: str | None = None) -> dict[str
         "kv_cache": plan.kv_cache,
         "vllm_weights": (vllm_weights or vllm_weights_format(plan)) if plan.engine == "vllm" else None,
         "vllm_quantization": plan.vllm.quantization if plan.vllm else None,
+        "vllm_all2all_backend": VLLM_ALL2ALL_BACKEND,
         "checkpoint_quantization": plan.model.checkpoint_quantization,
         "vllm_dtype": LMI_DTYPES[LMC_DTYPES[plan.vllm.dtype]] if plan.vllm else None,
     }

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from lmc.errors import NoFeasiblePlanError, SpecValueError
+from lmc.layouts import parallel_layout
 from lmc.planner.engines import architectures, engine_facts, runs_architecture
 from lmc.planner.facts import DTYPE_BYTES, EngineFacts, HardwareFacts, ModelFacts
 from lmc.planner.latency import Timing, copy_instances, efficiency_for, predict
@@ -950,7 +951,7 @@ def scale_decisions(spec, model: ModelFacts, hardware: HardwareFacts, chosen: Co
                                    f"layers, one instance each, TP {chosen.tp} within it{hop}"))
     per_instance = max(hardware.devices // (chosen.tp * chosen.dp), 1)
     span = copy_instances(hardware, chosen.tp * chosen.dp)
-    placed = (f"{span} instances per replica (its {chosen.tp * chosen.dp} ranks, DP {chosen.dp} × TP {chosen.tp})"
+    placed = (f"{span} instances per replica (its {chosen.tp * chosen.dp} ranks, {parallel_layout(chosen.tp, chosen.dp)})"
               if span > 1 else f"{per_instance} replica(s) per instance")
     reason = (f"{chosen.replicas} replica(s) × {pp} stage(s), {placed}; they carry "
               f"{chosen.requests_per_second:.2f} requests/s (batch {chosen.batch} / (TTFT + {load.max_output_tokens} "

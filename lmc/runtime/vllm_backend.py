@@ -22,15 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from lmc.errors import LmcError
+from lmc.layouts import VLLM_ALL2ALL_BACKEND
 from lmc.runtime.workers import device_kind
 
 GIB = 2**30
 VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # Flags of vLLM's parser that are store_true only (no --no-FLAG form).
-# vLLM's all2all backend for data-parallel attention with expert parallelism: its default, an all-gather of
-# every group's tokens and a reduce-scatter of the results, which runs on any NCCL transport (EFA too) and is
-# what the planner costs (docs/planner.md). Named, so that a later vLLM's default cannot change it unseen.
-ALL2ALL_BACKEND = "allgather_reducescatter"
 _STORE_TRUE_ONLY = frozenset({"enforce_eager", "disable_log_stats", "enable_expert_parallel", "headless"})
 
 
@@ -79,7 +76,7 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
     if int(section.get("data_parallel_size") or 1) > 1:  # data-parallel groups (MoE: attention), here or across nodes
         args["data_parallel_size"] = int(section["data_parallel_size"])
         if args.get("enable_expert_parallel"):  # the experts' collectives the planner costed (latency._dp_comm_ms)
-            args["all2all_backend"] = ALL2ALL_BACKEND
+            args["all2all_backend"] = VLLM_ALL2ALL_BACKEND
     if section.get("dtype"):  # the plan's engine arguments (a quantized checkpoint: vLLM reads its config)
         args["dtype"] = str(section["dtype"])
         if section.get("quantization"):
