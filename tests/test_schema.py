@@ -8,6 +8,7 @@ import pytest
 
 from lmc.errors import SpecError
 from lmc.schema import load_spec, parse_size, parse_spec
+from lmc.schema.docs import DOC_PATH, spec_reference
 from lmc.schema.export import SCHEMA_PATH, spec_json_schema
 from lmc.schema.units import format_bytes
 
@@ -87,3 +88,34 @@ def test_unreadable_spec(tmp_path):
     path.write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(SpecError, match="cannot read the spec"):
         load_spec(path)
+
+
+def test_committed_spec_reference_is_current():
+    assert DOC_PATH.read_text() == spec_reference(), "run `python -m lmc.schema.docs`"
+
+
+def test_every_spec_key_has_a_description_and_appears_in_the_reference():
+    from lmc.schema.spec import Spec
+    from lmc.schema.docs import _section_shape
+
+    text = DOC_PATH.read_text()
+    schema = Spec.model_json_schema()
+    for section, prop in schema["properties"].items():
+        model, many = _section_shape(prop, schema["$defs"])
+        heading = f"[[{section}]]" if many else f"[{section}]"
+        assert f"## `{heading}`" in text, heading
+        assert model.get("description"), f"{heading}: the model needs a docstring (the section's intro)"
+        for key, field in model["properties"].items():
+            assert len(field.get("description", "")) >= 20, f"{section}.{key}: give it a one-line description"
+            assert f"- **`{key}`** (" in text, f"{section}.{key}"
+
+
+def test_the_reference_example_is_a_spec_that_plans(tmp_path):
+    from lmc.pipeline import plan_from_spec
+    from lmc.schema.docs import EXAMPLE
+
+    path = tmp_path / "example.toml"
+    path.write_text(EXAMPLE)
+    plan = plan_from_spec(load_spec(path)).plan
+    assert (plan.engine, plan.vllm.tool_call_parser, plan.vllm.reasoning_parser) == ("vllm", "hermes", "qwen3")
+    assert plan.goal_met
