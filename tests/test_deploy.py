@@ -58,7 +58,7 @@ def planned(spec: Path):
 
 
 def refusal(spec: Path, target: str) -> str | None:
-    """Why `target` cannot run the spec's plan (None: it can). The refusals are by design (README)."""
+    """Why `target` cannot run the spec's plan (None: it can). The refusals are by design (docs/deploy.md)."""
     result = planned(spec)
     try:
         render_deployment(target, result.plan, result.hardware, Account(name=resource_name(spec.stem)))

@@ -11,7 +11,7 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", help="the deployment spec (TOML)")
     output = parser.add_mutually_exclusive_group()
-    output.add_argument("--json", action="store_true", help="print the plan object (DESIGN.md) as JSON")
+    output.add_argument("--json", action="store_true", help="print the plan object (docs/plan.md) as JSON")
     output.add_argument("--explain", action="store_true", help="print every decision and alternative with its reason")
     parser.add_argument("--compare", type=Path, metavar="BENCH.json",
                         help="put the plan's predictions beside a bench report's measurements (with --json: as JSON)")

@@ -5,7 +5,7 @@ SDK, the checkpoint's headers and shapes) is checked before any weight is read. 
 in a temporary directory next to `out` (same filesystem, so the final rename is atomic) and the
 staging directory is removed whatever happens: a failed build leaves nothing behind.
 
-Artifact layout (DESIGN.md): serving.properties, model.py, requirements.txt, lmc.json, the
+Artifact layout (docs/artifact.md): serving.properties, model.py, requirements.txt, lmc.json, the
 checkpoint's config.json / generation_config.json / tokenizer files, then
   hf, deepspeed:  shards/tp{N}/rank{r}.safetensors, already in the planned dtype;
   neuronx:        model.safetensors (cast, whole) and neuron/ (see lmc.emitters.neuron);

@@ -11,7 +11,7 @@ sequences at a time (closed-loop clients arrive together, so dynamic batches fil
 - output throughput = min(c, R · B) · output / end-to-end;
 - peak worker memory = the memory model's per-device total at batch b (on a CPU host, per TP rank).
 Latencies compare the measured p50. A figure is flagged when measured/predicted is off by more than
-25 % either way (DESIGN.md).
+25 % either way (docs/measuring.md).
 """
 
 from __future__ import annotations

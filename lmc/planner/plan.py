@@ -153,7 +153,7 @@ class Plan(_Frozen):
     alternatives: list[Alternative]
 
     def to_dict(self) -> dict:
-        """The plan as JSON data; `kv_cache` and `vllm` only where they apply (DESIGN.md)."""
+        """The plan as JSON data; `kv_cache` and `vllm` only where they apply (docs/plan.md)."""
         body = self.model_dump(mode="json")
         for key in OPTIONAL_SECTIONS:
             if body.get(key) is None:
@@ -168,7 +168,7 @@ class Plan(_Frozen):
         return self.model_copy(update={"plan_sha256": digest})
 
     def to_json(self) -> str:
-        """Stable, readable JSON (key order as in DESIGN.md, 2-space indent, trailing newline)."""
+        """Stable, readable JSON (key order as in docs/plan.md, 2-space indent, trailing newline)."""
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def decision(self, key: str) -> Decision | None:

@@ -332,7 +332,7 @@ def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts,
 
 def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str | None = None,
                    data_parallel: int = 1) -> tuple[str, str]:
-    """How a vLLM artifact carries its weights, and why (the build follows this; README has the details)."""
+    """How a vLLM artifact carries its weights, and why (the build follows this; docs/choices.md, "vLLM", has the details)."""
     if data_parallel > 1 and not remote and not quantized:
         return ("checkpoint", f"the checkpoint in the planned dtype: with {data_parallel} data-parallel groups each "
                               "rank loads its part from it (vLLM's sharded_state is written per rank of one "
