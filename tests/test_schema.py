@@ -119,3 +119,43 @@ def test_the_reference_example_is_a_spec_that_plans(tmp_path):
     plan = plan_from_spec(load_spec(path)).plan
     assert (plan.engine, plan.vllm.tool_call_parser, plan.vllm.reasoning_parser) == ("vllm", "hermes", "qwen3")
     assert plan.goal_met
+
+
+def test_the_reference_walks_any_section_shape():
+    """Repeatable sections ([[name]]), optional ones (`X | None`) and tables inside a section appear with
+    their keys and an example built from the keys' own, without naming them in the generator."""
+    from typing import Literal
+
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Strict(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    class Source(Strict):
+        """Where the weights come from."""
+        uri: str = Field(examples=["s3://bucket/x"], description="Where the weights are.")
+
+    class Adapter(Strict):
+        """A LoRA adapter served beside the base model."""
+        name: str = Field(examples=["sql"], description="The name clients send as `model`.")
+        rank: int = Field(default=8, ge=1, le=512, description="The adapter's rank.")
+        source: Source | None = Field(default=None, description="Where it comes from.")
+
+    class Speculative(Strict):
+        """Speculative decoding."""
+        method: Literal["ngram", "draft"] = Field(description="How tokens are proposed.")
+
+    class Toy(Strict):
+        """A spec."""
+        adapters: list[Adapter] = []
+        speculative: Speculative | None = None
+
+    text = spec_reference(Toy, example="[[adapters]]\nname = \"sql\"\n")
+    assert "## `[[adapters]]`\n\n*optional, repeatable*\n\nA LoRA adapter served beside the base model." in text
+    assert '```toml\n[[adapters]]\nname = "sql"\n```' in text  # the example's own part
+    assert "- **`rank`** (integer, default `8`): The adapter's rank.\n  Constraints: ≥ 1, ≤ 512." in text
+    assert "- **`source`** (table, unset): Where it comes from." in text
+    assert "## `[adapters.source]`" in text and '```toml\n[adapters.source]\nuri = "s3://bucket/x"\n```' in text
+    assert "## `[speculative]`\n\n*optional*" in text
+    assert '```toml\n[speculative]\nmethod = "ngram"\n```' in text  # built: the first allowed value
+    assert '- **`method`** (one of `"ngram"`, `"draft"`, required): How tokens are proposed.' in text

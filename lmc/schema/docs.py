@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from lmc.schema.loader import parse_spec
 from lmc.schema.spec import Spec
 
@@ -97,19 +99,20 @@ goals and the traffic. `lmc plan`, `lmc build` and `lmc deploy` read it; the pla
 """
 
 
-def spec_reference() -> str:
+def spec_reference(spec_model: type[BaseModel] = Spec, example: str = EXAMPLE) -> str:
     """The page: the rules, the complete example, then each section with each of its keys."""
-    parse_spec(EXAMPLE, Path("docs/spec.md"))  # the example must stay a valid spec
-    schema = Spec.model_json_schema()
+    if spec_model is Spec:
+        parse_spec(example, Path("docs/spec.md"))  # the example must stay a valid spec
+    schema = spec_model.model_json_schema()
     defs = schema.get("$defs", {})
     required = set(schema.get("required", ()))
     sections = [(name, _section_shape(prop, defs)) for name, prop in schema["properties"].items()]
     toc = "\n".join(f"- [`{_heading(name, many)}`](#{_anchor(_heading(name, many))})"
                     f"{' (required)' if name in required else ''}: {_first_line(model.get('description', ''))}"
                     for name, (model, many) in sections)
-    parts = [_HEADER.format(example=EXAMPLE, toc=toc)]
+    parts = [_HEADER.format(example=example, toc=toc)]
     for name, (model, many) in sections:
-        parts.append(_section(name, model, many, name in required, defs))
+        parts.append(_section(name, model, many, name in required, defs, example))
     return "\n".join(parts)
 
 
@@ -121,18 +124,18 @@ def _section_shape(prop: dict, defs: dict) -> tuple[dict, bool]:
     return _resolve(prop, defs), False
 
 
-def _section(name: str, model: dict, many: bool, required: bool, defs: dict) -> str:
+def _section(name: str, model: dict, many: bool, required: bool, defs: dict, example: str) -> str:
     heading = _heading(name, many)
     kind = "required" if required else ("optional, repeatable" if many else "optional")
     lines = [f"## `{heading}`", "", f"*{kind}*", "", _paragraph(model.get("description", "")), "",
-             "```toml", _section_example(name, many, model).rstrip("\n"), "```", ""]
+             "```toml", _section_example(name, many, model, example).rstrip("\n"), "```", ""]
     keys = set(model.get("required", ()))
     for key, prop in model.get("properties", {}).items():
-        lines.extend(_key(name, key, prop, key in keys, defs))
+        lines.extend(_key(name, key, prop, key in keys, defs, example))
     return "\n".join(lines)
 
 
-def _key(section: str, key: str, prop: dict, required: bool, defs: dict) -> list[str]:
+def _key(section: str, key: str, prop: dict, required: bool, defs: dict, example: str) -> list[str]:
     value = _non_null(prop)
     nested = _resolve(value, defs) if "$ref" in value else None
     kind = "table" if nested is not None else _type(value)
@@ -142,12 +145,12 @@ def _key(section: str, key: str, prop: dict, required: bool, defs: dict) -> list
     constraints = _constraints(value)
     if constraints:
         lines.append(f"  Constraints: {constraints}.")
-    example = _example(prop)
-    if example is not None:
-        lines.append(f"  Example: `{key} = {_toml(example)}`")
+    value_example = _example(prop)
+    if value_example is not None:
+        lines.append(f"  Example: `{key} = {_toml(value_example)}`")
     lines.append("")
     if nested is not None:  # a table inside the section: its keys under their own heading
-        lines.append(_section(f"{section}.{key}", nested, False, required, defs))
+        lines.append(_section(f"{section}.{key}", nested, False, required, defs, example))
     return lines
 
 
@@ -194,15 +197,15 @@ def _example(prop: dict):
     return None
 
 
-def _section_example(name: str, many: bool, model: dict) -> str:
+def _section_example(name: str, many: bool, model: dict, example: str) -> str:
     """The complete example's part for this section, else one built from its keys' examples."""
     header = f"[[{name}]]" if many else f"[{name}]"
-    blocks = re.split(r"(?m)^(?=\[)", EXAMPLE)
+    blocks = re.split(r"(?m)^(?=\[)", example)
     for block in blocks:
         if block.split("#")[0].strip().startswith(header):
             return block.rstrip("\n") + "\n"
-    lines = [header] + [f"{key} = {_toml(example)}" for key, prop in model.get("properties", {}).items()
-                        if (example := _example(prop)) is not None]
+    lines = [header] + [f"{key} = {_toml(value)}" for key, prop in model.get("properties", {}).items()
+                        if (value := _example(prop)) is not None]
     return "\n".join(lines) + "\n"
 
 
