@@ -122,6 +122,7 @@ class Alternative(_Frozen):
     engine: str
     dtype: str
     tensor_parallel_degree: int
+    data_parallel_degree: int = Field(default=1, ge=1, description="vLLM data-parallel groups of tensor_parallel_degree ranks per replica (1: none).")
     replicas: int
     verdict: Literal["rejected", "feasible"]
     reason: str

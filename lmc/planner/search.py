@@ -307,6 +307,12 @@ def tp_unsupported(tp: int, engine: EngineFacts, model: ModelFacts) -> str | Non
     if model.family not in engine.families and allowed is not None and tp not in allowed:
         return (f"needs a tensor-parallel layout lmc has only for {', '.join(engine.families)}, not "
                 f"{model.family} ({engine.name} serves it at TP {_fmt_list(allowed)})")
+    return heads_unsupported(tp, engine, model)
+
+
+def heads_unsupported(tp: int, engine: EngineFacts, model: ModelFacts) -> str | None:
+    """Why `engine` cannot split `model`'s heads (or MLP) `tp` ways, or None: the model's own reason, which
+    a TP pin's error names before any engine's missing layout."""
     if splits_heads(engine, model) and model.attention_heads % tp:
         return f"does not divide the {model.attention_heads} attention heads"
     kv = model.kv_heads
@@ -355,7 +361,7 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             raise SpecValueError("pin.tensor_parallel_degree", tp,
                                  f"exceeds the {hardware.devices} devices of {hardware.name}; "
                                  f"use one of {_fmt_list(_all_usable_tps(usable, model, hardware))}")
-        reasons = []
+        reasons, heads = [], []
         for engine in usable.values():
             if tp not in tp_degrees(engine, hardware):
                 allowed = engine.tp_degrees.get(hardware.accelerator)
@@ -367,10 +373,14 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             if why is None:
                 break
             reasons.append(why)
+            if (split := heads_unsupported(tp, engine, model)) is not None:
+                heads.append(split)
         else:
             options = _all_usable_tps(usable, model, hardware)
             hint = f"try {_fmt_list(options)}" if options else "no TP degree works on this hardware"
-            raise SpecValueError("pin.tensor_parallel_degree", tp, f"{reasons[0]}; {hint}")
+            # The heads are the model's: a reason there holds for every engine, so it comes before any one
+            # engine's missing layout.
+            raise SpecValueError("pin.tensor_parallel_degree", tp, f"{(heads or reasons)[0]}; {hint}")
     for key, registry in (("tool_call_parser", "vllm_tool_parsers"), ("reasoning_parser", "vllm_reasoning_parsers")):
         name = getattr(spec.serving, key)
         if name is None:
@@ -737,6 +747,23 @@ def plan_quantization(model: ModelFacts, chosen: Config, hardware: HardwareFacts
     return vllm_quantization(chosen.dtype, hardware) if chosen.vllm else quantization(chosen.dtype)
 
 
+def quantization_reason(model: ModelFacts, chosen: Config, hardware: HardwareFacts) -> str:
+    """What the planned quantization does with weights, activations and the KV cache, as the engine runs it
+    (the same as plan_quantization says: vLLM's online fp8 on an fp8 GPU quantizes activations too)."""
+    act = compute_dtype(chosen.dtype, model, hardware)
+    if model.checkpoint_quantization is not None:
+        return "quantization_config of the checkpoint: vLLM reads it and picks the kernels"
+    if chosen.dtype not in WEIGHT_ONLY:
+        return "none: weights served in their planned dtype"
+    if chosen.vllm is not None and chosen.dtype == "fp8" and "fp8" in hardware.dtypes:
+        return (f"vLLM's online fp8: 1 byte per weight with one scale per tensor, activations quantized to fp8 at "
+                f"each step (fp8 matmuls on {hardware.accelerator}); the KV cache in {act}")
+    if chosen.vllm is not None and chosen.dtype == "fp8":
+        return (f"weight-only: 1 byte per weight (vLLM's Marlin fp8 kernels, {hardware.accelerator} has no fp8 "
+                f"compute); activations and KV in {act}")
+    return f"weight-only: 1 byte per weight + fp16 per-channel scales; activations and KV in {act}"
+
+
 def batch_delay_ms(spec, batch: int) -> int:
     """How long a batch may wait to fill: none for batch 1; ≤ 10% of the TTFT goal; 10 ms for latency,
     50 ms (DJL's default is 100) for throughput and cost."""
@@ -863,10 +890,7 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
     out.append(Decision(key="dtype", value=chosen.dtype,
                         reason=f"{dwhy}; {weights_total / 1e9:.1f} GB of weights in {chosen.dtype}"))
     out.append(Decision(key="quantization", value=plan_quantization(model, chosen, hardware),
-                        reason="quantization_config of the checkpoint: vLLM reads it and picks the kernels"
-                        if model.checkpoint_quantization is not None else "weight-only: 1 byte per weight + fp16 per-channel scales; activations and KV in "
-                               f"{compute_dtype(chosen.dtype, model, hardware)}" if chosen.dtype in WEIGHT_ONLY
-                        else "none: weights served in their planned dtype"))
+                        reason=quantization_reason(model, chosen, hardware)))
 
     tps = sorted({(c.tp, c.dp): c for c in groups.values() if c.engine == chosen.engine and c.dtype == chosen.dtype}.items())
     compare = ", ".join(f"{_layout(tp, dp)}: {c.timing.tpot_ms:.2f} ms" for (tp, dp), c in tps
@@ -988,14 +1012,15 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
         verdict, reason = "feasible", _describe(spec, model, hardware, c)
         if c.goal_gap > 1.0 and goal_met:
             verdict, reason = "rejected", "goal missed: " + reason
-        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
-                               verdict=verdict, reason=reason))
+        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, data_parallel_degree=c.dp,
+                               replicas=c.replicas, verdict=verdict, reason=reason))
     # lmc's retired pipeline (retire_lmc_pipeline): the best per group, with its figures, for comparison.
     retired = _best_per_group(spec, model, hardware, [replace(c, superseded=None) for c in configs if c.superseded],
                               goal_met)
     for c in sorted(retired.values(), key=lambda c: sort_key(spec, model, hardware, c, goal_met)):
-        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
-                               verdict="rejected", reason=f"{PIPELINE_RETIRED}: {_describe(spec, model, hardware, c)}"))
+        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, data_parallel_degree=c.dp,
+                               replicas=c.replicas, verdict="rejected",
+                               reason=f"{PIPELINE_RETIRED}: {_describe(spec, model, hardware, c)}"))
     # Configurations that do not fit or cost too much: the smallest deficit per (engine, dtype, tp).
     short: dict[tuple, Config] = {}
     for c in configs:
@@ -1010,8 +1035,8 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
         else:
             reason = (f"doesn't fit: needs {_gib(c.memory.total)} per device (weights {_gib(c.memory.weights)}) "
                       f"> {_gib(c.memory.capacity)} capacity")
-        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
-                               verdict="rejected", reason=reason))
+        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, data_parallel_degree=c.dp,
+                               replicas=c.replicas, verdict="rejected", reason=reason))
     for r in sorted(rejections, key=lambda r: (r.engine, r.dtype, r.tp)):
         out.append(Alternative(engine=r.engine, dtype=r.dtype, tensor_parallel_degree=r.tp, replicas=r.replicas,
                                verdict="rejected", reason=r.reason))
