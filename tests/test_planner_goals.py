@@ -17,7 +17,7 @@ from lmc.pipeline import plan_from_spec
 from lmc.planner.goals import admission, goal_check
 from lmc.planner.report import render_plan
 from lmc.schema import load_spec
-from test_golden import CPU_SPECS, SPECS, cpu_checkpoint  # noqa: F401  (the fixture the CPU specs need)
+from test_golden import SPECS, cpu_checkpoint  # noqa: F401  (the fixture the CPU specs need)
 
 ROOT = Path(__file__).resolve().parents[1]
 
