@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 581fc0dc6715dc0750d7a1fb14ba574a95a12100005b2a5f962f47fe4619f4e2
-plan sha256 59383e8ceb356ac4166a41608a522f4a4c64d7f8c0a1aebd99e0330e4a6f7f77
+plan sha256 ae98c2a4cbc8e5ad6aa84bacaa7837ba2a5673a0086328c910c6a57c0a149424
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

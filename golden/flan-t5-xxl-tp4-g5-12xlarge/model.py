@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
 spec sha256 7c192495d885cad6e855afcf0e605517175721af258a0ed55033876c1e112550
-plan sha256 2cc6d124e7ae9ef0a3b741f885e35b784632482b038d5154272bc4edc0924477
+plan sha256 0716bb2b8e02701d9e252be0e24ee13b4496e57a6c4ee517a667f784bf59b4ea
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

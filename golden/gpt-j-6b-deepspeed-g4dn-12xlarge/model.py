@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 640 tokens, on cuda.
 
 spec sha256 885f1b25c3fa1a2bd2dd1aff46d734697edb1ed6c270583a40d7339dae80bcd0
-plan sha256 d50e73866eccefc18682c94b02be2b87fbfc4e524c3d98cd1e254c84ea61b0ea
+plan sha256 60c4d064094a1643ccbd7dd6dcdfc8cc181bbaf227b8c40f30092fa7d13ad805
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

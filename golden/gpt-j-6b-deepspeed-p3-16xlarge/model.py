@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waitin
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 55f581b4a130b3c143feeb72d1a8f3e30dab1358e3dd45a3f124015b6e312f6d
-plan sha256 6e69b35a9145c3ef24fc2ea2530d9ef8e18b38f52be33085e202dd1e7f1d0d4a
+plan sha256 1df0e13352a6c919fd2f6095e6576d90132e851cd2763defa5cecdfd29dd8841
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

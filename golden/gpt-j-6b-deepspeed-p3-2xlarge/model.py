@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 4 requests waiting
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 fc322f184d73208ab57194d9447d207b839aa0a5d75662327c480704d86adc30
-plan sha256 31066be7761b0488db7c68da8c09aee3bb9e7e1a58a245f14593d4d67cbdf8bf
+plan sha256 8ec85d9346c031ad66188b348b91dc9274d4239261cbbdabb84172e9e0078181
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

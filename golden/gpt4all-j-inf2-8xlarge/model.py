@@ -7,7 +7,7 @@ No compiled Neuron graphs are packed: transformers-neuronx cannot serialize comp
 (predicted load time including the compile: 378.9 s).
 
 spec sha256 c0c372b16b1f59e6748a1a88cc8353bb2b022ea16f57398ea019fed17fc5f633
-plan sha256 2f700dd30fd6447e251c8a8b1ebc7e3b22cd002aba8c9ffe71ae2fd11b40bf55
+plan sha256 1afefe362dddc4893f2990a1d31640efd3f1a0ac3b4aaee65e2c3bd2fe5fd1cc
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

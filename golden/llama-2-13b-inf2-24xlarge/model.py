@@ -6,7 +6,7 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
 spec sha256 5a59a1e9600c65576a6cb902c9207e8f87b296ef9ee91119583e955e6d77710a
-plan sha256 1890c1745fcd147279e7df9b0236f3501d3c6d45587e36a7c06b34f1a402fc67
+plan sha256 2ef9788e76b2d5b32bb0efeb5efcf3486cf40c1e0c3266a90e1e2a2db307c294
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

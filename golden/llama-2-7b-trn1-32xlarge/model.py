@@ -6,7 +6,7 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
 spec sha256 511602b121dd722ebf25114ec13ba45cdde8ffcc2a06f5ce6b83489111e10edb
-plan sha256 015c7920d4054c20170b399b3ab5a512f7082647b5c084af7b8c0492df9b3d2b
+plan sha256 b6bcfce17793702abc1c8f54659abc37d903c8a4469d0526235bd7688bf117bc
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waitin
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 7672fcff04d7fa9c4be1f54dc03e3e6cee852136e67319c5764956a29bf03414
-plan sha256 d089460db22e22214fdc550f28efdb717afe6e781b7b9aa36fbfae6d129888f0
+plan sha256 3b21ca6a0a59232a444155ed751c9caa6105a1925020402712f89905f0d0804c
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

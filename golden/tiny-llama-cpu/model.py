@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 96 tokens, on cpu.
 
 spec sha256 fb8c73f430dadfc92a09407b1ff79c97c240ce754add7683653bbe35a289508d
-plan sha256 5b7ffcd4e5272fef847bd1e053e836536bae8e77650f767bae3dde75d1eb93b3
+plan sha256 1788ebf537556278ed47a1e0c98c2afd245be2955528a135af883ad3688b68c1
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", default=None, help="container image URI (default: [deploy] image)")
     parser.add_argument("--role", default=None, dest="role_arn",
                         help="SageMaker execution role ARN (default: [deploy] role_arn)")
+    parser.add_argument("--accept-missed-goal", action="store_true",
+                        help="write the files for a plan that fits but misses its goal (without it: exit 4)")
     parser.add_argument("--model-data", default=None,
                         help="the artifact's location: s3://.../model.tar.gz or an S3 prefix (default: [deploy] model_data)")
 
@@ -39,8 +41,11 @@ def run(args: argparse.Namespace) -> int:
     from lmc.schema.spec import DeploySpec
     from lmc.planner.sizing import copy_layout
 
+    from lmc.planner.goals import refuse_missed_goal
+
     loaded = load_spec(args.spec)
     result = plan_from_spec(loaded)
+    refuse_missed_goal(result.plan, args.accept_missed_goal, "deploy")
     given = loaded.spec.deploy
     flags = {key: value for key in ("name", "image", "role_arn", "model_data")
              if (value := getattr(args, key)) is not None}
