@@ -123,9 +123,12 @@ class DeploySpec(_Strict):
                              description="Name of the model, endpoint and Kubernetes resources (lower case, digits, -).")
     image: str | None = Field(default=None, min_length=1, max_length=255, description="Container image URI that runs `lmc runtime`.")
     role_arn: str | None = Field(default=None, min_length=20, max_length=2048, pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/.+$",
-                                 description="SageMaker execution role ARN.")
+                                 description="IAM role that reads the model data: SageMaker's execution role, or on Kubernetes and KServe the role of the pods' service account (EKS IRSA).")
     model_data: str | None = Field(default=None, min_length=1, max_length=1024, pattern=r"^(s3|https)://.+",
                                    description="Where the built artifact lives (s3://bucket/prefix/model.tar.gz).")
+    service_account: str | None = Field(default=None, min_length=1, max_length=253,
+                                        pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$",
+                                        description="Kubernetes service account the pods run as (default: `name`); lmc deploy writes it with role_arn's IRSA annotation.")
 
 
 class Spec(_Strict):
