@@ -4,8 +4,8 @@ Serves google/flan-t5-xxl (t5, text2text-generation) with the deepspeed engine i
 tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
-spec sha256 7c192495d885cad6e855afcf0e605517175721af258a0ed55033876c1e112550
-plan sha256 2cc6d124e7ae9ef0a3b741f885e35b784632482b038d5154272bc4edc0924477
+spec sha256 dde21f57549a68fc9da3f0536df17be9fbf06ff4f6805b468af73213268985c1
+plan sha256 4197229dbe6e1a9721c1aa52fe06a254dd625ca98dd3300260108e86d7d03c6a
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

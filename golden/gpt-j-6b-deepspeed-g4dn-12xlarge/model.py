@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 50 ms),
 sequences of up to 640 tokens, on cuda.
 
-spec sha256 885f1b25c3fa1a2bd2dd1aff46d734697edb1ed6c270583a40d7339dae80bcd0
-plan sha256 d50e73866eccefc18682c94b02be2b87fbfc4e524c3d98cd1e254c84ea61b0ea
+spec sha256 aa7bd27a45b40129e802e1428deb6d37cb02bf45d93eb8abfa92bd606853dfea
+plan sha256 97c4ac5b13467ec812750d5844952c60af1da24ed5450b9c6b9ea0b72a5e1be0
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -6,8 +6,8 @@ tensor parallel degree 2, dynamic batches of up to 4 requests
 No compiled Neuron graphs are packed: transformers-neuronx cannot serialize compiled GPTJForSampling graphs, so they are compiled when the container starts
 (predicted load time including the compile: 378.9 s).
 
-spec sha256 c0c372b16b1f59e6748a1a88cc8353bb2b022ea16f57398ea019fed17fc5f633
-plan sha256 2f700dd30fd6447e251c8a8b1ebc7e3b22cd002aba8c9ffe71ae2fd11b40bf55
+spec sha256 02055aae18cdb98ead5ff4b46f407a4f1087a0fdab3094fd696183a3b828d387
+plan sha256 52d312badaff070f0668e4d82dbdeb72bc59f9cd38e32c90209dba396f58b1d7
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

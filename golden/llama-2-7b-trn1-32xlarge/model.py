@@ -5,8 +5,8 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 1536 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 511602b121dd722ebf25114ec13ba45cdde8ffcc2a06f5ce6b83489111e10edb
-plan sha256 015c7920d4054c20170b399b3ab5a512f7082647b5c084af7b8c0492df9b3d2b
+spec sha256 bf917ad09d7090cefc19d9d4c4f7cd69f6b044995001e408c91baaf8050589df
+plan sha256 d8cd215e220902b0f4e8883a548de3f6f0a8ccf9d8c85b7c36048f36c79f069d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

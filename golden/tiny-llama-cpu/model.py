@@ -5,8 +5,8 @@ tensor parallel degree 2, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 96 tokens, on cpu.
 
-spec sha256 fb8c73f430dadfc92a09407b1ff79c97c240ce754add7683653bbe35a289508d
-plan sha256 5b7ffcd4e5272fef847bd1e053e836536bae8e77650f767bae3dde75d1eb93b3
+spec sha256 b243c89bcaa1a9898899c1c112c6594230fbc3b2cf6297dd974ef25088576060
+plan sha256 80062642e9b4452cf5c2f141336f3a3bc72050a94a9f48fd4b6fe839d2b1b2ce
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.
