@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 581fc0dc6715dc0750d7a1fb14ba574a95a12100005b2a5f962f47fe4619f4e2
-plan sha256 ae98c2a4cbc8e5ad6aa84bacaa7837ba2a5673a0086328c910c6a57c0a149424
+spec sha256 5fd743c4af0166f9baf8087336b66afe9ce27afe1ca0513c095b494094256763
+plan sha256 8d7cea1bbc7b36e1a4303fe5bcbaeed305a8ec925de7d965265f409a7dbd4c68
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -4,8 +4,8 @@ Serves google/flan-t5-xxl (t5, text2text-generation) with the deepspeed engine i
 tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
-spec sha256 7c192495d885cad6e855afcf0e605517175721af258a0ed55033876c1e112550
-plan sha256 0716bb2b8e02701d9e252be0e24ee13b4496e57a6c4ee517a667f784bf59b4ea
+spec sha256 dde21f57549a68fc9da3f0536df17be9fbf06ff4f6805b468af73213268985c1
+plan sha256 5a5c1963a7ac9db661129c5f5dc825045e071ea94858a129dcbbeb5493ff3d98
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

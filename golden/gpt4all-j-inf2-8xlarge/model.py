@@ -6,8 +6,8 @@ tensor parallel degree 2, dynamic batches of up to 4 requests
 No compiled Neuron graphs are packed: transformers-neuronx cannot serialize compiled GPTJForSampling graphs, so they are compiled when the container starts
 (predicted load time including the compile: 378.9 s).
 
-spec sha256 c0c372b16b1f59e6748a1a88cc8353bb2b022ea16f57398ea019fed17fc5f633
-plan sha256 1afefe362dddc4893f2990a1d31640efd3f1a0ac3b4aaee65e2c3bd2fe5fd1cc
+spec sha256 02055aae18cdb98ead5ff4b46f407a4f1087a0fdab3094fd696183a3b828d387
+plan sha256 228551cf6b700ce80abed595e796c05b723f0d808425393cc3c84632c0f36034
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

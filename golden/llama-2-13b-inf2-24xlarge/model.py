@@ -5,8 +5,8 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 2048 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 5a59a1e9600c65576a6cb902c9207e8f87b296ef9ee91119583e955e6d77710a
-plan sha256 2ef9788e76b2d5b32bb0efeb5efcf3486cf40c1e0c3266a90e1e2a2db307c294
+spec sha256 a1d9538e8f04b5e5bd2191316b54f38bfba886da2d40f21141c423ec7d56dbb1
+plan sha256 5cf5115be61db50073e511ece94750da5cd259a6e45bcf4e5138f8c53ed7afd8
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 2, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 96 tokens, on cpu.
 
-spec sha256 fb8c73f430dadfc92a09407b1ff79c97c240ce754add7683653bbe35a289508d
-plan sha256 1788ebf537556278ed47a1e0c98c2afd245be2955528a135af883ad3688b68c1
+spec sha256 b243c89bcaa1a9898899c1c112c6594230fbc3b2cf6297dd974ef25088576060
+plan sha256 c884ea6de5aaf81c32f7a5e3c1be054c9ed0620a4485d10f95e39651d655303f
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -184,10 +184,14 @@ class DeploySpec(_Strict):
                               description="The container image that runs `lmc runtime` (docker/ builds one), in every target's files.")
     role_arn: str | None = Field(default=None, min_length=20, max_length=2048, pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/.+$",
                                  examples=["arn:aws:iam::123456789012:role/SageMakerExecutionRole"],
-                                 description="SageMaker only: the IAM role SageMaker assumes to pull the image and read model_data (CreateModel's ExecutionRoleArn).")
+                                 description="IAM role that reads the model data: SageMaker's execution role (CreateModel's ExecutionRoleArn, also to pull the image), or on Kubernetes and KServe the role of the pods' service account (EKS IRSA annotation).")
     model_data: str | None = Field(default=None, min_length=1, max_length=1024, pattern=r"^(s3|https)://.+",
                                    examples=["s3://my-bucket/lmc/qwen3-8b/model/"],
                                    description="Where the built artifact was uploaded: a model.tar.gz (SageMaker's ModelDataUrl) or, ending otherwise, an S3 prefix of `lmc build --format dir` (uncompressed, what AWS recommends for large models); the Kubernetes init container and KServe's storage initializer fetch it too.")
+    service_account: str | None = Field(default=None, min_length=1, max_length=253,
+                                        pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$",
+                                        examples=["qwen3-8b"],
+                                        description="Kubernetes service account the pods run as (default: `name`); lmc deploy writes it with role_arn's IRSA annotation.")
 
 
 class Spec(_Strict):
