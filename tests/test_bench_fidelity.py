@@ -1,0 +1,90 @@
+"""bench/fidelity.py: its CSV of published measurements is well-formed and cited, and its arithmetic is right."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmc.planner import catalog
+from lmc.schema import parse_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("fidelity_bench", REPO / "bench" / "fidelity.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+fidelity = _load_bench()
+ROWS = fidelity.load_rows(fidelity.DEFAULT_CSV)
+
+
+def test_csv_has_enough_rows_with_unique_ids():
+    ids = [row["id"] for row in ROWS]
+    assert len(ROWS) >= 45
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row["id"] for row in ROWS])
+def test_row_is_cited_and_well_formed(row):
+    assert re.fullmatch(r"https://\S+", row["source_url"]), row["source_url"]
+    assert row["source_table"].strip(), "which table or figure of the source"
+    assert re.fullmatch(r"\d{4}-\d{2}(-\d{2})?", row["source_date"]), row["source_date"]
+    lowered = (row["source_url"] + " " + row["source_table"] + " " + row["notes"]).lower()
+    assert not [name for name in fidelity.FORBIDDEN_SOURCES if name in lowered]
+    assert row["gpu"] in fidelity.GPU_INSTANCE and row["engine"] in fidelity.ENGINE_AIC_BACKEND
+    assert row["num_gpus"] == row["tp"] * row["dp"]
+    assert row["concurrency"] is not None and 1 <= row["concurrency"] <= 256
+    assert row["input_len"] > 0 and row["output_len"] > 0
+    measured = [row[key] for key in fidelity.MEASURED if row[key] is not None]
+    assert measured and all(value > 0 for value in measured)
+    assert row["weight_dtype"] in {"bf16", "fp16", "fp8", "mxfp4"} and row["kv_dtype"] in {"bf16", "fp16", "fp8"}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row["id"] for row in ROWS])
+def test_row_spec_is_a_valid_lmc_spec_of_a_catalog_model(row):
+    assert catalog.has_model(row["model"])
+    loaded = parse_spec(fidelity.spec_text(row), REPO / "bench" / "data" / "row.toml")
+    assert loaded.spec.pin.engine == "vllm"
+    assert loaded.spec.pin.tensor_parallel_degree == row["tp"]
+    assert loaded.spec.workload.concurrency == row["concurrency"]
+    assert loaded.spec.workload.max_input_tokens == row["input_len"]
+
+
+def test_forbidden_sources_are_recognised():
+    for url in ("https://inferencemax.semianalysis.com/", "https://github.com/SemiAnalysisAI/InferenceX/issues/1",
+                "https://docs.gpustack.ai/latest/performance-lab/x", "https://docs.nvidia.com/nim/benchmarking/llm/"):
+        assert [name for name in fidelity.FORBIDDEN_SOURCES if name in url.lower()], url
+
+
+def test_errors_and_medians_on_two_hand_made_rows():
+    def row(**measured):
+        return {"tpot_ms": None, "ttft_ms": None, "output_throughput_tok_s": None, **measured}
+
+    first = fidelity.RowResult(row(tpot_ms=20.0, ttft_ms=100.0, output_throughput_tok_s=1000.0),
+                               lmc={"tpot_ms": 25.0, "ttft_ms": 50.0, "output_throughput_tok_s": 900.0})
+    second = fidelity.RowResult(row(tpot_ms=40.0, output_throughput_tok_s=500.0),
+                                lmc={"tpot_ms": 30.0, "ttft_ms": 70.0, "output_throughput_tok_s": 800.0},
+                                aic={"error": "OOM"})
+    assert first.errors("lmc") == {"tpot_ms": 25.0, "ttft_ms": -50.0, "output_throughput_tok_s": -10.0}
+    assert second.errors("lmc") == {"tpot_ms": -25.0, "ttft_ms": None, "output_throughput_tok_s": 60.0}
+    stats = fidelity.summary([first, second], with_aic=True)
+    assert stats["lmc_tpot_ms"] == {"median_abs_pct": 25.0, "worst_abs_pct": 25.0, "n": 2}
+    assert stats["lmc_ttft_ms"] == {"median_abs_pct": 50.0, "worst_abs_pct": 50.0, "n": 1}
+    assert stats["lmc_output_throughput_tok_s"] == {"median_abs_pct": 35.0, "worst_abs_pct": 60.0, "n": 2}
+    assert stats["aiconfigurator_answered"] == 0 and stats["lmc_planned"] == 2
+
+
+def test_aiconfigurator_report_is_parsed_and_refusals_kept():
+    report = ("  TTFT:             346.584 ms\n  TPOT:             24.500 ms\n  Request Latency:  19922.146 ms\n"
+              "  tokens/s:         641.70\n  tokens/s/gpu:     80.21\n")
+    assert fidelity.parse_aic_output(report) == {"ttft_ms": 346.584, "tpot_ms": 24.5, "output_throughput_tok_s": 641.7}
+    assert fidelity.parse_aic_output("[E] ... estimate failed: OOM at batch 256") == {"error": "OOM"}
