@@ -49,6 +49,9 @@ AIC_MODEL_ALIAS = {
     "meta-llama/llama-3.3-70b-instruct": "meta-llama/Meta-Llama-3.1-70B",
     "meta-llama/llama-3.1-70b-instruct": "meta-llama/Meta-Llama-3.1-70B",
     "meta-llama/llama-3.1-8b-instruct": "meta-llama/Meta-Llama-3.1-8B",
+    "meta-llama/llama-3.1-8b": "meta-llama/Meta-Llama-3.1-8B",
+    "meta-llama/llama-3.1-70b": "meta-llama/Meta-Llama-3.1-70B",
+    "meta-llama/llama-3.1-405b": "meta-llama/Meta-Llama-3.1-405B",
     "deepseek-ai/deepseek-r1-0528": "deepseek-ai/DeepSeek-R1",
 }
 LMC_DTYPES = {"bf16", "fp16", "fp8"}  # weight dtypes lmc pins; others (mxfp4) are the checkpoint's own
@@ -146,12 +149,12 @@ def lmc_predict(row: dict) -> dict:
 
 # --- aiconfigurator ---------------------------------------------------------------------------------
 
-def aic_model_path(model: str) -> str:
-    """The id aiconfigurator's CLI knows for the row's model: its bundled name, or lmc's catalog config dir."""
+def aic_model_path(model: str, bundled: dict[str, str]) -> str:
+    """The id aiconfigurator's CLI knows for the row's model: its bundled name (`bundled`: lower-cased id -> id),
+    the bundled name of the same architecture, or lmc's catalog config dir."""
     alias = AIC_MODEL_ALIAS.get(model.lower())
     if alias:
         return alias
-    bundled = _aic_bundled()
     if model.lower() in bundled:
         return bundled[model.lower()]
     from lmc.planner import catalog
@@ -160,16 +163,9 @@ def aic_model_path(model: str) -> str:
     return str(directory) if (directory / "config.json").is_file() else model
 
 
-_BUNDLED: dict[str, str] = {}
-
-
-def _aic_bundled() -> dict[str, str]:
-    return _BUNDLED
-
-
-def aic_args(row: dict, executable: str) -> list[str]:
-    """aiconfigurator's `cli estimate` command line for the row (agg serving at the row's concurrency)."""
-    args = [executable, "cli", "estimate", "--model-path", aic_model_path(row["model"]),
+def aic_args(row: dict, bundled: dict[str, str]) -> list[str]:
+    """aiconfigurator's `cli estimate` arguments for the row (agg serving at the row's concurrency)."""
+    args = ["cli", "estimate", "--model-path", aic_model_path(row["model"], bundled),
             "--system", GPU_AIC_SYSTEM[row["gpu"]], "--backend", ENGINE_AIC_BACKEND[row["engine"]],
             "--isl", str(row["input_len"]), "--osl", str(row["output_len"]),
             "--batch-size", str(row["concurrency"] or 1), "--tp-size", str(row["tp"])]
@@ -201,9 +197,9 @@ def parse_aic_output(text: str) -> dict:
     """TTFT, TPOT and output tokens/s from `aiconfigurator cli estimate`'s report; its refusal otherwise."""
     figures = {}
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("output_throughput_tok_s", "tokens/s")):
-        match = re.search(rf"^\s*{re.escape(label)}:\s+([0-9.]+)", text, re.MULTILINE)
-        if match:
-            figures[key] = float(match.group(1))
+        match = re.search(rf"^\s*{re.escape(label)}:\s+([0-9][0-9,]*(?:\.[0-9]+)?)", text, re.MULTILINE)
+        if match:  # figures past 999 come with thousands separators: "tokens/s: 1,234.56"
+            figures[key] = float(match.group(1).replace(",", ""))
     if len(figures) == 3:
         return figures
     if re.search(r"\bOOM\b|out of memory", text, re.IGNORECASE):
@@ -218,18 +214,18 @@ def aic_version(executable: str) -> str:
     return match.group(1) if match else "unknown"
 
 
-def aic_estimate(row: dict, executable: str, cache: dict) -> dict:
+def aic_estimate(row: dict, executable: str, bundled: dict[str, str], cache: dict) -> dict:
     """aiconfigurator's estimate for the row, from the cache when the same command line was run before."""
-    args = aic_args(row, "aiconfigurator")
+    args = aic_args(row, bundled)
     key = hashlib.sha256(json.dumps(args).encode()).hexdigest()[:16]
     if key in cache["results"]:
         return cache["results"][key]["estimate"]
     try:
-        out = subprocess.run([executable, *args[1:]], capture_output=True, text=True, timeout=600)
+        out = subprocess.run([executable, *args], capture_output=True, text=True, timeout=600)
         estimate = parse_aic_output(out.stdout + "\n" + out.stderr)
     except subprocess.TimeoutExpired:
         estimate = {"error": "timed out after 600 s"}
-    cache["results"][key] = {"row": row["id"], "args": args[1:], "estimate": estimate}
+    cache["results"][key] = {"row": row["id"], "args": args, "estimate": estimate}
     return estimate
 
 
@@ -334,6 +330,66 @@ def print_table(results: list[RowResult], with_aic: bool) -> None:
         print(line + f" | {r.lmc['predictor']}")
 
 
+def markdown_table(results: list[RowResult], stats: dict, with_aic: bool) -> str:
+    """The per-row table and the summary as markdown (for docs/fidelity.md)."""
+    head = "| id | model | GPUs | engine | ISL/OSL | conc. | TPOT ms meas / lmc (err) | TTFT ms meas / lmc (err) | tok/s meas / lmc (err) |"
+    rule = "|---|---|---|---|---|---|---|---|---|"
+    if with_aic:
+        head += " aic TPOT (err) | aic TTFT (err) | aic tok/s (err) |"
+        rule += "---|---|---|"
+    lines = [head + " predictor |", rule + "---|"]
+    for r in results:
+        row = r.row
+        cells = [row["id"], row["model"], f"{row['num_gpus']}x {row['gpu'].upper()}", row["engine"],
+                 f"{row['input_len']}/{row['output_len']}", str(row["concurrency"])]
+        if "error" in r.lmc:
+            cells += [f"plan failed: {r.lmc['error']}", "", ""]
+        else:
+            errors = r.errors("lmc")
+            cells += [_md_pair(row[key], r.lmc.get(key), errors[key]) for key in MEASURED]
+        if with_aic:
+            if not r.aic or "error" in r.aic:
+                cells += [(r.aic or {}).get("error", "—"), "", ""]
+            else:
+                errors = r.errors("aic")
+                cells += [_md_one(r.aic.get(key), errors[key]) for key in MEASURED]
+        cells.append(r.lmc.get("predictor", "—"))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("| | TPOT median / worst abs. error | TTFT median / worst | throughput median / worst | rows answered |")
+    lines.append("|---|---|---|---|---|")
+    for who in ("lmc", "aiconfigurator") if with_aic else ("lmc",):
+        answered = stats["lmc_planned"] if who == "lmc" else stats["aiconfigurator_answered"]
+        cells = [f"{_fmt_pct(stats[f'{who}_{key}']['median_abs_pct'])} / {_fmt_pct(stats[f'{who}_{key}']['worst_abs_pct'])} "
+                 f"(n={stats[f'{who}_{key}']['n']})" for key in MEASURED]
+        lines.append(f"| {who} | " + " | ".join(cells) + f" | {answered} of {stats['rows']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _md_pair(measured: float | None, predicted: float | None, error: float | None) -> str:
+    if measured is None:
+        return f"— / {_md_num(predicted)}"
+    return f"{_md_num(measured)} / {_md_num(predicted)} ({_fmt_signed(error)})"
+
+
+def _md_one(predicted: float | None, error: float | None) -> str:
+    return f"{_md_num(predicted)} ({_fmt_signed(error)})"
+
+
+def _md_num(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
+
+
+def _fmt_signed(value: float | None) -> str:
+    return "—" if value is None else f"{value:+.0f} %"
+
+
+def _fmt_pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f} %"
+
+
 def print_summary(stats: dict, with_aic: bool) -> None:
     print()
     print(f"rows: {stats['rows']}; lmc planned {stats['lmc_planned']}/{stats['rows']}"
@@ -342,9 +398,7 @@ def print_summary(stats: dict, with_aic: bool) -> None:
         parts = []
         for metric, label in (("tpot_ms", "TPOT"), ("ttft_ms", "TTFT"), ("output_throughput_tok_s", "throughput")):
             s = stats[f"{who}_{metric}"]
-            parts.append(f"{label} median {_fmt(s['median_abs_pct'], 1)} % worst {_fmt(s['worst_abs_pct'], 1)} % "
-                         f"(n={s['n']})")
-            parts[-1] = parts[-1].replace("  ", " ")
+            parts.append(f"{label} median {_fmt_pct(s['median_abs_pct'])}, worst {_fmt_pct(s['worst_abs_pct'])} (n={s['n']})")
         print(f"{who:<15} " + "; ".join(parts))
 
 
@@ -352,10 +406,10 @@ def print_summary(stats: dict, with_aic: bool) -> None:
 
 def run(rows: list[dict], aic_executable: str | None, aic_cache_path: Path) -> tuple[list[RowResult], dict | None]:
     results = []
-    cache = None
+    cache, bundled = None, {}
     if aic_executable:
         cache = load_aic_cache(aic_cache_path, aic_version(aic_executable))
-        _BUNDLED.update(_bundled_names(aic_executable))
+        bundled = _bundled_names(aic_executable)
     for row in rows:
         result = RowResult(row)
         try:
@@ -363,7 +417,7 @@ def run(rows: list[dict], aic_executable: str | None, aic_cache_path: Path) -> t
         except Exception as exc:  # every failure is reported; the exit code says some row failed
             result.lmc = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
         if cache is not None:
-            result.aic = aic_estimate(row, aic_executable, cache)
+            result.aic = aic_estimate(row, aic_executable, bundled, cache)
         results.append(result)
     return results, cache
 
@@ -385,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aiconfigurator", help="aiconfigurator executable in its own virtualenv (columns skipped without)")
     parser.add_argument("--aic-cache", type=Path, default=DEFAULT_AIC_CACHE, help="aiconfigurator results cache")
     parser.add_argument("--json", type=Path, help="write the per-row results and the summary here")
+    parser.add_argument("--markdown", type=Path, help="write the table and the summary as markdown here")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # catalog configs: the Hub is not reachable from the bench
     rows = load_rows(args.csv)
@@ -404,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         stats["aiconfigurator_version"] = cache["aiconfigurator_version"]
     print_table(results, with_aic)
     print_summary(stats, with_aic)
+    if args.markdown:
+        args.markdown.write_text(markdown_table(results, stats, with_aic), encoding="utf-8")
     if args.json:
         payload = {"summary": stats, "rows": [{"id": r.row["id"], "measured": {k: r.row[k] for k in MEASURED},
                                                "lmc": r.lmc, "lmc_error_pct": r.errors("lmc") if "error" not in r.lmc else None,

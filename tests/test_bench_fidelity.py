@@ -87,4 +87,34 @@ def test_aiconfigurator_report_is_parsed_and_refusals_kept():
     report = ("  TTFT:             346.584 ms\n  TPOT:             24.500 ms\n  Request Latency:  19922.146 ms\n"
               "  tokens/s:         641.70\n  tokens/s/gpu:     80.21\n")
     assert fidelity.parse_aic_output(report) == {"ttft_ms": 346.584, "tpot_ms": 24.5, "output_throughput_tok_s": 641.7}
+    assert fidelity.parse_aic_output(report.replace("641.70", "1,641.70").replace("346.584", "6,120.5"))[
+        "output_throughput_tok_s"] == 1641.7
+    assert fidelity.parse_aic_output(report.replace("346.584", "6,120.5"))["ttft_ms"] == 6120.5
     assert fidelity.parse_aic_output("[E] ... estimate failed: OOM at batch 256") == {"error": "OOM"}
+
+
+def test_aiconfigurator_command_follows_the_row():
+    trtllm = next(row for row in ROWS if row["engine"] == "trtllm" and row["ep"] == 4)
+    args = fidelity.aic_args(trtllm, bundled={"deepseek-ai/deepseek-r1": "deepseek-ai/DeepSeek-R1"})
+    flags = dict(zip(args[2::2], args[3::2]))
+    assert args[:2] == ["cli", "estimate"]
+    assert flags["--model-path"] == "deepseek-ai/DeepSeek-R1" and flags["--system"] == "h200_sxm"
+    assert flags["--backend"] == "trtllm" and flags["--tp-size"] == "8"
+    assert (flags["--moe-tp-size"], flags["--moe-ep-size"]) == ("2", "4")  # 8 ranks: EP 4 x TP 2
+    assert flags["--batch-size"] == str(trtllm["concurrency"]) and flags["--kvcache-quant-mode"] == "bfloat16"
+    dense_fp8 = next(row for row in ROWS if row["model"] == "meta-llama/Llama-3.1-405B")
+    flags = dict(zip(*[iter(fidelity.aic_args(dense_fp8, bundled={})[2:])] * 2))
+    assert "--moe-tp-size" not in flags and flags["--gemm-quant-mode"] == "fp8"  # bf16 checkpoint served in fp8
+    assert flags["--model-path"] == "meta-llama/Meta-Llama-3.1-405B"  # the name aiconfigurator bundles it under
+    qwen = {**dense_fp8, "model": "Qwen/Qwen2.5-7B-Instruct", "weight_dtype": "bf16"}
+    flags = dict(zip(*[iter(fidelity.aic_args(qwen, bundled={})[2:])] * 2))
+    assert flags["--model-path"].endswith("qwen--qwen2.5-7b-instruct") and "--gemm-quant-mode" not in flags
+
+
+def test_markdown_table_has_a_row_per_result_and_the_summary():
+    result = fidelity.RowResult({**ROWS[0]}, lmc={"tpot_ms": 50.0, "ttft_ms": 100.0, "output_throughput_tok_s": 200.0,
+                                                  "predictor": "lmc-roofline"})
+    stats = fidelity.summary([result], with_aic=False)
+    text = fidelity.markdown_table([result], stats, with_aic=False)
+    assert f"| {ROWS[0]['id']} |" in text and "lmc-roofline" in text
+    assert "| lmc | " in text and "1 of 1" in text
