@@ -271,7 +271,22 @@ class RowResult:
         return {key: signed_error(figures.get(key), self.row[key]) for key in MEASURED}
 
 
+def row_group(row: dict) -> str:
+    """The row's source group: its id without the trailing number (dstk-r1-07 -> dstk-r1)."""
+    return row["id"].rsplit("-", 1)[0]
+
+
 def summary(results: list[RowResult], with_aic: bool) -> dict:
+    """Rows planned/answered and the median and worst absolute % errors, overall and per source group."""
+    out = _summary_of(results, with_aic)
+    groups = sorted({row_group(r.row) for r in results})
+    if len(groups) > 1:
+        out["groups"] = {group: _summary_of([r for r in results if row_group(r.row) == group], with_aic)
+                         for group in groups}
+    return out
+
+
+def _summary_of(results: list[RowResult], with_aic: bool) -> dict:
     out = {"rows": len(results), "lmc_planned": sum(1 for r in results if "error" not in r.lmc)}
     for who in ("lmc", "aiconfigurator") if with_aic else ("lmc",):
         key = "lmc" if who == "lmc" else "aic"
@@ -358,11 +373,12 @@ def markdown_table(results: list[RowResult], stats: dict, with_aic: bool) -> str
     lines.append("")
     lines.append("| | TPOT median / worst abs. error | TTFT median / worst | throughput median / worst | rows answered |")
     lines.append("|---|---|---|---|---|")
-    for who in ("lmc", "aiconfigurator") if with_aic else ("lmc",):
-        answered = stats["lmc_planned"] if who == "lmc" else stats["aiconfigurator_answered"]
-        cells = [f"{_fmt_pct(stats[f'{who}_{key}']['median_abs_pct'])} / {_fmt_pct(stats[f'{who}_{key}']['worst_abs_pct'])} "
-                 f"(n={stats[f'{who}_{key}']['n']})" for key in MEASURED]
-        lines.append(f"| {who} | " + " | ".join(cells) + f" | {answered} of {stats['rows']} |")
+    for label, part in [("all rows", stats), *((f"`{group}` rows", value) for group, value in stats.get("groups", {}).items())]:
+        for who in ("lmc", "aiconfigurator") if with_aic else ("lmc",):
+            answered = part["lmc_planned"] if who == "lmc" else part["aiconfigurator_answered"]
+            cells = [f"{_fmt_pct(part[f'{who}_{key}']['median_abs_pct'])} / {_fmt_pct(part[f'{who}_{key}']['worst_abs_pct'])} "
+                     f"(n={part[f'{who}_{key}']['n']})" for key in MEASURED]
+            lines.append(f"| {who}, {label} | " + " | ".join(cells) + f" | {answered} of {part['rows']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -394,12 +410,13 @@ def print_summary(stats: dict, with_aic: bool) -> None:
     print()
     print(f"rows: {stats['rows']}; lmc planned {stats['lmc_planned']}/{stats['rows']}"
           + (f"; aiconfigurator answered {stats['aiconfigurator_answered']}/{stats['rows']}" if with_aic else ""))
-    for who in ("lmc", "aiconfigurator") if with_aic else ("lmc",):
-        parts = []
-        for metric, label in (("tpot_ms", "TPOT"), ("ttft_ms", "TTFT"), ("output_throughput_tok_s", "throughput")):
-            s = stats[f"{who}_{metric}"]
-            parts.append(f"{label} median {_fmt_pct(s['median_abs_pct'])}, worst {_fmt_pct(s['worst_abs_pct'])} (n={s['n']})")
-        print(f"{who:<15} " + "; ".join(parts))
+    for label, part in [("all rows", stats), *stats.get("groups", {}).items()]:
+        for who in ("lmc", "aiconfigurator") if with_aic else ("lmc",):
+            parts = []
+            for metric, name in (("tpot_ms", "TPOT"), ("ttft_ms", "TTFT"), ("output_throughput_tok_s", "throughput")):
+                s = part[f"{who}_{metric}"]
+                parts.append(f"{name} median {_fmt_pct(s['median_abs_pct'])}, worst {_fmt_pct(s['worst_abs_pct'])} (n={s['n']})")
+            print(f"{label:<12} {who:<15} " + "; ".join(parts))
 
 
 # --- main -------------------------------------------------------------------------------------------

@@ -66,12 +66,12 @@ def test_forbidden_sources_are_recognised():
 
 
 def test_errors_and_medians_on_two_hand_made_rows():
-    def row(**measured):
-        return {"tpot_ms": None, "ttft_ms": None, "output_throughput_tok_s": None, **measured}
+    def row(row_id, **measured):
+        return {"id": row_id, "tpot_ms": None, "ttft_ms": None, "output_throughput_tok_s": None, **measured}
 
-    first = fidelity.RowResult(row(tpot_ms=20.0, ttft_ms=100.0, output_throughput_tok_s=1000.0),
+    first = fidelity.RowResult(row("hand-a-1", tpot_ms=20.0, ttft_ms=100.0, output_throughput_tok_s=1000.0),
                                lmc={"tpot_ms": 25.0, "ttft_ms": 50.0, "output_throughput_tok_s": 900.0})
-    second = fidelity.RowResult(row(tpot_ms=40.0, output_throughput_tok_s=500.0),
+    second = fidelity.RowResult(row("hand-b-1", tpot_ms=40.0, output_throughput_tok_s=500.0),
                                 lmc={"tpot_ms": 30.0, "ttft_ms": 70.0, "output_throughput_tok_s": 800.0},
                                 aic={"error": "OOM"})
     assert first.errors("lmc") == {"tpot_ms": 25.0, "ttft_ms": -50.0, "output_throughput_tok_s": -10.0}
@@ -81,6 +81,8 @@ def test_errors_and_medians_on_two_hand_made_rows():
     assert stats["lmc_ttft_ms"] == {"median_abs_pct": 50.0, "worst_abs_pct": 50.0, "n": 1}
     assert stats["lmc_output_throughput_tok_s"] == {"median_abs_pct": 35.0, "worst_abs_pct": 60.0, "n": 2}
     assert stats["aiconfigurator_answered"] == 0 and stats["lmc_planned"] == 2
+    assert stats["groups"]["hand-a"]["lmc_tpot_ms"] == {"median_abs_pct": 25.0, "worst_abs_pct": 25.0, "n": 1}
+    assert stats["groups"]["hand-b"]["lmc_output_throughput_tok_s"]["median_abs_pct"] == 60.0
 
 
 def test_aiconfigurator_report_is_parsed_and_refusals_kept():
@@ -117,4 +119,4 @@ def test_markdown_table_has_a_row_per_result_and_the_summary():
     stats = fidelity.summary([result], with_aic=False)
     text = fidelity.markdown_table([result], stats, with_aic=False)
     assert f"| {ROWS[0]['id']} |" in text and "lmc-roofline" in text
-    assert "| lmc | " in text and "1 of 1" in text
+    assert "| lmc, all rows | " in text and "1 of 1" in text
