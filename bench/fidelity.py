@@ -118,12 +118,16 @@ def spec_text(row: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _find_predictor(plan: dict) -> str | None:
-    """The name of the model that produced the plan's figures, where the plan JSON gives one."""
+def find_predictor(plan: dict) -> str | None:
+    """The name of the model that produced the plan's figures, where the plan JSON gives one
+    (`predicted.step_times`, `predicted.predictor` or a top-level `*predictor*` key)."""
     predicted = plan.get("predicted") or {}
-    for key in ("predictor", "step_model", "model", "source"):
+    for key in ("predictor", "step_times", "step_model", "model", "source"):
         if isinstance(predicted.get(key), str):
             return predicted[key]
+    for key, value in predicted.items():
+        if ("predictor" in key or "step" in key) and isinstance(value, str):
+            return value
     for key, value in plan.items():
         if "predictor" in key and isinstance(value, str):
             return value
@@ -144,7 +148,7 @@ def lmc_predict(row: dict) -> dict:
     predicted = plan["predicted"]
     return {"tpot_ms": predicted.get("tpot_ms"), "ttft_ms": predicted.get("ttft_ms"),
             "output_throughput_tok_s": predicted.get("throughput_tokens_per_s"),
-            "predictor": _find_predictor(plan) or "lmc-roofline"}
+            "predictor": find_predictor(plan) or "lmc-roofline"}
 
 
 # --- aiconfigurator ---------------------------------------------------------------------------------

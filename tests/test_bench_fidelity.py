@@ -120,3 +120,10 @@ def test_markdown_table_has_a_row_per_result_and_the_summary():
     text = fidelity.markdown_table([result], stats, with_aic=False)
     assert f"| {ROWS[0]['id']} |" in text and "lmc-roofline" in text
     assert "| lmc, all rows | " in text and "1 of 1" in text
+
+
+def test_predictor_is_the_name_the_plan_gives():
+    named = {"predicted": {"tpot_ms": 16.3, "step_times": "aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0)"}}
+    assert fidelity.find_predictor(named) == "aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0)"
+    assert fidelity.find_predictor({"predicted": {"tpot_ms": 16.3}, "predictor": "lmc roofline"}) == "lmc roofline"
+    assert fidelity.find_predictor({"predicted": {"tpot_ms": 16.3}}) is None  # the bench then says lmc-roofline
