@@ -77,19 +77,49 @@ def load_rows(path: Path) -> list[dict]:
 
 # --- lmc -------------------------------------------------------------------------------------------
 
-def _kv_dtype_key() -> tuple[str, str] | None:
-    """The spec section and key for the KV-cache dtype, where this lmc's spec has one."""
+def _kv_dtype_field() -> tuple[str, str, set[str]] | None:
+    """The spec section and key for the KV-cache dtype, and the values it takes, where this lmc's spec has one."""
     from lmc.schema import Spec
 
     for section, info in Spec.model_fields.items():
-        model = info.annotation
-        fields = getattr(model, "model_fields", None) or {}
-        if not fields:  # Optional[X]: look inside
-            for arg in getattr(model, "__args__", ()):
-                fields = getattr(arg, "model_fields", None) or fields
-        for name in fields:
+        fields = _model_fields(info.annotation)
+        for name, field_info in fields.items():
             if "kv" in name and "dtype" in name:
-                return section, name
+                return section, name, set(_literal_values(field_info.annotation))
+    return None
+
+
+def _model_fields(annotation) -> dict:
+    fields = getattr(annotation, "model_fields", None)
+    if fields:
+        return fields
+    for arg in getattr(annotation, "__args__", ()):  # Optional[Section]
+        fields = getattr(arg, "model_fields", None)
+        if fields:
+            return fields
+    return {}
+
+
+def _literal_values(annotation) -> list[str]:
+    """The strings a Literal[...] (or Optional[Literal[...]]) annotation allows."""
+    values = []
+    for arg in getattr(annotation, "__args__", ()):
+        if isinstance(arg, str):
+            values.append(arg)
+        else:
+            values += _literal_values(arg)
+    return values
+
+
+def kv_dtype_value(row_kv: str, allowed: set[str]) -> str | None:
+    """The spec's value for the row's KV-cache dtype: fp8 as fp8, a 16-bit cache as the compute dtype ("auto",
+    vLLM's default), None where the spec cannot say it."""
+    if row_kv == "fp8" and "fp8" in allowed:
+        return "fp8"
+    if row_kv in ("bf16", "fp16"):
+        for value in ("auto", row_kv):
+            if value in allowed:
+                return value
     return None
 
 
@@ -108,9 +138,12 @@ def spec_text(row: dict) -> str:
         tables["pin"]["expert_parallel"] = True
     if row["weight_dtype"] in LMC_DTYPES:
         tables["pin"]["dtype"] = row["weight_dtype"]
-    kv_key = _kv_dtype_key()
-    if kv_key is not None and row["kv_dtype"] == "fp8":
-        tables.setdefault(kv_key[0], {})[kv_key[1]] = "fp8"
+    kv_field = _kv_dtype_field()
+    if kv_field is not None:
+        section, key, allowed = kv_field
+        value = kv_dtype_value(row["kv_dtype"], allowed)
+        if value is not None:
+            tables.setdefault(section, {})[key] = value
     lines = []
     for name, values in tables.items():
         lines.append(f"[{name}]")

@@ -127,3 +127,10 @@ def test_predictor_is_the_name_the_plan_gives():
     assert fidelity.find_predictor(named) == "aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0)"
     assert fidelity.find_predictor({"predicted": {"tpot_ms": 16.3}, "predictor": "lmc roofline"}) == "lmc roofline"
     assert fidelity.find_predictor({"predicted": {"tpot_ms": 16.3}}) is None  # the bench then says lmc-roofline
+
+
+def test_kv_cache_dtype_follows_the_row_where_the_spec_has_the_field():
+    allowed = {"auto", "fp8"}  # the shape of a `kv_cache_dtype: Literal["auto", "fp8"]` pin
+    assert fidelity.kv_dtype_value("fp8", allowed) == "fp8"
+    assert fidelity.kv_dtype_value("bf16", allowed) == "auto"  # the measured run's 16-bit cache, not lmc's choice
+    assert fidelity.kv_dtype_value("fp8", set()) is None and fidelity.kv_dtype_value("bf16", {"fp8"}) is None
