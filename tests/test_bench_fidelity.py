@@ -134,3 +134,10 @@ def test_kv_cache_dtype_follows_the_row_where_the_spec_has_the_field():
     assert fidelity.kv_dtype_value("fp8", allowed) == "fp8"
     assert fidelity.kv_dtype_value("bf16", allowed) == "auto"  # the measured run's 16-bit cache, not lmc's choice
     assert fidelity.kv_dtype_value("fp8", set()) is None and fidelity.kv_dtype_value("bf16", {"fp8"}) is None
+
+
+@pytest.mark.parametrize("gpu", sorted(fidelity.GPU_INSTANCE))
+def test_each_gpu_maps_to_a_catalog_instance_of_that_gpu(gpu):
+    facts = catalog.hardware_facts(fidelity.GPU_INSTANCE[gpu])
+    assert facts.accelerator.startswith(gpu) and facts.devices == 8  # room for any TP x DP of a row
+    assert gpu in fidelity.GPU_AIC_SYSTEM
