@@ -41,11 +41,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*Can not relate snapshot")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cpu_checkpoint():
-    from lmc.testing.checkpoints import make_checkpoint
-
-    make_checkpoint("llama", ROOT / "specs" / "models" / "tiny-llama-vllm", seed=0, hidden_size=128, intermediate_size=256)
-    return make_checkpoint("llama", ROOT / "specs" / "models" / "tiny-llama", seed=0)
+def _spec_checkpoints(cpu_checkpoint):
+    """The CPU specs' checkpoints (conftest's cpu_checkpoint), before any spec is planned."""
 
 
 @cache
