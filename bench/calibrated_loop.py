@@ -5,8 +5,9 @@ compare. A random-weight Llama of ~0.8 GB (fp32), served by the hf engine.
 
 Targets (issue 15): predicted TPOT within ±25 % of the measured p50 at concurrency 1 and 8, predicted
 peak worker memory within ±15 % at every level. Prints every figure with the machine's load average
-(the machine is shared: figures move with it) and exits 1 when a target is missed. Writes
-profile.toml, bench.json, bench.png and compare.txt under the work directory.
+(the machine is shared: figures move with it) and exits 1 when a target is missed: a figure the bench
+did not measure is a miss, and a step that fails (`lmc bench` exits 1 when requests fail) stops the
+loop with one line. Writes profile.toml, bench.json, bench.png and compare.txt under the work directory.
 """
 
 from __future__ import annotations
@@ -56,6 +57,32 @@ def lmc(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 def main() -> int:
+    try:
+        return run_loop()
+    except subprocess.CalledProcessError as exc:  # the step's own one-line error is above
+        step = " ".join(str(arg) for arg in exc.cmd[2:4])  # [python, -m, lmc, bench, ...]: "lmc bench"
+        print(f"calibrated loop FAILED: {step} exited with {exc.returncode}; nothing more was measured", file=sys.stderr)
+        return 1
+
+
+def missed_targets(rows: list[dict]) -> list[str]:
+    """The targets a comparison misses. A target figure without a ratio (nothing measured) is a miss."""
+    missed = []
+    for row in rows:
+        if row["figure"] == "tpot_ms" and row["concurrency"] in (1, 8):
+            what, within = f"TPOT at concurrency {row['concurrency']}", TPOT_WITHIN
+        elif row["figure"] == "peak_worker_memory_bytes":
+            what, within = f"peak worker memory at concurrency {row['concurrency']}", MEMORY_WITHIN
+        else:
+            continue
+        if row["ratio"] is None:
+            missed.append(f"{what}: not measured")
+        elif abs(row["ratio"] - 1) > within:
+            missed.append(f"{what}: measured/predicted {row['ratio']:.2f}")
+    return missed
+
+
+def run_loop() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/lmc-calibrated-loop"))
     parser.add_argument("--reuse-profile", action="store_true", help="keep an existing profile.toml")
@@ -91,15 +118,7 @@ def main() -> int:
     text = render_comparison(compared, str(work / "spec.toml"), str(work / "bench.json"))
     (work / "compare.txt").write_text(text)
     print(text)
-    rows = compared["rows"]
-    missed = []
-    for row in rows:
-        if row["ratio"] is None:
-            continue
-        if row["figure"] == "tpot_ms" and row["concurrency"] in (1, 8) and abs(row["ratio"] - 1) > TPOT_WITHIN:
-            missed.append(f"TPOT at concurrency {row['concurrency']}: measured/predicted {row['ratio']:.2f}")
-        if row["figure"] == "peak_worker_memory_bytes" and abs(row["ratio"] - 1) > MEMORY_WITHIN:
-            missed.append(f"peak worker memory at concurrency {row['concurrency']}: measured/predicted {row['ratio']:.2f}")
+    missed = missed_targets(compared["rows"])
     print("seconds: " + ", ".join(f"{key} {value:.1f}" for key, value in timings.items()))
     print(f"load average at the end: {load_average()}")
     if missed:

@@ -29,6 +29,10 @@ BINDING_FILE = "serving.properties"
 _BYTECODE_DIR = "__pycache__"
 # vLLM's sharded_state files (its ShardedStateLoader's TP-only pattern), in a vLLM artifact's top level.
 VLLM_SHARDED_STATE = "model-rank-{rank}-part-{part}.safetensors"
+# The tokenizer files an artifact carries, any one group of them (a fast tokenizer, sentencepiece, or
+# BPE/WordPiece vocab files): the build refuses a checkpoint without one, the runtime an artifact.
+TOKENIZER_MODELS = (("tokenizer.json",), ("tokenizer.model",), ("spiece.model",), ("vocab.json", "merges.txt"),
+                    ("vocab.txt",))
 
 
 def sha256_file(path: Path, stop: threading.Event | None = None) -> str:

@@ -63,6 +63,25 @@ def hf_greedy(checkpoint: Path, prompt: str, max_new_tokens: int) -> list[int]:
     return result
 
 
+def logits_at_every_position(model, tokenizer, family: str, prompt: str):
+    """Logits at every position of `prompt` (a T5 decoder fed four tokens): the whole forward, not just
+    the argmax of the last step, so a wrongly sliced head, bias or ALiBi slope shows."""
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        if family == "t5":
+            return model(input_ids=ids, decoder_input_ids=torch.tensor([[0, 5, 6, 7]])).logits[0].float()
+        return model(input_ids=ids).logits[0].float()
+
+
+def hf_logits(checkpoint: Path, family: str, prompt: str):
+    """Reference: logits_at_every_position of transformers' own model on the unpartitioned checkpoint."""
+    import transformers as tf
+
+    cls = tf.AutoModelForSeq2SeqLM if family == "t5" else tf.AutoModelForCausalLM
+    return logits_at_every_position(cls.from_pretrained(checkpoint, dtype=torch.float32).eval(),
+                                    tf.AutoTokenizer.from_pretrained(checkpoint), family, prompt)
+
+
 def run_tp_ranks(target, *args, world_size: int = 2, timeout_s: float = 240) -> dict[int, object]:
     """Spawn `world_size` processes joined over gloo; each calls `target(rank, opened, *args)` and
     the returned dict is what that rank reported. `opened` lists every *.safetensors path the rank

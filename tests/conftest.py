@@ -32,3 +32,17 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cpu_checkpoint():
+    """The checkpoints the CPU example specs name by model.path (specs/models/, which git ignores):
+    tiny-llama-cpu's tiny random Llama, returned, and tiny-llama-cpu-vllm's, heads of 32 (vLLM's CPU
+    kernels' smallest)."""
+    from pathlib import Path
+
+    from lmc.testing.checkpoints import make_checkpoint
+
+    models = Path(__file__).resolve().parents[1] / "specs" / "models"
+    make_checkpoint("llama", models / "tiny-llama-vllm", seed=0, hidden_size=128, intermediate_size=256)
+    return make_checkpoint("llama", models / "tiny-llama", seed=0)

@@ -3,6 +3,7 @@ tests. The artifact's model.py imports this module from the tests directory."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tarfile
@@ -14,10 +15,24 @@ from typing import Any
 from lmc.manifest import BINDING_FILE, MANIFEST_NAME, build_manifest, digest_json, manifest_bytes, sha256_file
 from lmc.runtime.engines.base import GenerationRequest, GenerationResult
 from lmc.runtime.workers import free_port
+from lmc.testing.checkpoints import tokenizer_json
 
 TESTS_DIR = Path(__file__).resolve().parent
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@functools.cache
+def artifact_tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer_json())
+
+
+def prompt_tokens(text: str) -> int:
+    """What the runtime must count for `text`: the artifact's tokenizer (write_artifact ships the tiny
+    checkpoints' byte-level BPE), not words: "red green blue" is 10 tokens."""
+    return len(artifact_tokenizer().encode(text).ids)
 
 
 def expected_text(prompt: str, max_new_tokens: int) -> str:
@@ -67,7 +82,7 @@ class FakeEngine:
             (self.record_dir / f"rank{rank}.{os.getpid()}.pid").write_text(str(os.getpid()))
 
     def count_tokens(self, text: str) -> int:
-        return len(text.split())
+        return prompt_tokens(text)
 
     def generate(self, batch: list[GenerationRequest], on_token=None, cancel_probe=None) -> list[GenerationResult]:
         if self.record_dir is not None:
@@ -115,8 +130,9 @@ def fake_plan(**overrides: Any) -> dict[str, Any]:
 
 
 def write_artifact(root: Path, plan: dict[str, Any], engine_kwargs: dict[str, Any] | None = None,
-                   chat_template: bool = True, spec: dict[str, Any] | None = None) -> Path:
-    """A model dir whose model.py builds FakeEngine(**engine_kwargs), with a verified lmc.json."""
+                   chat_template: bool = True, spec: dict[str, Any] | None = None, tokenizer: bool = True) -> Path:
+    """A model dir whose model.py builds FakeEngine(**engine_kwargs), with a real tokenizer.json (unless
+    `tokenizer` is False) and a verified lmc.json."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "model.py").write_text(
         "import sys\n"
@@ -125,6 +141,8 @@ def write_artifact(root: Path, plan: dict[str, Any], engine_kwargs: dict[str, An
         "def create_engine():\n"
         f"    return FakeEngine(**{dict(engine_kwargs or {})!r})\n")
     (root / "config.json").write_text(json.dumps({"model_type": "fake"}))
+    if tokenizer:  # a real tokenizer counts the prompts
+        (root / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
     (root / "requirements.txt").write_text("lmc\n")
     shards = root / "shards" / f"tp{plan['tensor_parallel_degree']}"
     shards.mkdir(parents=True, exist_ok=True)

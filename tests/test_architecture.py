@@ -4,7 +4,6 @@ KV bytes per token against vLLM's own KV cache specs, quantization_config as lmc
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -177,7 +176,3 @@ def test_published_configs_count_as_published_and_as_transformers_builds(path):
         # The language model exactly; a vision tower is a ViT estimate (its share of the total is small).
         tolerance = 0 if facts.vision_parameters == 0 else 0.01 * built
         assert abs(facts.parameters - built) <= tolerance, (facts.parameters, built)
-
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    pytest.skip("tomllib", allow_module_level=True)

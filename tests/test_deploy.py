@@ -1,7 +1,7 @@
 """`lmc deploy`: golden files per spec and target, validated offline against the platforms' own schemas.
 
-SageMaker and Application Auto Scaling bodies: botocore's service model (its ParamValidator, plus the
-string patterns and enums it leaves unchecked). Deployment and Service: the Kubernetes OpenAPI
+SageMaker and Application Auto Scaling bodies: botocore's service model (its ParamValidator, plus what it
+leaves unchecked: whole-value string patterns, enums, maximum lengths and values). Deployment and Service: the Kubernetes OpenAPI
 schemas bundled in kubernetes-validate. LeaderWorkerSet and KServe InferenceService: their published
 CRD schemas, kept in tests/data/crds (README there: source, tag, commit, sha256).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import re
 from contextlib import redirect_stderr, redirect_stdout
 from functools import cache
 from pathlib import Path
@@ -42,11 +41,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*Can not relate snapshot")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cpu_checkpoint():
-    from lmc.testing.checkpoints import make_checkpoint
-
-    make_checkpoint("llama", ROOT / "specs" / "models" / "tiny-llama-vllm", seed=0, hidden_size=128, intermediate_size=256)
-    return make_checkpoint("llama", ROOT / "specs" / "models" / "tiny-llama", seed=0)
+def _spec_checkpoints(cpu_checkpoint):
+    """The CPU specs' checkpoints (conftest's cpu_checkpoint), before any spec is planned."""
 
 
 @cache
@@ -85,8 +81,10 @@ def _service_model(service: str):
 
 
 def _shape_errors(shape, value, where: str) -> list[str]:
-    """What botocore's ParamValidator leaves out: string patterns and enums, recursively."""
-    errors = []
+    """What botocore's ParamValidator leaves out, recursively: string patterns (matched against the whole
+    value, as the service does), enums, maximum lengths and values, and a map's bounds (it checks only
+    minimums of strings, lists and numbers)."""
+    errors = _bound_errors(shape, value, where)
     if shape.type_name == "structure" and isinstance(value, dict):
         for key, item in value.items():
             if key in shape.members:
@@ -100,22 +98,47 @@ def _shape_errors(shape, value, where: str) -> list[str]:
             errors += _shape_errors(shape.value, item, f"{where}.{key}")
     elif shape.type_name == "string" and isinstance(value, str):
         pattern = _python_pattern(shape.metadata.get("pattern"))
-        if pattern and not pattern.search(value):
+        if pattern is not None and not pattern.fullmatch(value):
             errors.append(f"{where} = {value!r} does not match {pattern.pattern}")
         if shape.enum and value not in shape.enum:
             errors.append(f"{where} = {value!r} is not one of the enum")
     return errors
 
 
+def _bound_errors(shape, value, where: str) -> list[str]:
+    """A string's or a collection's length, or a number's value, past the shape's `max` (and a map's
+    length under its `min`, which ParamValidator skips)."""
+    if shape.type_name in ("string", "list", "map") and isinstance(value, (str, list, dict)):
+        size, what = len(value), "length"
+    elif shape.type_name in ("integer", "long", "float", "double") and isinstance(value, (int, float)):
+        size, what = value, "value"
+    else:
+        return []
+    top = shape.metadata.get("max")
+    if top is not None and size > top:
+        return [f"{where}: {what} {size} is over the maximum {top}"]
+    bottom = shape.metadata.get("min")
+    if shape.type_name == "map" and bottom is not None and size < bottom:
+        return [f"{where}: {what} {size} is under the minimum {bottom}"]
+    return []
+
+
+# Java regex syntax botocore's patterns use that Python's does not read: a UTF-16 surrogate-pair range
+# (the supplementary planes) and the POSIX class \p{Print} (US-ASCII in Java). The `regex` module
+# (a transformers dependency) reads the Unicode classes \p{L}, \p{Z}, \p{N}.
+_JAVA_SYNTAX = {r"\uD800\uDC00-\uDBFF\uDFFF": r"\U00010000-\U0010FFFF", r"\p{Print}": r"[\x20-\x7E]"}
+
+
 @cache
 def _python_pattern(pattern: str | None):
-    """botocore's pattern as a Python regex; None where it uses Java-only syntax (\\p{...} classes)."""
+    """botocore's pattern as a compiled regex (the `regex` module's, which reads the Unicode classes)."""
     if not pattern:
         return None
-    try:
-        return re.compile(pattern)
-    except re.error:
-        return None
+    import regex
+
+    for java, python in _JAVA_SYNTAX.items():
+        pattern = pattern.replace(java, python)
+    return regex.compile(pattern)
 
 
 def validate_aws(file: str, body: dict) -> list[str]:
@@ -392,6 +415,34 @@ def test_a_validator_catches_a_wrong_body():
     isvc = documents(deploy_files(BLOOM, "kserve")["kserve/inferenceservice.yaml"].decode())[0]
     isvc["spec"]["predictor"]["minReplica"] = 1
     assert validate_manifest(isvc) == ["InferenceService.spec.predictor.minReplica: not in the schema"]
+
+
+@pytest.mark.parametrize(("file", "path", "value", "error"), [
+    # botocore's patterns are unanchored: each of these names has a valid run of characters inside it
+    ("create-endpoint.json", ("EndpointName",), "bad_name!! with spaces", "CreateEndpoint.EndpointName = 'bad_name!! with spaces' does not match"),
+    ("create-model.json", ("ModelName",), "a" * 200, "CreateModel.ModelName: length 200 is over the maximum 63"),
+    ("create-model.json", ("ModelName",), "Llama_2.7b", "CreateModel.ModelName = 'Llama_2.7b' does not match"),
+    ("create-model.json", ("PrimaryContainer", "Environment", "BAD-KEY.X"), "1",
+     "CreateModel.PrimaryContainer.Environment key = 'BAD-KEY.X' does not match"),
+    ("create-model.json", ("PrimaryContainer", "ModelDataSource", "S3DataSource", "CompressionType"), "Zip",
+     "CreateModel.PrimaryContainer.ModelDataSource.S3DataSource.CompressionType = 'Zip' is not one of the enum"),
+    ("create-endpoint-config.json", ("ProductionVariants", 0, "ModelDataDownloadTimeoutInSeconds"), 7200,
+     "CreateEndpointConfig.ProductionVariants[0].ModelDataDownloadTimeoutInSeconds: value 7200 is over the maximum 3600"),
+    ("put-scaling-policy.json", ("PolicyName",), "policy\u00e9", "PutScalingPolicy.PolicyName = 'policy\u00e9' does not match"),
+])
+def test_the_aws_validator_catches_a_wrong_name_length_enum_or_bound(file, path, value, error):
+    """Each field alone made wrong in a body that validates: exactly one error, the one expected. The
+    patterns are matched against the whole value (a name with one valid character does not pass),
+    maximum lengths and values are checked, and the Java-only classes (\\p{Print}) are read."""
+    body = json.loads(deploy_files(ROOT / "specs" / "llama-3-1-8b-g5-2xlarge-autoscaling.toml", "sagemaker")[f"sagemaker/{file}"])
+    assert validate_aws(file, body) == []
+    *parents, last = path
+    target = body
+    for key in parents:
+        target = target[key]
+    target[last] = value
+    errors = validate_aws(file, body)
+    assert len(errors) == 1 and errors[0].startswith(error), errors
 
 
 # --- the CLI -----------------------------------------------------------------------------------------

@@ -13,12 +13,22 @@ from lmc.errors import ArtifactError
 from lmc.runtime.djl import JSONLINES, DJLHandler
 from lmc.runtime.engines.base import GenerationResult, Piece
 from lmc.runtime.startup import verify_for_rank
-from runtime_fakes import fake_plan, write_artifact
+from lmc.testing.checkpoints import tokenizer_json
+from runtime_fakes import artifact_tokenizer, fake_plan, write_artifact
+
+MODEL_DIR = None  # a model dir holding only the tiny checkpoints' tokenizer.json (set by _model_dir)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _model_dir(tmp_path_factory):
+    global MODEL_DIR
+    MODEL_DIR = tmp_path_factory.mktemp("djl-model")
+    (MODEL_DIR / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
 
 
 class FakeInput:
     def __init__(self, body=None, batches=None, properties=None):
-        self.body, self.batches, self.properties = body, batches, properties or {"model_dir": "/models/x"}
+        self.body, self.batches, self.properties = body, batches, properties or {"model_dir": str(MODEL_DIR)}
 
     def is_empty(self):
         return self.body is None and not self.batches
@@ -84,7 +94,7 @@ def test_warmup_loads_the_engine_once_with_the_env_rank(monkeypatch):
     handler = DJLHandler(lambda: engines.append(FakeEngine()) or engines[-1])
     assert handler.handle(FakeInput()) is None
     handler.handle(FakeInput({"inputs": "hi"}))
-    assert len(engines) == 1 and engines[0].loaded == ("/models/x", 0, 1)
+    assert len(engines) == 1 and engines[0].loaded == (str(MODEL_DIR), 0, 1)
 
 
 def test_a_batch_is_generated_together_and_answered_per_index():
@@ -134,12 +144,14 @@ def test_details_are_added_when_asked_as_the_lmi_server_does():
         FakeInput({"inputs": ["x"], "parameters": {"details": True}}),
         FakeInput({"inputs": "plain"}),
     ]))
-    tokens = [{"id": ord(c), "text": f"<{ord(c)}>", "log_prob": -0.5} for c in "ABC D"]  # no tokenizer.json here
+    # The fake engine's token ids are code points; their texts are what the artifact's tokenizer makes of them.
+    tokens = [{"id": ord(c), "text": artifact_tokenizer().decode([ord(c)]), "log_prob": -0.5} for c in "ABC D"]
+    assert [token["text"] for token in tokens] == ["^", "_", "`", "=", "a"]
     assert _json(output, 0) == {"generated_text": "ABC D", "details": {"finish_reason": "length", "generated_tokens": 5,
                                                                         "inputs": "abc def", "tokens": tokens}}
     assert _json(output, 1) == [{"generated_text": "X", "details": {
         "finish_reason": "length", "generated_tokens": 1, "inputs": "x",
-        "tokens": [{"id": ord("X"), "text": f"<{ord('X')}>", "log_prob": -0.5}]}}]
+        "tokens": [{"id": ord("X"), "text": artifact_tokenizer().decode([ord("X")]), "log_prob": -0.5}]}}]
     assert _json(output, 2) == {"generated_text": "PLAIN"}
 
 

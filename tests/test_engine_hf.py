@@ -46,7 +46,7 @@ def test_greedy_equals_hf_generate(family, tmp_path):
     checkpoint = make_checkpoint(family, tmp_path / "ckpt")
     engine = _engine(family, build_artifact(checkpoint, tmp_path / "art", 1))
     results = engine.generate([_req(i, p, max_new_tokens=10) for i, p in enumerate(PROMPTS)])
-    for prompt, result in zip(PROMPTS, results):
+    for prompt, result in zip(PROMPTS, results, strict=True):
         reference = hf_greedy(checkpoint, prompt, 10)
         assert result.token_ids == reference
         assert result.finish_reason == ("length" if len(reference) == 10 else "eos")
@@ -59,7 +59,7 @@ def test_any_architecture_at_tp_1_equals_hf_generate(family, tmp_path):
     checkpoint = make_checkpoint(family, tmp_path / "ckpt")
     engine = _engine(family, build_artifact(checkpoint, tmp_path / "art", 1))
     results = engine.generate([_req(i, p, max_new_tokens=10) for i, p in enumerate(PROMPTS)])
-    for prompt, result in zip(PROMPTS, results):
+    for prompt, result in zip(PROMPTS, results, strict=True):
         assert result.token_ids == hf_greedy(checkpoint, prompt, 10), (family, prompt)
 
 
@@ -180,7 +180,7 @@ def test_streamed_pieces_carry_their_token_and_its_log_probability_under_the_mod
                               on_token=lambda rid, piece: pieces[rid].append(piece))
     model = tf.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     tokenizer = tf.AutoTokenizer.from_pretrained(checkpoint)
-    for prompt, result in zip(PROMPTS, results):
+    for prompt, result in zip(PROMPTS, results, strict=True):
         streamed = pieces[result.id]
         assert [piece.last for piece in streamed] == [False] * (len(streamed) - 1) + [True]
         assert streamed[-1].token_id == result.token_ids[-1]  # both finish by length

@@ -10,9 +10,11 @@ torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 
 try:
-    from _engine_helpers import build_artifact, hf_greedy, make_checkpoint, run_tp_ranks
+    from _engine_helpers import (build_artifact, hf_greedy, hf_logits, logits_at_every_position, make_checkpoint,
+                                 run_tp_ranks)
 except ImportError:  # tests/ imported as a package
-    from tests._engine_helpers import build_artifact, hf_greedy, make_checkpoint, run_tp_ranks
+    from tests._engine_helpers import (build_artifact, hf_greedy, hf_logits, logits_at_every_position, make_checkpoint,
+                                       run_tp_ranks)
 
 PROMPTS = ["the quick brown", "héllo wörld, large models are served"]
 # (case name, family, checkpoint overrides, config vocab size)
@@ -58,18 +60,8 @@ def _rank_main(rank: int, opened: list[str], artifacts: dict) -> dict:
         out[name] = {"tokens": [r.token_ids for r in results], "opened": list(opened), "params": params,
                      "pieces": len(pieces), "rows": rows,
                      "finish": [r.finish_reason for r in results],
-                     "logits": _logits(engine.model, engine.tokenizer, family).tolist()}
+                     "logits": logits_at_every_position(engine.model, engine.tokenizer, family, PROMPTS[1]).tolist()}
     return out
-
-
-def _logits(model, tokenizer, family: str):
-    """Logits at every position of PROMPTS[1] (a T5 decoder fed four tokens): the whole forward,
-    not just the argmax of the last step, so a wrongly sliced head, bias or ALiBi slope shows."""
-    ids = tokenizer(PROMPTS[1], return_tensors="pt")["input_ids"]
-    with torch.inference_mode():
-        if family == "t5":
-            return model(input_ids=ids, decoder_input_ids=torch.tensor([[0, 5, 6, 7]])).logits[0].float()
-        return model(input_ids=ids).logits[0].float()
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +101,9 @@ def test_tp2_rows_leave_the_run_as_they_finish_on_both_ranks(tp2_run, name):
 
 @pytest.mark.parametrize("name", [case[0] for case in CASES])
 def test_tp2_logits_equal_hf_on_the_whole_checkpoint_at_every_position(tp2_run, name):
-    import transformers as tf
-
     checkpoints, _, results = tp2_run
     family = dict((case[0], case[1]) for case in CASES)[name]
-    cls = tf.AutoModelForSeq2SeqLM if family == "t5" else tf.AutoModelForCausalLM
-    reference = _logits(cls.from_pretrained(checkpoints[name], dtype=torch.float32).eval(),
-                        tf.AutoTokenizer.from_pretrained(checkpoints[name]), family)
+    reference = hf_logits(checkpoints[name], family, PROMPTS[1])
     for rank in range(2):
         logits = torch.tensor(results[rank][name]["logits"])  # a list: tensors would cross in shared memory
         assert logits.shape == reference.shape

@@ -28,17 +28,6 @@ GOLDEN = ROOT / "golden"
 pytestmark = pytest.mark.filterwarnings("ignore:.*Can not relate snapshot")
 
 
-@pytest.fixture(scope="session")
-def cpu_checkpoint():
-    """The CPU example's tiny random Llama, created where the spec expects it."""
-    from lmc.testing.checkpoints import make_checkpoint
-
-    target = ROOT / "specs" / "models" / "tiny-llama"
-    vllm_width = ROOT / "specs" / "models" / "tiny-llama-vllm"  # heads of 32: vLLM's CPU kernels' smallest
-    make_checkpoint("llama", vllm_width, seed=0, hidden_size=128, intermediate_size=256)
-    return make_checkpoint("llama", target, seed=0)
-
-
 def _plan_or_none(spec: Path):
     try:
         return plan_from_spec(load_spec(spec))

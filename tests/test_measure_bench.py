@@ -100,3 +100,45 @@ def test_default_levels_double_up_to_the_workload_concurrency():
     assert default_levels(1) == [1]
     assert default_levels(8) == [1, 2, 4, 8]
     assert default_levels(12) == [1, 2, 4, 8, 12]
+
+
+@pytest.mark.slow
+def test_bench_fails_in_one_line_when_requests_fail(tmp_path):
+    """A server whose every timed request fails (the runtime's request timeout, 1 s, is shorter than the
+    fake engine's 4 tokens at 0.4 s each; sizing the prompt asks 1 token, which fits): lmc bench still
+    writes the report, with the failures counted, and exits 1 saying so in one line."""
+    from lmc.runtime.server import Runtime
+    from runtime_fakes import ServerThread, fake_plan, write_artifact
+
+    plan = fake_plan()
+    model = write_artifact(tmp_path / "m", plan, {"step_delay_s": 0.4})
+    with ServerThread(Runtime(model, plan, request_timeout_s=1.0)) as server:
+        server.wait_ready()
+        out = _lmc("bench", server.url, "--input-tokens", "6", "--output-tokens", "4", "--concurrency", "1",
+                   "--requests", "2", "--json", str(tmp_path / "bench.json"))
+    assert out.returncode == 1, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("lmc: error:")]
+    assert errors == [f"lmc: error: {server.url}: 2 of 2 requests failed (first, at concurrency 1: "
+                      f"{json.loads((tmp_path / 'bench.json').read_text())['levels'][0]['first_error']})"], out.stderr
+    level = json.loads((tmp_path / "bench.json").read_text())["levels"][0]
+    assert level["errors"] == 2 and level["tpot_ms"] is None and "timed out" in level["first_error"]
+
+
+def test_a_report_with_failed_requests_or_a_missing_figure_is_a_failed_bench():
+    from lmc.measure.loadgen import Sample
+    from lmc.measure.report import bench_failure, bench_report, level_report
+
+    def report(samples):
+        level = level_report(1, samples, 1.0, None, output_tokens=4)
+        return bench_report(lmc_version="0", target="t", plan=None, measured_at="now", host="h", input_tokens=8,
+                            output_tokens=4, levels=[level], memory_source=None, workers={})
+
+    good = Sample(0.0, 0.1, 0.4, 8, 4, None, 4)
+    assert bench_failure(report([good, good])) is None
+    short = Sample(0.0, 0.1, 0.4, 8, 3, None, 3)
+    failed = Sample(0.0, 0.0, 0.4, 0, 0, "HTTP 500: boom", 0)
+    assert bench_failure(report([good, short])) == "1 of 2 requests failed (first, at concurrency 1: 3 tokens instead of 4)"
+    assert bench_failure(report([failed, failed])) == "2 of 2 requests failed (first, at concurrency 1: HTTP 500: boom)"
+    missing = report([good])
+    missing["levels"][0]["tpot_ms"] = None
+    assert bench_failure(missing) == "concurrency 1: no tpot_ms measured"

@@ -12,7 +12,6 @@ import pytest
 from lmc.measure.compare import compare, predict_level
 from lmc.measure.profile import render_profile
 from lmc.pipeline import plan_from_spec
-from lmc.planner import latency
 from lmc.planner.engines import engine_facts
 from lmc.schema import load_spec
 from tests.test_measure_profile import _calibration
@@ -56,20 +55,45 @@ def _report(levels: dict[int, dict[str, float]], plan_sha256: str | None, input_
             "peak_worker_memory_bytes": None, "workers": []}
 
 
-def test_predictions_per_level_are_the_latency_models(planned):
+def test_predictions_per_level_match_figures_worked_out_by_hand(planned):
+    """Llama-2-7B, bf16, TP 1, on the measured CPU profile (test_measure_profile._calibration: hf decodes
+    bf16 at 24e9 B/s and 0.4 TFLOPS a row, prefills at 0.6 TFLOPS; 0.25 ms a step, 0.11 ms a layer, 3.0 ms a
+    prefill), 100 prompt and 50 output tokens, worked out by hand from the latency model's formulas
+    (docs/planner.md), not by calling them:
+
+    split: embedding = LM head = 32000 · 4096 = 131,072,000; norms = 32 · 4 · 4096 + 4096 = 528,384;
+      matrices = 6,738,415,616 − 2 · 131,072,000 − 528,384 = 6,475,743,232
+    decode, per step: weights read = (matrices + LM head) · 2 B = 13,213,630,464 B; KV per row at the
+      mean context 100 + 50/2 = 125: 2 · 32 layers · 32 heads · 128 · 2 B · 125 = 65,536,000 B;
+      FLOPs per row = 2 · 6,606,815,232 + 4 · 125 · 32 · 128 · 32 = 13,279,166,464; fixed 0.25 + 32 · 0.11 = 3.77
+      TPOT(1) = (13,213,630,464 + 65,536,000) / 24e9 s + 13,279,166,464 / 0.4e12 s + 3.77 ms
+              = 553.29860 + 33.19792 + 3.77 = 590.26652 ms
+      TPOT(8) = (13,213,630,464 + 8 · 65,536,000) / 24e9 + 8 · 13,279,166,464 / 0.4e12 + 3.77
+              = 572.41327 + 265.58333 + 3.77 = 841.76660 ms
+    prefill of n tokens: FLOPs = 2 · 6,606,815,232 · n + 4 · n² · 32 · 128 · 32 (eager CPU attention computes
+      the whole score matrix), at 0.6 TFLOPS; all 6,738,415,616 · 2 B of weights read once at 24e9 B/s
+      (561.53463 ms); fixed 3.77 + 3.0
+      TTFT(1) = prefill(100) + the 10 ms batching delay (a lone request waits for company)
+              = 1,326,605,926,400 / 0.6e12 s + 561.53463 + 6.77 + 10 = 2211.00988 + 578.30463 = 2789.31451 ms
+      TTFT(8) = prefill(800), a full batch waits no delay
+              = 10,906,448,691,200 / 0.6e12 s + 568.30463 = 18177.41449 + 568.30463 = 18745.71912 ms
+    E2E = TTFT + 49 · TPOT; output tokens/s = rows · 50 / E2E."""
     _, result = planned
-    plan, engine = result.plan, engine_facts()["hf"]
-    assert plan.batch_size == 8 and plan.replicas == 1
-    one = predict_level(plan, result.model, result.hardware, engine, 1, 100, 50)
-    eight = predict_level(plan, result.model, result.hardware, engine, 8, 100, 50)
-    assert one["batch"] == 1 and eight["batch"] == 8
-    assert one["tpot_ms"] == latency.tpot_ms(result.model, result.hardware, engine, "bf16", 1, 1, 100, 50)
-    assert eight["tpot_ms"] == latency.tpot_ms(result.model, result.hardware, engine, "bf16", 1, 8, 100, 50)
-    # A lone request waits the batching delay for company; a full batch does not.
-    prefill = latency.ttft_ms(result.model, result.hardware, engine, "bf16", 1, 100)
-    assert one["ttft_ms"] == pytest.approx(prefill + plan.max_batch_delay_ms)
-    assert one["e2e_ms"] == pytest.approx(one["ttft_ms"] + 49 * one["tpot_ms"])
-    assert eight["output_tokens_per_s"] == pytest.approx(8 * 50 / eight["e2e_ms"] * 1e3)
+    plan, engine, model = result.plan, engine_facts()["hf"], result.model
+    # The inputs the arithmetic above takes.
+    assert (plan.batch_size, plan.replicas, plan.max_batch_delay_ms, plan.dtype, plan.tensor_parallel_degree) == \
+        (8, 1, 10, "bf16", 1)
+    assert (model.parameters, model.layers, model.hidden_size, model.attention_heads, model.kv_heads, model.head_dim,
+            model.vocab_size, model.tie_word_embeddings) == (6_738_415_616, 32, 4096, 32, 32, 128, 32000, False)
+    one = predict_level(plan, model, result.hardware, engine, 1, 100, 50)
+    eight = predict_level(plan, model, result.hardware, engine, 8, 100, 50)
+    assert (one["batch"], eight["batch"]) == (1, 8)
+    assert one["tpot_ms"] == pytest.approx(590.26652, abs=1e-5)
+    assert eight["tpot_ms"] == pytest.approx(841.76660, abs=1e-5)
+    assert one["ttft_ms"] == pytest.approx(2789.31451, abs=1e-5)
+    assert eight["ttft_ms"] == pytest.approx(18745.71912, abs=1e-5)
+    assert one["e2e_ms"] == pytest.approx(2789.31451 + 49 * 590.26652, abs=1e-3)
+    assert eight["output_tokens_per_s"] == pytest.approx(8 * 50 / (18745.71912 + 49 * 841.76660) * 1e3, rel=1e-7)
     assert eight["peak_worker_memory_bytes"] > one["peak_worker_memory_bytes"]  # the KV cache of 8 rows
 
 

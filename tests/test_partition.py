@@ -1,4 +1,5 @@
-"""partition_checkpoint: rank files hold exactly rank_split's slices; gathering them gives the checkpoint back."""
+"""partition_checkpoint: at TP 4 the ranks rebuild the model transformers builds from the whole checkpoint (its
+logits); gathering the rank files gives the checkpoint back."""
 
 from __future__ import annotations
 
@@ -14,9 +15,18 @@ from lmc.emitters.checkpoint import validate_checkpoint  # noqa: E402
 from lmc.emitters.partition import SCALE_SUFFIX, gather_shards, partition_checkpoint  # noqa: E402
 from lmc.emitters.safetensors_stream import StreamingWriter, read_header, read_tensor  # noqa: E402
 from lmc.errors import CheckpointError  # noqa: E402
-from lmc.layouts import local_shape, rank_split, shard_path  # noqa: E402
+from lmc.layouts import shard_path  # noqa: E402
 from lmc.planner.checkpoint_facts import checkpoint_model_facts  # noqa: E402
 from lmc.testing import FAMILIES, make_checkpoint  # noqa: E402
+
+try:
+    from _engine_helpers import build_artifact, hf_logits, logits_at_every_position, run_tp_ranks  # noqa: E402
+    from _engine_helpers import make_checkpoint as make_wide_checkpoint  # noqa: E402
+except ImportError:  # tests/ imported as a package
+    from tests._engine_helpers import build_artifact, hf_logits, logits_at_every_position, run_tp_ranks  # noqa: E402
+    from tests._engine_helpers import make_checkpoint as make_wide_checkpoint  # noqa: E402
+
+PROMPT = "héllo wörld, large models are served"
 
 _TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -56,22 +66,58 @@ def test_gather_reproduces_checkpoint(checkpoints, family, tp, tmp_path):
         assert torch.equal(gathered[name], tensor.half()), name
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+def _tp4_rank(rank: int, opened: list[str], artifacts: dict[str, str]) -> dict:
+    """One of 4 TP ranks: each family's artifact loaded by the hf engine from this rank's file alone, and
+    its logits at every position of PROMPT."""
+    from lmc.runtime.engines import create_engine
+
+    out = {}
+    for family, artifact in artifacts.items():
+        task = "text2text-generation" if family == "t5" else "text-generation"
+        engine = create_engine("hf", family=family, task=task, dtype="fp32", tensor_parallel_degree=4,
+                               max_sequence_length=128, batch_size=1, device="cpu")
+        del opened[:]
+        engine.load(artifact, rank, 4)
+        out[family] = {"opened": list(opened),
+                       "logits": logits_at_every_position(engine.model, engine.tokenizer, family, PROMPT).tolist()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp4_run(tmp_path_factory):
+    """Every family partitioned at TP 4 by the build's partitioner and served by 4 ranks over gloo."""
+    root = tmp_path_factory.mktemp("tp4")
+    checkpoints = {family: make_wide_checkpoint(family, root / family / "ckpt") for family in FAMILIES}
+    artifacts = {family: str(build_artifact(checkpoint, root / family / "art", 4))
+                 for family, checkpoint in checkpoints.items()}
+    return checkpoints, artifacts, run_tp_ranks(_tp4_rank, artifacts, world_size=4)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_rank_files_hold_local_shapes_and_slices(checkpoints, family, tp, tmp_path):
+def test_tp4_shards_give_the_hf_models_logits(tp4_run, family):
+    """The independent reference for the partitioner's slices: transformers' own model on the whole
+    checkpoint. A weight cut along the wrong dimension, or the right part given to the wrong rank, changes
+    the logits of the model the 4 ranks rebuild from their files (each opens only its own)."""
+    checkpoints, artifacts, results = tp4_run
+    reference = hf_logits(checkpoints[family], family, PROMPT)
+    for rank in range(4):
+        assert results[rank][family]["opened"] == [f"{artifacts[family]}/{shard_path(4, rank)}"]
+        logits = torch.tensor(results[rank][family]["logits"])
+        assert logits.shape == reference.shape
+        torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rank_files_hold_every_tensor_and_cut_some(checkpoints, family, tmp_path):
+    """At TP 4 each rank's file holds every tensor of the checkpoint (its own slice or the whole), some cut."""
     _, facts, original = checkpoints[family]
-    paths = _partition(checkpoints, family, tp, "fp32", tmp_path)
-    split_somewhere = 0
-    for rank, path in enumerate(paths):
+    paths = _partition(checkpoints, family, 4, "fp32", tmp_path)
+    smaller = set()
+    for path in paths:
         tensors = load_file(str(path))
         assert tensors.keys() == original.keys()
-        for name, full in original.items():
-            split = rank_split(family, name, tuple(full.shape), rank, tp, facts.head_dim, facts.kv_heads)
-            assert tuple(tensors[name].shape) == local_shape(tuple(full.shape), split), name
-            expected = full if split.dim is None else full.narrow(split.dim, split.start, split.stop - split.start)
-            assert torch.equal(tensors[name], expected), name
-            split_somewhere += split.dim is not None
-    assert split_somewhere > 0
+        smaller |= {name for name, full in original.items() if tensors[name].numel() < full.numel()}
+    assert smaller
 
 
 def test_gqa_kv_heads_replicated_beyond_kv_count(checkpoints, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from lmc.planner import catalog, plan_deployment
 from lmc.planner.engines import reference_model
 from lmc.planner.report import render_plan
@@ -39,5 +41,8 @@ def test_explain_lists_every_decision_and_alternative():
     text = render_plan(plan, spec, explain=True)
     for d in plan.decisions:
         assert f"{d.key} = {d.value}" in text
-    assert text.count("feasible ") + text.count("rejected ") >= len(plan.alternatives)
+    # One line per alternative, led by its verdict word (whole: "infeasible" holds "feasible"), in order.
+    heads = re.findall(r"^  (\w+) +(\S+) (\S+) TP (\d+) × (\d+):", text, re.MULTILINE)
+    assert heads == [(a.verdict, a.engine, a.dtype, str(a.tensor_parallel_degree), str(a.replicas))
+                     for a in plan.alternatives]
     assert "decisions" in text and "best alternatives" not in text

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from lmc.runtime.server import Runtime
-from runtime_fakes import ServerThread, expected_text, fake_plan, write_artifact
+from runtime_fakes import ServerThread, expected_text, fake_plan, prompt_tokens, write_artifact
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -30,7 +30,9 @@ def test_completion(client):
     reply = client.completions.create(model="fake/tiny", prompt="red green blue", max_tokens=5, temperature=0)
     assert reply.choices[0].text == expected_text("red green blue", 5)
     assert reply.choices[0].finish_reason == "length"
-    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (3, 5, 8)
+    # counted by the artifact's tokenizer: 10 tokens, where a count of words would say 3
+    assert prompt_tokens("red green blue") == 10
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (10, 5, 15)
     assert reply.model == "fake/tiny" and reply.object == "text_completion"
 
 
@@ -56,7 +58,7 @@ def test_chat_uses_the_artifact_template(client):
     # The fake engine echoes the rendered prompt's words reversed: the template's tokens show it was applied.
     assert reply.choices[0].message.content == expected_text("<user> hello world <assistant>", 3)
     assert reply.choices[0].message.role == "assistant"
-    assert reply.usage.prompt_tokens == 4
+    assert reply.usage.prompt_tokens == prompt_tokens("<user> hello world <assistant>") == 22
 
 
 def test_chat_stream(client):
@@ -74,9 +76,10 @@ def test_n_gives_n_choices_in_openai_order_counting_each_prompt_once(client):
     assert [(c.index, c.text) for c in reply.choices] == [
         (0, expected_text("a b", 2)), (1, expected_text("a b", 2)), (2, expected_text("c d e", 2)),
         (3, expected_text("c d e", 2))]
-    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (5, 8)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (prompt_tokens("a b") + prompt_tokens("c d e"), 8)
     chat = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=1, n=3)
-    assert [c.index for c in chat.choices] == [0, 1, 2] and chat.usage.prompt_tokens == 3
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert chat.usage.prompt_tokens == prompt_tokens("<user> hi <assistant>") == 16
 
 
 def test_n_choices_stream_side_by_side_each_with_its_index_and_finish(client):
@@ -94,7 +97,7 @@ def test_n_choices_stream_side_by_side_each_with_its_index_and_finish(client):
             assert choice.index not in finishes
     assert texts == {0: expected_text("one two", 3), 1: expected_text("one two", 3)}
     assert finishes == {0: "length", 1: "length"}
-    assert chunks[-1].choices == [] and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (2, 6)
+    assert chunks[-1].choices == [] and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (prompt_tokens("one two"), 6)
     chat = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                                n=3, temperature=0, stream=True))
     assert [c.choices[0].index for c in chat if c.choices[0].delta.role == "assistant"] == [0, 1, 2]
@@ -153,7 +156,7 @@ def test_each_prompt_is_tokenized_once_whatever_n(server, monkeypatch):
     counted.clear()
     reply = httpx.post(server.url + "/v1/completions", timeout=30, json={"prompt": ["a b", "c"], "n": 2, "max_tokens": 2})
     assert reply.status_code == 200 and len(reply.json()["choices"]) == 4, reply.text
-    assert reply.json()["usage"]["prompt_tokens"] == 3
+    assert reply.json()["usage"]["prompt_tokens"] == prompt_tokens("a b") + prompt_tokens("c")
     assert counted == ["a b", "c"]
 
 
@@ -321,15 +324,16 @@ def test_generation_config_sets_the_openai_defaults(tmp_path, mode):
                         "repetition_penalty": 1.0}
         assert completion == dict(chat, max_new_tokens=16, top_p=0.5)
     else:
-        assert chat == {"max_new_tokens": 61, "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-                        "repetition_penalty": 1.0}  # 64 positions less the 3-word rendered prompt
+        # 64 positions less the rendered prompt's 16 tokens
+        assert chat == {"max_new_tokens": 64 - prompt_tokens("<user> hi <assistant>"), "do_sample": True,
+                        "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
         assert completion == dict(chat, max_new_tokens=16, top_p=0.5)
     assert greedy["do_sample"] is False and greedy["max_new_tokens"] == 3
     assert lmi == {"max_new_tokens": 32, "do_sample": False, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
                    "repetition_penalty": 1.0}
 
 
-@pytest.mark.parametrize("spec, expected", [({"workload": {"max_output_tokens": 100}}, 100), ({}, 1024 - 3)],
+@pytest.mark.parametrize("spec, expected", [({"workload": {"max_output_tokens": 100}}, 100), ({}, 1024 - 16)],
                          ids=["planned-output", "no-workload-recorded"])
 def test_chat_without_max_tokens_gets_the_planned_answer_length(tmp_path, spec, expected):
     """The spec's max_output_tokens (what batches and the KV cache were planned for), within what the
@@ -343,7 +347,8 @@ def test_chat_without_max_tokens_gets_the_planned_answer_length(tmp_path, spec, 
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], temperature=0)
     [chat] = _recorded(record)
-    assert chat["max_new_tokens"] == reply.usage.completion_tokens == expected  # the rendered prompt is 3 words
+    assert prompt_tokens("<user> hi <assistant>") == 16  # the rendered prompt, as the artifact's tokenizer counts it
+    assert chat["max_new_tokens"] == reply.usage.completion_tokens == expected
 
 
 def test_chat_min_tokens_without_max_tokens_gets_room_for_them(tmp_path):

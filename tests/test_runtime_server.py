@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from lmc.runtime.server import Runtime
-from runtime_fakes import ServerThread, expected_text, fake_plan, wait_in_flight, write_artifact
+from runtime_fakes import ServerThread, expected_text, fake_plan, prompt_tokens, wait_in_flight, write_artifact
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +109,8 @@ def test_finish_reasons_use_lmi_names(engine_reason, lmi_reason):
     (b'{"inputs": "a", "parameters": {"max_new_tokens": "5"}}', "max_new_tokens must be an integer"),
     (b'{"inputs": "a", "stream": "yes"}', "stream must be true or false"),
     (b'{"inputs": ["a", "b"], "stream": true}', "takes a single string"),
-    (b'{"inputs": "w w w w w w w w w w", "parameters": {"max_new_tokens": 60}}',
+    # the artifact's tokenizer makes 10 tokens of these 3 words (3 + 60 would fit)
+    (b'{"inputs": "red green blue", "parameters": {"max_new_tokens": 60}}',
      "has 10 prompt tokens; with max_new_tokens = 60 that is 70, beyond the maximum sequence length 64"),
     (b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}", "malformed JSON body: maximum recursion depth"),
     (b'{"inputs": "a", "parameters": {"seed": ' + b"1" * 5000 + b"}}", "malformed JSON body: Exceeds the limit"),
@@ -190,7 +191,9 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server, monkeypatch):
         finally:
             pinged.set()
         assert ping == 200
-        assert reply.result().json() == {"generated_text": expected_text(prompt, 3)}
+        # counted, then refused: far beyond the 64 positions (the tokenizer makes ~2 characters a token)
+        assert reply.result().json()["error"] == (f"inputs has {prompt_tokens(prompt)} prompt tokens; with max_new_tokens = "
+                                                  f"3 that is {prompt_tokens(prompt) + 3}, beyond the maximum sequence length 64")
 
 
 def test_64_concurrent_clients_are_all_answered_and_batched(server):
@@ -298,8 +301,9 @@ def test_request_timeout_is_424_and_stops_its_row(tmp_path, scheduling):
 
 
 @pytest.mark.parametrize("path, body", [
-    ("/invocations", {"inputs": "gave up", "parameters": {"max_new_tokens": 60}}),
-    ("/v1/completions", {"prompt": "gave up", "max_tokens": 60, "n": 2}),
+    # 7 prompt tokens and 50 new: within the 64 positions
+    ("/invocations", {"inputs": "gave up", "parameters": {"max_new_tokens": 50}}),
+    ("/v1/completions", {"prompt": "gave up", "max_tokens": 50, "n": 2}),
 ], ids=["invocations", "openai-n2"])
 def test_a_client_that_gives_up_on_a_whole_answer_stops_its_rows(tmp_path, path, body, caplog):
     import gc
@@ -311,8 +315,8 @@ def test_a_client_that_gives_up_on_a_whole_answer_stops_its_rows(tmp_path, path,
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + path, json=body, timeout=0.5)
         rows = _finished(record)
-        assert rows and all(row["finish_reason"] == "cancelled" and row["generated_tokens"] < 60 for row in rows)
-        assert all(row["at"] - start < 60 * 0.1 * 0.5 for row in rows)
+        assert rows and all(row["finish_reason"] == "cancelled" and row["generated_tokens"] < 50 for row in rows)
+        assert all(row["at"] - start < 50 * 0.1 * 0.5 for row in rows)
         metrics = httpx.get(srv.url + "/metrics").text
         endpoint = path.strip("/").replace("/", "_").removeprefix("v1_")
         assert f'lmc_requests_total{{endpoint="{endpoint}",status="499"}} 1.0' in metrics, metrics
@@ -327,11 +331,11 @@ def test_a_stream_the_client_drops_stops_its_row(tmp_path):
     with serve_fake(tmp_path / "m", engine_kwargs={"step_delay_s": 0.1, "record_dir": str(record)}) as srv:
         start = time.time()
         with httpx.stream("POST", srv.url + "/invocations", timeout=30,
-                          json={"inputs": "drop me", "parameters": {"max_new_tokens": 60}, "stream": True}) as reply:
+                          json={"inputs": "drop me", "parameters": {"max_new_tokens": 50}, "stream": True}) as reply:
             next(reply.iter_lines())
         [row] = _finished(record)
-        assert row["finish_reason"] == "cancelled" and row["generated_tokens"] < 60
-        assert row["at"] - start < 60 * 0.1 * 0.5  # not after the 6 s the whole answer takes
+        assert row["finish_reason"] == "cancelled" and row["generated_tokens"] < 50
+        assert row["at"] - start < 50 * 0.1 * 0.5  # not after the 5 s the whole answer takes
         assert post(srv, {"inputs": "next one", "parameters": {"max_new_tokens": 3}}).json() == {
             "generated_text": expected_text("next one", 3)}
 
@@ -388,7 +392,7 @@ def test_a_stream_the_client_drops_is_recorded_as_499_and_releases_its_slot(serv
 
     before = count(httpx.get(server.url + "/metrics").text, 499)
     with httpx.stream("POST", server.url + "/invocations", timeout=30,
-                      json={"inputs": "drop me", "parameters": {"max_new_tokens": 60}, "stream": True}) as reply:
+                      json={"inputs": "drop me", "parameters": {"max_new_tokens": 50}, "stream": True}) as reply:
         next(reply.iter_lines())  # the first piece arrived; hang up mid-stream
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -413,14 +417,16 @@ def test_a_frozen_rank_0_never_blocks_the_server_even_with_a_batch_bigger_than_t
 
     record = tmp_path / "record"
     record.mkdir()
-    with serve_fake(tmp_path / "m", engine_kwargs={"record_dir": str(record)}, request_timeout_s=2.0,
+    prompt = "x" * 300_000
+    room = {"max_sequence_length": prompt_tokens(prompt) + 2}  # the prompt fits: it reaches rank 0
+    with serve_fake(tmp_path / "m", room, engine_kwargs={"record_dir": str(record)}, request_timeout_s=2.0,
                     max_body_bytes=1 << 20) as srv:
         [pid] = _rank_pids(record, 0)
         os.kill(pid, signal.SIGSTOP)
         try:
             reply = {}
             thread = threading.Thread(target=lambda: reply.update(r=httpx.post(
-                srv.url + "/invocations", json={"inputs": "x" * 300_000, "parameters": {"max_new_tokens": 2}},
+                srv.url + "/invocations", json={"inputs": prompt, "parameters": {"max_new_tokens": 2}},
                 timeout=30)))
             start = time.monotonic()
             thread.start()

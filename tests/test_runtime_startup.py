@@ -12,7 +12,8 @@ from lmc.errors import ArtifactError
 from lmc.runtime.startup import (TextTools, default_request_timeout_s, extract_archive, open_artifact,
                                  resolve_port)
 from lmc.runtime.workers import device_env, device_kind, groups_per_instance, processes_per_group
-from runtime_fakes import CHAT_TEMPLATE, fake_plan, write_archive, write_artifact
+from lmc.testing.checkpoints import tokenizer_json
+from runtime_fakes import CHAT_TEMPLATE, fake_plan, prompt_tokens, write_archive, write_artifact
 
 
 def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
@@ -280,22 +281,105 @@ def test_request_timeout_follows_the_plan_prediction():
     assert default_request_timeout_s(plan) == pytest.approx(1010.0)
 
 
+def _with_tokenizer(model_dir: Path) -> Path:
+    (model_dir / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
+    return model_dir
+
+
 def test_chat_template_renders_with_the_generation_prompt(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    tools = TextTools(tmp_path)
+    tools = TextTools(_with_tokenizer(tmp_path))
     prompt = tools.render_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     assert prompt == "<system> be brief <user> hi <assistant>"
-    assert tools.count_tokens([prompt, ""]) == [6, 0]  # whitespace words without a tokenizer.json
+    assert tools.count_tokens([prompt, ""]) == [prompt_tokens(prompt), 0] == [30, 0]  # 6 words, 30 tokens
+
+
+def test_an_artifact_without_a_tokenizer_is_refused_in_one_line(tmp_path):
+    """Prompts are counted with the model's tokenizer or not at all: no word counts stand in for it."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    with pytest.raises(ArtifactError) as caught:
+        TextTools(tmp_path)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{tmp_path}: no tokenizer files (expected one of tokenizer.json, ")
+    assert "vocab.json + merges.txt" in message and "build the artifact from a checkpoint that has one" in message
+    (tmp_path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(ArtifactError, match=r"transformers cannot read its tokenizer: \w+") as caught:
+        TextTools(tmp_path)
+    assert "\n" not in str(caught.value)
+
+
+def test_lmc_runtime_refuses_an_artifact_without_a_tokenizer_at_start(tmp_path):
+    import subprocess
+    import sys
+
+    model = write_artifact(tmp_path / "m", fake_plan(), tokenizer=False)
+    done = subprocess.run([sys.executable, "-m", "lmc", "runtime", "--model-dir", str(model), "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("lmc: error:")]
+    assert done.returncode == 1, done.stderr
+    assert len(errors) == 1 and f"{model}: no tokenizer files" in errors[0], done.stderr
+
+
+def _bpe_vocab_files(model_dir: Path) -> Path:
+    """The tiny checkpoints' byte-level BPE as GPT-2's files (vocab.json + merges.txt), no tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    model_dir.mkdir()
+    Tokenizer.from_str(tokenizer_json()).model.save(str(model_dir))
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    return model_dir
+
+
+def _sentencepiece_files(model_dir: Path, name: str, model_type: str) -> Path:
+    """A sentencepiece model trained on the tiny checkpoints' text, as `name` (Llama's tokenizer.model,
+    T5's spiece.model), no tokenizer.json."""
+    spm = pytest.importorskip("sentencepiece")
+    from lmc.testing.checkpoints import _TRAINING_TEXT
+
+    model_dir.mkdir()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(_TRAINING_TEXT.splitlines()), model_prefix=str(model_dir / "sp"),
+                                   vocab_size=200, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=3,
+                                   minloglevel=2)
+    (model_dir / "sp.model").rename(model_dir / name)
+    (model_dir / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return model_dir
+
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?", "zebra quantum 42"]
+
+
+@pytest.mark.parametrize("kind", ["vocab.json + merges.txt", "tokenizer.model", "spiece.model"])
+def test_prompts_are_counted_with_a_tokenizer_that_has_no_tokenizer_json(tmp_path, kind):
+    """The other tokenizer files lmc build accepts are read through transformers' AutoTokenizer: the
+    counts are its counts (with and without special tokens), not words."""
+    transformers = pytest.importorskip("transformers")
+    if kind == "vocab.json + merges.txt":
+        model_dir = _bpe_vocab_files(tmp_path / "m")
+    else:
+        model_dir = _sentencepiece_files(tmp_path / "m", kind, "llama" if kind == "tokenizer.model" else "t5")
+    assert not (model_dir / "tokenizer.json").exists()
+    tools = TextTools(model_dir)
+    reference = transformers.AutoTokenizer.from_pretrained(model_dir)
+    for special in (True, False):
+        expected = [len(reference(text, add_special_tokens=special)["input_ids"]) for text in TEXTS]
+        assert tools.count_tokens(TEXTS, special) == expected
+    assert tools.count_tokens(TEXTS) != [len(text.split()) for text in TEXTS]
+    assert tools.vocab_size == len(reference)
+    if kind == "vocab.json + merges.txt":  # the same BPE as the tiny checkpoints' tokenizer.json: the same ids
+        assert [tools.encode(text) for text in TEXTS] == [
+            reference(text)["input_ids"] for text in TEXTS] == [
+            TextTools(_with_tokenizer(tmp_path)).encode(text) for text in TEXTS]
 
 
 def test_chat_without_a_template_says_what_to_use(tmp_path):
     with pytest.raises(ValueError, match="no chat template.*use /v1/completions"):
-        TextTools(tmp_path).render_chat([{"role": "user", "content": "hi"}])
+        TextTools(_with_tokenizer(tmp_path)).render_chat([{"role": "user", "content": "hi"}])
 
 
 def test_template_raise_exception_becomes_a_value_error(tmp_path):
     template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}x"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    _with_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="first must be user"):
         TextTools(tmp_path).render_chat([{"role": "system", "content": "s"}])
 

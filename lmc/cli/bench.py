@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
     from lmc import __version__
     from lmc.measure.bench import BenchSetup, open_target, run_bench
-    from lmc.measure.report import render_table
+    from lmc.measure.loadgen import BenchError
+    from lmc.measure.report import bench_failure, render_table
 
     setup = BenchSetup.from_args(args)
     with open_target(setup) as served:
@@ -58,4 +59,7 @@ def run(args: argparse.Namespace) -> int:
         predictions = setup.predictions(report)
         plot_report(report, predictions, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
+    failure = bench_failure(report)
+    if failure is not None:  # the figures are written (they show what failed), but the run is no measurement
+        raise BenchError(f"{args.target}: {failure}")
     return 0

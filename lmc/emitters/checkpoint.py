@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from lmc.emitters.safetensors_stream import Header, StreamingWriter, dtype_code, read_header
 from lmc.errors import CheckpointError
+from lmc.manifest import TOKENIZER_MODELS
 from lmc.planner.checkpoint_facts import safetensors_files
 from lmc.planner.facts import ModelFacts
 
@@ -33,9 +34,6 @@ INDEX_NAME = "model.safetensors.index.json"
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 PICKLE_REFUSAL = "pass --allow-pickle to load pickle checkpoints (they can run arbitrary code)"
 
-# Any one of these makes a tokenizer (fast tokenizer, sentencepiece, or BPE/WordPiece vocab files).
-_TOKENIZER_MODELS = (("tokenizer.json",), ("tokenizer.model",), ("spiece.model",), ("vocab.json", "merges.txt"),
-                     ("vocab.txt",))
 # Copied with the tokenizer when present.
 _TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
                      "chat_template.json")
@@ -382,13 +380,13 @@ def _check_not_quantized(tensors: dict[str, TensorInfo]) -> None:
 
 
 def _tokenizer_files(path: Path) -> list[str]:
-    for names in _TOKENIZER_MODELS:
+    for names in TOKENIZER_MODELS:
         if all((path / name).is_file() for name in names):
             break
     else:
         raise CheckpointError(f"{path}: no tokenizer files (expected tokenizer.json, tokenizer.model, spiece.model, "
                               "vocab.json + merges.txt, or vocab.txt)")
-    found = {name for group in _TOKENIZER_MODELS for name in group if (path / name).is_file()}
+    found = {name for group in TOKENIZER_MODELS for name in group if (path / name).is_file()}
     found |= {name for name in _TOKENIZER_EXTRAS if (path / name).is_file()}
     return sorted(found)
 

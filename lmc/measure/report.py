@@ -84,6 +84,28 @@ def bench_report(*, lmc_version: str, target: str, plan: dict[str, Any] | None, 
     }
 
 
+# The figures every level of a run must have: a level without one measured nothing there.
+LEVEL_FIGURES = ("ttft_ms", "tpot_ms", "e2e_ms", "output_tokens_per_s")
+
+
+def bench_failure(report: dict[str, Any]) -> str | None:
+    """Why the run is a failed bench, in one line: requests that failed (or came back short), or a level
+    missing a figure; None when every request completed and every level has every figure. `lmc bench`
+    exits non-zero with it, so a run where requests failed never passes for a measurement."""
+    levels = report["levels"]
+    failed = [level for level in levels if level["errors"]]
+    if failed:
+        total = sum(level["requests"] for level in levels)
+        first = failed[0]
+        return (f"{sum(level['errors'] for level in failed)} of {total} requests failed (first, at concurrency "
+                f"{first['concurrency']}: {first['first_error']})")
+    for level in levels:
+        missing = [key for key in LEVEL_FIGURES if level.get(key) is None]
+        if missing:
+            return f"concurrency {level['concurrency']}: no {', '.join(missing)} measured"
+    return None if levels else "no concurrency level ran"
+
+
 def _cell(stats: dict[str, float] | None) -> str:
     return "-" if stats is None else f"{stats['p50']:.1f} / {stats['p90']:.1f} / {stats['p99']:.1f}"
 

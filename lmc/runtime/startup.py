@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from lmc.errors import ArtifactError
+from lmc.errors import ArtifactError, MissingDependencyError
 from lmc.layouts import pipeline_degree, shard_path
-from lmc.manifest import MANIFEST_NAME, sha256_file, verify_artifact
+from lmc.manifest import MANIFEST_NAME, TOKENIZER_MODELS, sha256_file, verify_artifact
 
 log = logging.getLogger("lmc.runtime")
 
@@ -250,18 +250,11 @@ INLINE_TOKENIZE_CHARS = 4096
 
 class TextTools:
     """Prompt token counting and chat templating in the front end, from the artifact's tokenizer
-    files (the `tokenizers` library and jinja2, not transformers: start-up stays fast).
-
-    Without tokenizer.json, prompts are counted by whitespace-separated words (test artifacts)."""
+    (see load_tokenizer) and jinja2. An artifact without a tokenizer is refused (ArtifactError)."""
 
     def __init__(self, model_dir: Path):
-        self._tokenizer = None
+        self._tokenizer = load_tokenizer(model_dir)
         self._anchor: tuple[list[int], str] | None = None
-        tokenizer_file = model_dir / "tokenizer.json"
-        if tokenizer_file.is_file():
-            from tokenizers import Tokenizer
-
-            self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
         config = _read_json(model_dir / "tokenizer_config.json")
         # The special tokens a template may write, as transformers 5 resolves them: a tokenizer_config.json
         # with added_tokens_decoder (saved by transformers >= 4.34) is the whole story; before that,
@@ -287,8 +280,6 @@ class TextTools:
         """One token's text as it reads after other text (special tokens included), for logprobs. Decoded
         behind an anchor token: decoders that strip the first leading space (SentencePiece's) would turn
         '▁world' alone into 'world'."""
-        if self._tokenizer is None:
-            return f"<{token_id}>"
         if self._anchor is None:
             ids = self._tokenizer.encode("a", add_special_tokens=False).ids
             self._anchor = (ids[-1:], self._tokenizer.decode(ids[-1:], skip_special_tokens=False))
@@ -300,8 +291,8 @@ class TextTools:
 
     @property
     def vocab_size(self) -> int | None:
-        """The tokenizer's vocabulary size, added tokens included (None without tokenizer.json)."""
-        return None if self._tokenizer is None else self._tokenizer.get_vocab_size(with_added_tokens=True)
+        """The tokenizer's vocabulary size, added tokens included."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     @property
     def has_chat_template(self) -> bool:
@@ -310,15 +301,11 @@ class TextTools:
     def count_tokens(self, texts: list[str], add_special_tokens: bool = True) -> list[int]:
         """Each text's token count. The tokenizer's batch call lets go of the GIL while it works (its
         single-text call does not): run from a thread, a long prompt leaves the event loop free."""
-        if self._tokenizer is None:
-            return [len(text.split()) for text in texts]
         encodings = self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [len(encoding.ids) for encoding in encodings]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The token ids of `text` (what count_tokens counts), for engines that take ids (vLLM)."""
-        if self._tokenizer is None:
-            raise ValueError("this artifact has no tokenizer.json: its prompts cannot be tokenized")
         return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
@@ -330,6 +317,38 @@ class TextTools:
                                          **self._special)
         except Exception as exc:  # the template's own raise_exception(), or bad message shapes
             raise ValueError(f"chat template rejected the messages: {exc}") from None
+
+
+def load_tokenizer(model_dir: Path):
+    """The artifact's tokenizer as a `tokenizers.Tokenizer`: tokenizer.json read directly (no transformers
+    import: start-up stays fast), else the fast tokenizer transformers' AutoTokenizer makes of the other
+    files lmc build accepts (tokenizer.model, spiece.model, vocab.json + merges.txt, vocab.txt). Prompts
+    are counted with it: the maximum-sequence-length check and usage.prompt_tokens. ArtifactError, one
+    line, when the artifact has none or transformers cannot read it."""
+    tokenizer_file = model_dir / "tokenizer.json"
+    if tokenizer_file.is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(tokenizer_file))
+    if not any(all((model_dir / name).is_file() for name in group) for group in TOKENIZER_MODELS):
+        expected = ", ".join(" + ".join(group) for group in TOKENIZER_MODELS)
+        raise ArtifactError(f"{model_dir}: no tokenizer files (expected one of {expected}): the runtime counts "
+                            "prompt tokens with the model's tokenizer; build the artifact from a checkpoint that has one")
+    try:
+        import transformers
+    except ImportError:
+        raise MissingDependencyError(f"{model_dir}: its tokenizer has no tokenizer.json, and reading the others needs "
+                                     "transformers: pip install 'lmc[engines]'") from None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # the library's own errors: a missing sentencepiece, an unreadable file
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise ArtifactError(f"{model_dir}: transformers cannot read its tokenizer: {type(exc).__name__}: {reason}") from None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ArtifactError(f"{model_dir}: transformers reads its tokenizer only as a Python {type(tokenizer).__name__}; "
+                            "save it with save_pretrained to add a tokenizer.json, and build again")
+    return backend
 
 
 def _read_json(path: Path) -> dict[str, Any]:

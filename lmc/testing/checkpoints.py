@@ -319,7 +319,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 @lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
+def tokenizer_json() -> str:
     """A byte-level BPE (any text encodes) trained on the fixed text above, as tokenizer.json text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -335,7 +335,7 @@ def _tokenizer_json() -> str:
 
 
 def _write_tokenizer(out_dir: Path, family: str) -> None:
-    (out_dir / "tokenizer.json").write_text(_tokenizer_json(), encoding="utf-8")
+    (out_dir / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
     pad, bos, eos, unk = SPECIAL_TOKENS
     special = {"bos_token": bos, "eos_token": eos, "pad_token": pad, "unk_token": unk}
     tokenizer_config: dict[str, Any] = dict(special, tokenizer_class="PreTrainedTokenizerFast",
