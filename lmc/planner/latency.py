@@ -49,6 +49,7 @@ class Timing:
     cost_per_hour: float | None
     cost_per_million_tokens: float | None
     instances_used: int
+    step_times: str = ""  # the step-time model behind these figures (planner/steps.py)
 
 
 def efficiency_for(engine: EngineFacts, model: ModelFacts, hardware: HardwareFacts,
@@ -223,10 +224,11 @@ def _dp_comm_ms(model: ModelFacts, hardware: HardwareFacts, efficiency: EngineEf
 
 
 def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int, batch: int,
-            input_tokens: int, output_tokens: int, dp: int = 1) -> float:
+            input_tokens: int, output_tokens: int, dp: int = 1, kv_dtype: str | None = None) -> float:
     """Time per output token at `batch` sequences, context averaged over the generation. `dp` > 1: an
     MoE model with data-parallel attention and expert parallelism (vLLM --data-parallel-size with
-    --enable-expert-parallel): `batch` is one DP group's, and every group steps together."""
+    --enable-expert-parallel): `batch` is one DP group's, and every group steps together. `kv_dtype`: the
+    KV cache's dtype where it is not the compute dtype (an fp8 KV cache)."""
     efficiency = efficiency_for(engine, model, hardware, dtype)
     act = compute_dtype(dtype, model, hardware)
     weights = dp_weight_bytes(decode_weight_bytes(model, engine, dtype, tp, hardware), model, dp, batch * dp)
@@ -235,7 +237,7 @@ def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     else:
         context = input_tokens + output_tokens / 2
     # Sliding-window layers read at most their window of each sequence.
-    kv = batch * kv_sequence_bytes(model, tp, act, math.ceil(context))
+    kv = batch * kv_sequence_bytes(model, tp, kv_dtype or act, math.ceil(context))
     memory_ms = (weights + kv) / effective_bandwidth(hardware, efficiency, tp, dp) * 1e3
     flops = 2 * active_decode_parameters(model) / tp * batch
     flops += 4 * batch * context * model.attention_heads * model.head_dim * model.layers / tp

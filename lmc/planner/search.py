@@ -43,10 +43,12 @@ from lmc.planner.plan import (
     Predicted,
 )
 from lmc.planner.scheduling import choose_scheduling
+from lmc.planner.steps import StepLayout, step_times
 from lmc.planner.vllm import (
     Admission,
     VllmLayout,
     admission,
+    fp8_kv_cache,
     kv_cache_section,
     vllm_decisions,
     vllm_memory,
@@ -577,14 +579,21 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
         return []
     staged = stage_model(model, pp)
     out = []
-    sizes = (vllm_batch_sizes(spec, staged, hardware, engine, efficiency, dtype, tp, dp) if engine.name == "vllm"
-             else batch_sizes(load.concurrency))
+    auto_kv = 0  # vLLM: the sequences a compute-dtype KV pool holds, when too few and an fp8 cache is planned
+    if engine.name == "vllm":
+        auto_kv = fp8_kv_cache(staged, hardware, engine, efficiency, dtype, tp, dp, load.max_input_tokens,
+                               load.max_output_tokens, budget.memory_fraction, budget.memory_per_device,
+                               -(-load.concurrency // (max_replicas * dp)))
+    sizes = (vllm_batch_sizes(spec, staged, hardware, engine, efficiency, dtype, tp, dp, bool(auto_kv))
+             if engine.name == "vllm" else batch_sizes(load.concurrency))
     for batch in sizes:
         replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / (batch * dp)))
         layout = None
         if engine.name == "vllm":  # vLLM's own memory model: the KV pool is what the budget leaves
             memory, layout = vllm_memory(staged, hardware, engine, efficiency, dtype, tp, batch, load.max_input_tokens,
-                                         load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp)
+                                         load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp,
+                                         kv_fp8=bool(auto_kv))
+            layout = replace(layout, auto_kv_sequences=auto_kv)
         else:
             memory = memory_per_device(staged, hardware, engine, efficiency, dtype, tp, batch,
                                        load.max_input_tokens, load.max_output_tokens,
@@ -621,18 +630,20 @@ def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layou
     else:
         base = predict(model, hardware, engine, dtype, tp, replicas, batch, load.max_input_tokens,
                        load.max_output_tokens)
+        act = compute_dtype(dtype, model, hardware)
+        base = replace(base, step_times=step_times(model, hardware, engine, StepLayout(engine.name, dtype, act, tp)).source)
     return scale_timing(base, model, hardware, engine, dtype, tp * dp, pp, replicas, batch * dp,
                         load.max_input_tokens, load.max_output_tokens, load.peak_requests_per_second)
 
 
 def vllm_batch_sizes(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
-                     tp: int, dp: int = 1) -> list[int]:
+                     tp: int, dp: int = 1, kv_fp8: bool = False) -> list[int]:
     """max_num_seqs candidates: the powers of two, and the sequences the KV pool holds when that is fewer
     than the concurrency (so a pool of 15 is planned at 15, not 8)."""
     sizes = batch_sizes(spec.workload.concurrency)
     load, budget = spec.workload, spec.budget
     _, layout = vllm_memory(model, hardware, engine, efficiency, dtype, tp, 1, load.max_input_tokens,
-                            load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp)
+                            load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp, kv_fp8)
     holds = layout.max_concurrent_sequences
     if 1 <= holds < load.concurrency and holds not in sizes:
         sizes = sorted(sizes + [holds])
@@ -760,7 +771,7 @@ def predicted(t: Timing) -> Predicted:
                      throughput_tokens_per_s=round(t.throughput_tokens_per_s, 2), load_seconds=round(t.load_seconds, 1),
                      cost_per_hour=None if t.cost_per_hour is None else round(t.cost_per_hour, 4),
                      cost_per_million_tokens=None if t.cost_per_million_tokens is None
-                     else round(t.cost_per_million_tokens, 4))
+                     else round(t.cost_per_million_tokens, 4), step_times=t.step_times or None)
 
 
 def _layout(tp: int, dp: int) -> str:
