@@ -126,7 +126,8 @@ def test_tpot_is_the_mean_step_and_throughput_pays_the_prefills():
     decode = steps.decode_ms(8, 1024 + 128)
     per_token = (steps.mixed_ms(1024, 8, 1024, 1152) - decode) / 1024
     assert timing.tpot_ms == pytest.approx(decode + 8 / 256 * 1024 * per_token)
-    assert timing.throughput_tokens_per_s == pytest.approx(8 / timing.tpot_ms * 1e3)
+    # Each of the 8 slots yields 256 tokens per TTFT + 255 steps.
+    assert timing.throughput_tokens_per_s == pytest.approx(8 * 256 / (timing.ttft_ms + 255 * timing.tpot_ms) * 1e3)
     assert timing.tpot_ms > decode
     # A prompt longer than a step's token budget is chunked: TTFT grows by more than one chunk's step
     short = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 1000, 256, 8, steps=steps).ttft_ms

@@ -339,6 +339,13 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             names = " / ".join(sorted(usable))
             fine = sorted({d for e in usable.values() for d in engine_dtypes(e, model)})
             raise SpecValueError("pin.dtype", pin.dtype, f"{names} cannot serve {pin.dtype}; use one of {', '.join(fine)}")
+    if pin.kv_cache_dtype == "fp8":
+        if hardware.kind != "gpu" or "fp8" not in hardware.dtypes:
+            raise SpecValueError("pin.kv_cache_dtype", "fp8", f"{hardware.accelerator} has no fp8: vLLM's fp8 KV cache "
+                                 "needs a GPU with fp8 (Hopper, Ada, Blackwell); use auto")
+        if "vllm" not in usable:
+            raise SpecValueError("pin.kv_cache_dtype", "fp8", "an fp8 KV cache is vLLM's (--kv-cache-dtype fp8); "
+                                 f"the engines here ({', '.join(sorted(usable))}) keep the compute dtype; use auto")
     if pin.tensor_parallel_degree is not None:
         tp = pin.tensor_parallel_degree
         if tp > hardware.devices and hardware.kind != "cpu":
@@ -579,12 +586,15 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
         return []
     staged = stage_model(model, pp)
     out = []
-    auto_kv = 0  # vLLM: the sequences a compute-dtype KV pool holds, when too few and an fp8 cache is planned
+    kv_fp8, auto_kv = False, 0  # vLLM: an fp8 KV cache, and the sequences a compute-dtype pool would hold
     if engine.name == "vllm":
-        auto_kv = fp8_kv_cache(staged, hardware, engine, efficiency, dtype, tp, dp, load.max_input_tokens,
-                               load.max_output_tokens, budget.memory_fraction, budget.memory_per_device,
-                               -(-load.concurrency // (max_replicas * dp)))
-    sizes = (vllm_batch_sizes(spec, staged, hardware, engine, efficiency, dtype, tp, dp, bool(auto_kv))
+        kv_fp8, auto_kv = fp8_kv_cache(staged, hardware, engine, efficiency, dtype, tp, dp, load.max_input_tokens,
+                                       load.max_output_tokens, budget.memory_fraction, budget.memory_per_device,
+                                       -(-load.concurrency // (max_replicas * dp)), pin.kv_cache_dtype)
+    elif pin.kv_cache_dtype == "fp8":
+        rejections.append(Rejection(engine.name, dtype, tp, 0, "pin.kv_cache_dtype = fp8 is vLLM's", (3,)))
+        return []
+    sizes = (vllm_batch_sizes(spec, staged, hardware, engine, efficiency, dtype, tp, dp, kv_fp8)
              if engine.name == "vllm" else batch_sizes(load.concurrency))
     for batch in sizes:
         replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / (batch * dp)))
@@ -592,7 +602,7 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
         if engine.name == "vllm":  # vLLM's own memory model: the KV pool is what the budget leaves
             memory, layout = vllm_memory(staged, hardware, engine, efficiency, dtype, tp, batch, load.max_input_tokens,
                                          load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp,
-                                         kv_fp8=bool(auto_kv))
+                                         kv_fp8=kv_fp8)
             layout = replace(layout, auto_kv_sequences=auto_kv)
         else:
             memory = memory_per_device(staged, hardware, engine, efficiency, dtype, tp, batch,

@@ -327,8 +327,12 @@ def _compile(model_ref: str, system: str, backend: str, args: dict):
 # --- the disk cache ---------------------------------------------------------------------------------
 
 def _cache_root() -> Path:
-    from huggingface_hub import constants
-
+    """Beside lmc's Hub summaries (lmc/hub.py): $HF_HOME/lmc/step_times."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # the planner alone: huggingface_hub's default, ~/.cache/huggingface
+        home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+        return Path(home) / "lmc" / "step_times"
     return Path(constants.HF_HOME) / "lmc" / "step_times"
 
 

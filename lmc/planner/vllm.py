@@ -189,19 +189,21 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
 
 def fp8_kv_cache(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency: EngineEfficiency,
                  dtype: str, tp: int, dp: int, input_tokens: int, output_tokens: int, memory_fraction: float,
-                 memory_cap: int | None, sequences: int) -> int:
-    """0 when the KV cache keeps the compute dtype; else the sequences a compute-dtype pool holds, fewer than
-    the `sequences` each data-parallel group must run: then the pool decides the concurrency, and an fp8
-    cache (vLLM --kv-cache-dtype fp8, e4m3 with per-tensor scales) holds twice as many, at the cost of a
-    rounding of K and V that vLLM's fp8 KV documentation reports as a small accuracy change. GPUs with fp8
-    (Hopper, Ada, Blackwell) only; not for MLA, whose fp8 cache vLLM supports only with some attention
-    backends."""
-    if hardware.kind != "gpu" or "fp8" not in hardware.dtypes or model.kv_lora_rank:
-        return 0
+                 memory_cap: int | None, sequences: int, pinned: str | None = None) -> tuple[bool, int]:
+    """Whether the KV cache is fp8 (vLLM --kv-cache-dtype fp8: e4m3, one byte per element), and the sequences
+    a compute-dtype pool would hold. Unpinned, fp8 where the GPU has it (Hopper, Ada, Blackwell) and that pool
+    holds fewer than the `sequences` each data-parallel group must run: then the pool decides the concurrency
+    and fp8 holds twice as many, for a rounding of K and V that vLLM's documentation ("Quantized KV Cache")
+    reports as a small accuracy change. Not unpinned for MLA models, whose fp8 cache vLLM supports with some
+    attention backends only."""
+    if pinned == "auto" or hardware.kind != "gpu" or "fp8" not in hardware.dtypes:
+        return False, 0
     _, layout = vllm_memory(model, hardware, engine, efficiency, dtype, tp, 1, input_tokens, output_tokens,
                             memory_fraction, memory_cap, dp)
     holds = layout.max_concurrent_sequences
-    return holds if 0 < holds < sequences else 0
+    if pinned == "fp8":
+        return True, holds
+    return (True, holds) if 0 < holds < sequences and not model.kv_lora_rank else (False, 0)
 
 
 def running_sequences(max_num_seqs: int, replicas: int, concurrency: int) -> int:
@@ -239,10 +241,13 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     # Every step pays its share of the prompts: vLLM's TPOT, (end-to-end − TTFT) / (output − 1) per
     # request, averages over exactly these steps, and throughput is the running sequences over them.
     step = decode + joins * input_tokens * per_prompt_token
-    throughput = groups * running / step * 1e3
 
     ttft = first_token_ms(steps, engine.efficiency[hardware.kind], running, step, budget, input_tokens,
                           context, joins)
+    # A slot serves one request per TTFT + (output − 1) steps: its output over that is the throughput (what a
+    # benchmark measures: completed tokens over the run), so requests/s = throughput / output tokens.
+    cycle = ttft + (output_tokens - 1) * step
+    throughput = groups * running * output_tokens / cycle * 1e3
     waiting = -(-concurrency // groups) - running  # requests per group beyond its running slots
     if waiting > 0:
         ttft = queued_ttft_ms(ttft, step, running, running + waiting, output_tokens)
@@ -401,6 +406,27 @@ def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str
                              "packs the checkpoint in the planned dtype instead (the build says so)")
 
 
+def kv_dtype_decision(layout: VllmLayout, hardware: HardwareFacts, spec, running: int) -> Decision:
+    """What the KV cache's dtype buys: with fp8, the sequences the pool holds against a compute-dtype pool's."""
+    holds, length = layout.max_concurrent_sequences, layout.max_model_len
+    if layout.kv_dtype == "fp8":
+        why = ("pinned by the spec" if spec.pin.kv_cache_dtype == "fp8" else
+               f"a {hardware.accelerator} computes in fp8 and a 16-bit pool would hold only "
+               f"{layout.auto_kv_sequences} sequences of {length} tokens, fewer than the concurrency asks")
+        return Decision(key="kv_cache_dtype", value="fp8", reason=(
+            f"{why}: an fp8 cache (vLLM --kv-cache-dtype fp8, e4m3) stores one byte per element, so the pool holds "
+            f"{holds} sequences instead of {layout.auto_kv_sequences} and {running} run at once; K and V are "
+            "rounded to fp8 as they are stored, a small accuracy cost (vLLM docs, \"Quantized KV Cache\")"))
+    if spec.pin.kv_cache_dtype == "auto":
+        return Decision(key="kv_cache_dtype", value="auto", reason="pinned by the spec: the compute dtype")
+    if hardware.kind != "gpu" or "fp8" not in hardware.dtypes:
+        return Decision(key="kv_cache_dtype", value="auto",
+                        reason=f"the compute dtype: {hardware.accelerator} has no fp8 for an fp8 KV cache")
+    return Decision(key="kv_cache_dtype", value="auto", reason=(
+        f"the compute dtype: the pool holds {holds} sequences of {length} tokens, enough for the {running} that run "
+        "at once; an fp8 cache (pin.kv_cache_dtype = \"fp8\") would hold about twice as many"))
+
+
 def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: HardwareFacts, layout: VllmLayout,
                    memory: MemoryPerDevice, replicas: int, admitted: Admission, tp: int) -> list[Decision]:
     """The decisions of a vLLM plan: its own reasons for batch, delay and KV cache, and its engine arguments."""
@@ -445,6 +471,7 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
         Decision(key="gpu_memory_utilization", value=layout.gpu_memory_utilization,
                  reason="the budget as a share of device memory" if hardware.kind != "cpu" else
                  "the budget's share (vLLM on CPU sizes its KV pool from VLLM_CPU_KVCACHE_SPACE instead)"),
+        kv_dtype_decision(layout, hardware, spec, running),
         Decision(key="weights", value=fmt, reason=why),
         Decision(key="admission", value=admitted.max_num_queued_reqs, reason=admitted.reason),
     ]

@@ -104,6 +104,7 @@ class PinSpec(_Strict):
     replicas: int | None = Field(default=None, ge=1, le=100_000, description="Model copies across the instances.")
     pipeline_parallel_degree: int | None = Field(default=None, ge=1, le=64, description="Pipeline stages, one instance each, per model copy.")
     expert_parallel: bool | None = Field(default=None, description="vLLM, mixture-of-experts models: whole experts on each tensor-parallel rank (vLLM's enable_expert_parallel) instead of every expert split across the ranks.")
+    kv_cache_dtype: Literal["auto", "fp8"] | None = Field(default=None, description="vLLM --kv-cache-dtype: auto (the compute dtype) or fp8 (half the bytes per cached token: twice the sequences in the pool; GPUs with fp8: Hopper, Ada, Blackwell). Unset: fp8 where the GPU has it and a compute-dtype pool would hold fewer sequences than the concurrency.")
     data_parallel_degree: int | None = Field(default=None, ge=1, le=1024, description="vLLM --data-parallel-size: groups of tensor_parallel_degree ranks per model copy, each with its own attention, KV pool and max_num_seqs, behind one endpoint; mixture-of-experts models spread their experts over all the groups' ranks (expert parallel). On GPUs the groups may span instances. 1: none.")
 
 
