@@ -185,6 +185,7 @@ class EngineEfficiency(_Facts):
     allreduce_efficiency: float = Field(default=0.7, gt=0, le=1, description="Achieved share of interconnect bandwidth in all-reduce.")
     allreduce_overhead_us: float = Field(default=0.0, ge=0, description="Host-side cost the engine adds to each all-reduce call (eager kernel launch, stream synchronisation), microseconds; ~0 under CUDA graphs.")
     prefill_overhead_ms: float = Field(default=0.0, ge=0, description="Fixed cost of a prefill beyond the per-pass step and layer overheads (context-encoding graph launch, padding to a compiled bucket), ms.")
+    custom_allreduce_base_us: float | None = Field(default=None, ge=0, description="The engine's own all-reduce kernels (vLLM's custom all-reduce): fixed cost per stage, microseconds; None = the engine all-reduces through NCCL/gloo only.")
     request_overhead_ms: float = Field(default=0.0, ge=0, description="What each request pays outside the engine's steps: the HTTP server, the hop to the engine process, detokenizing the first token, ms (TTFT).")
     tokenize_us_per_token: float = Field(default=0.0, ge=0, description="Tokenizing the prompt in the server, microseconds per prompt token (TTFT).")
     decode_compute: float | None = Field(default=None, gt=0, le=1, description="Share of peak TFLOPS the decode step's skinny GEMMs reach (batch rows only); None = prefill_compute.")

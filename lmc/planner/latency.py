@@ -100,8 +100,41 @@ def allreduce_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int,
     (`allreduce_us` at the engine's achieved bandwidth) plus the engine's own per-call overhead."""
     if tp <= 1:
         return 0.0
+    custom = custom_allreduce_us(hardware.interconnect, efficiency, tp, message_bytes)
+    if custom is not None:
+        return (custom + efficiency.allreduce_overhead_us) * 1e-3
     link = allreduce_us(hardware.interconnect, tp, message_bytes, efficiency.allreduce_efficiency)
     return (link + efficiency.allreduce_overhead_us) * 1e-3
+
+
+# vLLM's custom all-reduce (vllm/distributed/device_communicators/custom_all_reduce.py): 2, 4, 6 or 8 ranks,
+# messages up to 8 MiB (max_size); on PCIe only for 2 ranks. Its kernels (csrc/custom_all_reduce.cuh): one
+# stage (every rank reads the whole message from each peer and reduces) for 2 ranks, or on NVLink below
+# 512 KiB at ≤ 4 ranks and 256 KiB at ≤ 8; otherwise two (reduce-scatter, then all-gather, each reading
+# (p − 1)/p of it). Larger messages, other degrees: NCCL.
+CUSTOM_ALLREDUCE_RANKS = (2, 4, 6, 8)
+CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 2**20
+
+
+def custom_allreduce_us(link: InterconnectFacts, efficiency: EngineEfficiency, ranks: int,
+                        message_bytes: float) -> float | None:
+    """One all-reduce by the engine's own kernels (vLLM's custom all-reduce), microseconds; None where the
+    engine has none or hands this one to NCCL. Each stage pays the kernel's fixed cost
+    (`custom_allreduce_base_us`: launch inside the CUDA graph and the cross-GPU flag barrier) and one link
+    latency, and moves its bytes at the link's achieved bandwidth."""
+    base = efficiency.custom_allreduce_base_us
+    if base is None or ranks not in CUSTOM_ALLREDUCE_RANKS or message_bytes > CUSTOM_ALLREDUCE_MAX_BYTES:
+        return None
+    nvlink = "nvlink" in link.name.lower()
+    if not nvlink and ranks > 2:
+        return None
+    small = 512 * 1024 if ranks <= 4 else 256 * 1024
+    if ranks == 2 or message_bytes < small:
+        stages, volume = 1, (ranks - 1) * message_bytes
+    else:
+        stages, volume = 2, 2 * (ranks - 1) / ranks * message_bytes
+    transfer = volume / (link.bandwidth_bytes_per_s * efficiency.allreduce_efficiency) * 1e6
+    return stages * (base + link.latency_us) + transfer
 
 
 def allreduces_per_step(model: ModelFacts) -> int:
@@ -339,6 +372,7 @@ def cost_figures(hardware: HardwareFacts, instances: int, throughput: float) -> 
 
 __all__ = [
     "Timing", "WEIGHT_ONLY", "active_decode_parameters", "allgather_ms", "allreduce_ms", "allreduce_us",
+    "custom_allreduce_us",
     "cost_figures", "copy_instances", "dp_weight_bytes", "efficiency_for", "load_seconds", "moe_layer_count", "predict", "send_us",
     "tpot_ms", "ttft_ms",
 ]
