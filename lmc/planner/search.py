@@ -43,7 +43,7 @@ from lmc.planner.plan import (
     Predicted,
 )
 from lmc.planner.scheduling import choose_scheduling
-from lmc.planner.steps import StepLayout, step_times
+from lmc.planner.steps import RooflineSteps, StepLayout, step_times
 from lmc.planner.vllm import (
     Admission,
     VllmLayout,
@@ -608,14 +608,15 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
             memory = memory_per_device(staged, hardware, engine, efficiency, dtype, tp, batch,
                                        load.max_input_tokens, load.max_output_tokens,
                                        budget.memory_fraction, budget.memory_per_device)
-        scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout)
+        scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout, memory.headroom >= 0)
         over_rate = False
         if load.requests_per_second is not None:
             needed = replicas_for_rate(load.requests_per_second, batch, scaled.timing, load.max_output_tokens)
             over_rate = pin.replicas is not None and needed > pin.replicas
             if needed > replicas and pin.replicas is None:
                 replicas = needed
-                scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout)
+                scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout,
+                                 memory.headroom >= 0)
             over_rate = over_rate or scaled.peak_instances > spec.target.instances
         timing = scaled.timing
         over_cost = (budget.max_cost_per_hour is not None and timing.cost_per_hour is not None
@@ -626,7 +627,10 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
     return out
 
 
-def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout: VllmLayout | None = None):
+def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout: VllmLayout | None = None,
+            fits: bool = True):
+    """`fits` False: a configuration the memory rejects, whose figures only rank it among the rejected: lmc's
+    own step times, so measured data are looked up only for configurations a plan can choose."""
     load = spec.workload
     if layout is not None and pp > 1:  # vLLM's pipeline: micro-batches in flight, hand-overs inside
         base = vllm_pipeline_predict(model, hardware, engine, dtype, tp, pp, replicas, layout, load.max_input_tokens,
@@ -635,8 +639,10 @@ def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layou
                             load.max_output_tokens, load.peak_requests_per_second, staged=True)
     dp = layout.data_parallel_size if layout is not None else 1  # a replica: dp groups of tp ranks, `batch` each
     if layout is not None:
+        steps = None if fits else RooflineSteps(model, hardware, engine, StepLayout(engine.name, dtype, layout.kv_dtype,
+                                                                                   tp, dp), "does not fit")
         base = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, load.max_input_tokens,
-                            load.max_output_tokens, load.concurrency)
+                            load.max_output_tokens, load.concurrency, steps)
     else:
         base = predict(model, hardware, engine, dtype, tp, replicas, batch, load.max_input_tokens,
                        load.max_output_tokens)

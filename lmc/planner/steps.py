@@ -23,6 +23,7 @@ Every plan names the implementation that produced its figures (`predicted.step_t
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import importlib.util
@@ -112,6 +113,7 @@ class MeasuredSteps:
     _answers: dict = field(default_factory=dict)  # query key → ms; "error" → why it cannot answer
     _handle: object | None = None
     _loaded: bool = False
+    _dirty: bool = False
 
     @property
     def source(self) -> str:
@@ -154,8 +156,14 @@ class MeasuredSteps:
             raise RuntimeError(self._answers["error"])
         if key not in self._answers:
             self._answers[key] = float(query(self.handle()))
-            _write_cache(self.cache_file, self._answers)
+            self._dirty = True
         return self._answers[key]
+
+    def save(self) -> None:
+        """Write this layout's answers to the disk cache if any are new."""
+        if self._dirty:
+            _write_cache(self.cache_file, self._answers)
+            self._dirty = False
 
     def handle(self):
         if self._handle is None:
@@ -225,6 +233,16 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
 
 
 _MEASURED: dict[str, MeasuredSteps] = {}
+
+
+def save_step_times() -> None:
+    """Write the measured step times this process looked up to the disk cache ($HF_HOME/lmc/step_times): the
+    CLI's edge calls it after planning (pipeline.plan_from_spec), and it runs at exit for other callers."""
+    for measured in _MEASURED.values():
+        measured.save()
+
+
+atexit.register(save_step_times)
 
 
 def aic_quant_modes(model: ModelFacts, hardware: HardwareFacts, layout: StepLayout,
