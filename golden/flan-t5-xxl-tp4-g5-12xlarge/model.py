@@ -4,8 +4,8 @@ Serves google/flan-t5-xxl (t5, text2text-generation) with the deepspeed engine i
 tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
-spec sha256 7c192495d885cad6e855afcf0e605517175721af258a0ed55033876c1e112550
-plan sha256 2cc6d124e7ae9ef0a3b741f885e35b784632482b038d5154272bc4edc0924477
+spec sha256 53607a8916f68c0d65c86dc23ae0f3f5c3687c983af0e3e3e67f534bbe398b37
+plan sha256 0efa52295d20a0c1c30f04ded3c41513d380f2e41191c540adcae15207521c28
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

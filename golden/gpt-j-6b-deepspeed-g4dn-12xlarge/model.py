@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 50 ms),
 sequences of up to 640 tokens, on cuda.
 
-spec sha256 885f1b25c3fa1a2bd2dd1aff46d734697edb1ed6c270583a40d7339dae80bcd0
-plan sha256 d50e73866eccefc18682c94b02be2b87fbfc4e524c3d98cd1e254c84ea61b0ea
+spec sha256 b260ad5a899c1a864c64700469aca8f63ce30d8d7b81a8cac8c1ab65799ff9ee
+plan sha256 4d909ca759ca233e275caedc444dc7640906fa832523871e8c9bddc19464532a
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 1536 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 511602b121dd722ebf25114ec13ba45cdde8ffcc2a06f5ce6b83489111e10edb
-plan sha256 015c7920d4054c20170b399b3ab5a512f7082647b5c084af7b8c0492df9b3d2b
+spec sha256 a8d81812f6ce4b7e44406c5e43c39dfd1ce0683c96f6cf300ad0f33862cb7978
+plan sha256 aaa85870e32a11ffa26a10e824d7ddeeb23ea648ab1ef9dcc7b325823724af15
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 16 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 7672fcff04d7fa9c4be1f54dc03e3e6cee852136e67319c5764956a29bf03414
-plan sha256 d089460db22e22214fdc550f28efdb717afe6e781b7b9aa36fbfae6d129888f0
+spec sha256 08d63b5975cf8e40e7023802dfbb181b1227a737855aaa642b87a0bb2fac0867
+plan sha256 d6bf98e060b063320f4dea1df3379eb74194fac29f6bdfd84b9d838ab0124fd8
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 2, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 96 tokens, on cpu.
 
-spec sha256 fb8c73f430dadfc92a09407b1ff79c97c240ce754add7683653bbe35a289508d
-plan sha256 5b7ffcd4e5272fef847bd1e053e836536bae8e77650f767bae3dde75d1eb93b3
+spec sha256 d3ca0be0e39d46830700e3f99bb23c103ebe106f3d10413e866549a8cfb90508
+plan sha256 f53816ed89528035d38ad5f227ab9ebf4b3807107a92419d90e5d2917bdb8499
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.
