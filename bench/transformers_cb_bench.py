@@ -1,7 +1,7 @@
 """transformers' own continuous batching (`generate_batch`, `paged|sdpa` attention) against lmc's
 RunningBatch (engines/generate.py), on one random Llama, 32 greedy sequences of 32 new tokens, same run.
 
-Why lmc does not adopt transformers' manager: measured here, it is far slower on this CPU (see the README).
+Why lmc does not adopt transformers' manager: measured here, it is far slower on this CPU (docs/measurements.md, the transformers_cb_bench row).
 Usage: python bench/transformers_cb_bench.py [HIDDEN=256] [THREADS=1]
 """
 import sys, time, tempfile, torch

@@ -6,6 +6,7 @@ EXIT_OK = 0
 EXIT_INVALID_INPUT = 1  # spec, checkpoint, artifact, request
 EXIT_USAGE = 2
 EXIT_NO_PLAN = 3
+EXIT_GOAL_MISSED = 4  # a plan fits but misses its goal: `lmc plan` prints it and exits 4; build and deploy refuse it
 EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it: Ctrl-C (twice, for `lmc runtime` draining)
 
@@ -51,6 +52,12 @@ class NoFeasiblePlanError(LmcError):
     def __init__(self, message: str, details: list[str] | None = None):
         super().__init__(message)
         self.details = details or []
+
+
+class GoalMissedError(LmcError):
+    """`lmc build`/`lmc deploy` of a plan that misses its goal, without --accept-missed-goal."""
+
+    exit_code = EXIT_GOAL_MISSED
 
 
 class InternalError(LmcError):

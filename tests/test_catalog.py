@@ -203,10 +203,20 @@ def test_interconnects():
     assert nvlink.latency_us < pcie.latency_us
 
 
+def test_every_catalog_instance_has_a_price_and_says_where_it_came_from():
+    """Cost, cost caps and the nearest options need a price for every instance (only `local` and a bare
+    accelerator count have none): an on-demand, us-east-1 price, with its source in the catalog data."""
+    unpriced = [name for name in catalog.list_instances() if catalog.hardware_facts(name).price_per_hour is None]
+    assert unpriced == []
+    for name in catalog.list_instances():
+        source = catalog.hardware_facts(name).source
+        assert "prices:" in source and "us-east-1" in source and "on-demand" in source, name
+
+
 def test_prices():
     assert catalog.hardware_facts("ml.g5.12xlarge").price_per_hour == 7.09  # the design's example plan
     assert catalog.hardware_facts("ml.g5.xlarge").price_per_hour < catalog.hardware_facts("ml.g5.2xlarge").price_per_hour
-    assert catalog.hardware_facts("ml.p5e.48xlarge").price_per_hour is None
+    assert catalog.hardware_facts("ml.p5en.48xlarge").price_per_hour == 63.296
     assert "EC2 price" in catalog.hardware_facts("ml.g6.xlarge").source
 
 

@@ -58,7 +58,7 @@ def planned(spec: Path):
 
 
 def refusal(spec: Path, target: str) -> str | None:
-    """Why `target` cannot run the spec's plan (None: it can). The refusals are by design (README)."""
+    """Why `target` cannot run the spec's plan (None: it can). The refusals are by design (docs/deploy.md)."""
     result = planned(spec)
     try:
         render_deployment(target, result.plan, result.hardware, Account(name=resource_name(spec.stem)))
@@ -265,7 +265,8 @@ def test_the_kserve_multi_node_files_place_each_lmc_runtime_on_ray():
     for stem, pp in (("llama-3-1-405b-p4d-24xlarge", 4), ("deepseek-v3-2x-p5-48xlarge", 2)):
         plan = planned(ROOT / "specs" / f"{stem}.toml").plan
         files = deploy_files(ROOT / "specs" / f"{stem}.toml", "kserve")
-        assert set(files) == {"kserve/servingruntime.yaml", "kserve/inferenceservice.yaml", "kserve/README.md"}
+        assert set(files) == {"kserve/servingruntime.yaml", "kserve/inferenceservice.yaml", "kserve/serviceaccount.yaml",
+                              "kserve/README.md"}
         runtime = documents(files["kserve/servingruntime.yaml"].decode())[0]
         isvc = documents(files["kserve/inferenceservice.yaml"].decode())[0]
         predictor = isvc["spec"]["predictor"]
@@ -406,8 +407,8 @@ def test_cli_writes_the_files_and_names_the_placeholders(tmp_path):
     code, out, err = _run(["deploy", str(BLOOM), "--target", "sagemaker", "-o", str(tmp_path)])
     assert code == 0
     written = sorted(p.name for p in (tmp_path / "sagemaker").iterdir())
-    assert written == ["README.md", "create-endpoint-config.json", "create-endpoint.json", "create-model.json",
-                       "put-scaling-policy.json", "register-scalable-target.json"]
+    # the plan's autoscaling bounds are equal (1-1): nothing to scale, so no scaling target or policy
+    assert written == ["README.md", "create-endpoint-config.json", "create-endpoint.json", "create-model.json"]
     assert "image ([deploy] image or --image), role_arn ([deploy] role_arn or --role), model_data" in err
     assert "REPLACE_ME" in (tmp_path / "sagemaker" / "create-model.json").read_text()
     code, out, err = _run(["deploy", str(BLOOM), "--target", "sagemaker", "-o", str(tmp_path),
@@ -473,3 +474,123 @@ def test_cli_takes_the_account_values_from_the_spec(tmp_path):
     assert pod["containers"][0]["image"] == "123456789012.dkr.ecr.us-west-2.amazonaws.com/lmc:0.1.0"
     assert pod["initContainers"][0]["command"][-1] == "aws s3 sync 's3://models/bloom/' '/opt/ml/model'"
     assert validate_manifest(deployment) == []
+
+
+# --- sized from what `lmc build` packs (issue 32) ------------------------------------------------------
+
+QWEN3_FP8 = ROOT / "specs" / "qwen3-8b-g5-2xlarge.toml"
+AUTOSCALING = ROOT / "specs" / "llama-3-1-8b-g5-2xlarge-autoscaling.toml"
+
+
+def test_a_vllm_fp8_plan_is_sized_for_the_16_bit_checkpoint_a_build_without_its_gpus_packs():
+    plan = planned(QWEN3_FP8).plan
+    assert (plan.engine, plan.dtype) == ("vllm", "fp8")
+    config = json.loads((GOLDEN_DIR / QWEN3_FP8.stem / "deploy/sagemaker/create-endpoint-config.json").read_text())
+    readme = (GOLDEN_DIR / QWEN3_FP8.stem / "deploy/kubernetes/README.md").read_text()
+    bf16 = plan.model.parameters * 2
+    assert f"artifact {bf16 / 1e9:.1f} GB: the checkpoint in bf16" in readme
+    deployment = documents((GOLDEN_DIR / QWEN3_FP8.stem / "deploy/kubernetes/deployment.yaml").read_text())[0]
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "model")
+    assert int(volume["emptyDir"]["sizeLimit"].removesuffix("Gi")) * 2**30 >= bf16 * 1.1
+    assert "VolumeSizeInGB" not in config["ProductionVariants"][0]  # g5's NVMe
+
+
+def _tiny_fp8_spec(tmp_path: Path) -> Path:
+    from lmc.testing.checkpoints import make_checkpoint
+
+    make_checkpoint("qwen3", tmp_path / "qwen3", seed=0)
+    spec = tmp_path / "tiny-qwen3-fp8.toml"
+    spec.write_text('[model]\nid = "lmc/tiny-qwen3"\npath = "qwen3"\n[target]\ninstance = "ml.g6e.xlarge"\n'
+                    '[workload]\nmax_input_tokens = 64\nmax_output_tokens = 32\nconcurrency = 2\n'
+                    '[pin]\nengine = "vllm"\ndtype = "fp8"\n')
+    return spec
+
+
+def test_the_prediction_covers_what_a_build_host_without_gpus_packs_and_the_manifest_sizes_it(tmp_path):
+    """The issue's case: a tiny qwen3 planned in fp8 for an L40S, built here (no CUDA GPU: the checkpoint in
+    bf16). The prediction holds the packed weights; `--artifact` sizes from the manifest exactly."""
+    from lmc.emitters.deploy import predicted_artifact, read_built_artifact
+    from lmc.planner.sizing import planned_artifact
+
+    spec = _tiny_fp8_spec(tmp_path)
+    code, _, err = _run(["build", str(spec), "--format", "dir", "-o", str(tmp_path / "model")])
+    assert code == 0, err
+    plan = plan_from_spec(load_spec(spec)).plan
+    packed = (tmp_path / "model" / "model.safetensors").stat().st_size
+    assert planned_artifact(plan).value < packed  # the planned dtype's bytes would not hold it
+    predicted = predicted_artifact(plan)
+    assert predicted.value <= packed < predicted.value * 1.01  # the bf16 weights and their header
+    built = read_built_artifact(str(tmp_path / "model"))
+    assert built.plan_sha256 == plan.plan_sha256
+    assert built.tree_bytes == sum(p.stat().st_size for p in (tmp_path / "model").rglob("*") if p.is_file())
+    code, _, err = _run(["deploy", str(spec), "--target", "kubernetes", "-o", str(tmp_path / "out"),
+                         "--artifact", str(tmp_path / "model")])
+    assert code == 0, err
+    readme = (tmp_path / "out" / "kubernetes" / "README.md").read_text()
+    assert f"artifact {built.tree_bytes / 1e9:.1f} GB: the files {tmp_path / 'model'}'s manifest (lmc.json) lists" in readme
+
+
+def test_an_artifact_from_another_plan_or_no_artifact_is_refused_in_one_line(tmp_path):
+    spec = _tiny_fp8_spec(tmp_path)
+    code, _, err = _run(["build", str(spec), "-o", str(tmp_path / "model.tar.gz")])
+    assert code == 0, err
+    other = tmp_path / "other.toml"
+    other.write_text(spec.read_text().replace("concurrency = 2", "concurrency = 3"))
+    code, _, err = _run(["deploy", str(other), "--target", "sagemaker", "-o", str(tmp_path / "out"),
+                         "--artifact", str(tmp_path / "model.tar.gz")])
+    assert code == 1 and len(err.splitlines()) == 1 and "not this spec's plan" in err, err
+    (tmp_path / "junk.tar.gz").write_bytes(b"not gzip")
+    code, _, err = _run(["deploy", str(spec), "--target", "sagemaker", "-o", str(tmp_path / "out"),
+                         "--artifact", str(tmp_path / "junk.tar.gz")])
+    assert code == 1 and "not a readable artifact" in err, err
+    code, _, err = _run(["deploy", str(spec), "--target", "sagemaker", "-o", str(tmp_path / "out"),
+                         "--model-data", "s3://b/m/model.tar.gz", "--artifact", str(tmp_path / "model.tar.gz")])
+    assert code == 0, err
+    readme = (tmp_path / "out" / "sagemaker" / "README.md").read_text()
+    archive = (tmp_path / "model.tar.gz").stat().st_size
+    assert f"artifact {archive / 1e9:.1f} GB: {tmp_path / 'model.tar.gz'} as built" in readme
+    assert "+ its extracted tree" in readme
+
+
+def test_pods_run_as_a_service_account_with_pinned_images_and_host_requests():
+    files = deploy_files(QWEN3_FP8, "kubernetes")
+    account = documents(files["kubernetes/serviceaccount.yaml"].decode())[0]
+    assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].startswith("arn:aws:iam::000000000000:role/REPLACE_ME")
+    pod = documents(files["kubernetes/deployment.yaml"].decode())[0]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"] == "qwen3-8b-g5-2xlarge"
+    images = [c["image"] for c in pod["initContainers"] + pod["containers"]]
+    assert all(":" in image and not image.endswith(":latest") for image in images), images
+    requests = pod["containers"][0]["resources"]["requests"]
+    # g5.2xlarge: 8 vCPUs, 32 GiB; 10 % for DaemonSets, the EKS AMI's kube-reserved 90m / 1465 MiB, eviction 100 MiB
+    assert requests["cpu"] == "7100m"
+    assert requests["memory"] == f"{int((32 * 2**30 * 0.9 - (255 + 11 * 110 + 100) * 2**20) // 2**30)}Gi" == "27Gi"
+
+
+def test_rollouts_surge_only_where_the_plan_leaves_an_instance_spare():
+    single = documents(deploy_files(QWEN3_FP8, "kubernetes")["kubernetes/deployment.yaml"].decode())[0]
+    assert single["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    text = deploy_files(QWEN3_FP8, "kubernetes")["kubernetes/deployment.yaml"].decode()
+    assert text.startswith("# rollout: the plan's 1 instance(s) are all its peak needs") and \
+        "down while the new one loads" in text
+    plan = planned(AUTOSCALING).plan
+    assert plan.deployment.instances < plan.deployment.max_instances
+    scaled = documents(deploy_files(AUTOSCALING, "kubernetes")["kubernetes/deployment.yaml"].decode())[0]
+    assert scaled["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+
+
+def test_scaling_files_only_where_the_bounds_differ_and_names_match_whole_patterns():
+    assert "sagemaker/put-scaling-policy.json" not in deploy_files(QWEN3_FP8, "sagemaker")
+    files = deploy_files(AUTOSCALING, "sagemaker")
+    target = json.loads(files["sagemaker/register-scalable-target.json"])
+    assert target["MinCapacity"] < target["MaxCapacity"]
+    assert "sagemaker/put-scaling-policy.json" in files
+    for spec in (QWEN3_FP8, AUTOSCALING):  # KServe's replicas are fixed at the plan's instances: no HPA either
+        isvc = documents(deploy_files(spec, "kserve")["kserve/inferenceservice.yaml"].decode())[0]
+        assert isvc["metadata"]["annotations"]["serving.kserve.io/autoscalerClass"] == "none"
+        assert isvc["spec"]["predictor"]["minReplicas"] == isvc["spec"]["predictor"]["maxReplicas"]
+    name_pattern = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")  # EndpointName, ModelName, EndpointConfigName
+    for spec in (s for s, target in CASES if target == "sagemaker" and planned(s) and refusal(s, target) is None):
+        bodies = {path: json.loads(body) for path, body in deploy_files(spec, "sagemaker").items() if path.endswith(".json")}
+        names = [bodies["sagemaker/create-model.json"]["ModelName"], bodies["sagemaker/create-endpoint.json"]["EndpointName"],
+                 bodies["sagemaker/create-endpoint-config.json"]["EndpointConfigName"]]
+        assert all(name_pattern.fullmatch(name) for name in names), names

@@ -121,8 +121,8 @@ def test_no_unused_golden_files(cpu_checkpoint):
     assert expected - present == set(), "golden files missing: run `pytest --snapshot-update`"
 
 
-def test_the_readmes_model_table_says_what_the_golden_plans_say():
-    """README's table of current models names each one's golden spec and its plan: engine, dtype, layout
+def test_the_model_table_in_the_docs_says_what_the_golden_plans_say():
+    """docs/models.md's table of current models names each one's golden spec and its plan: engine, dtype, layout
     (lmc.layouts.parallel_layout), replicas and TPOT. The column is checked against the golden plan.json, so
     a planner change that moves a golden plan moves the table too (three rows once kept TP-only layouts
     after data-parallel attention was chosen)."""
@@ -130,14 +130,14 @@ def test_the_readmes_model_table_says_what_the_golden_plans_say():
 
     from lmc.layouts import data_parallel_degree, parallel_layout, pipeline_degree
 
-    lines = (ROOT / "README.md").read_text().splitlines()
+    lines = (ROOT / "docs" / "models.md").read_text().splitlines()
     header = next(i for i, line in enumerate(lines) if line.endswith("| golden spec | plan |"))
     rows = []
     for line in lines[header + 2:]:
         if not line.startswith("|"):
             break
         rows.append(line.split("|"))
-    assert len(rows) >= 12, "README's model table not found"
+    assert len(rows) >= 12, "docs/models.md's model table not found"
     for cells in rows:
         name = cells[-3].strip().strip("`")
         plan = json.loads((GOLDEN / name / "plan.json").read_text())

@@ -7,7 +7,13 @@ import pytest
 from lmc.planner import catalog
 from lmc.planner.engines import engine_facts, reference_model
 from lmc.planner.memory import (
+    PAGED_BLOCK_TOKENS,
+    PAGED_FIRST_BLOCKS,
     capacity_bytes,
+    kv_reserve_bytes,
+    overhead_bytes,
+    paged_pool_blocks,
+    runtime_overhead_bytes,
     kv_bytes_per_token,
     kv_cache_bytes,
     memory_per_device,
@@ -87,6 +93,85 @@ def test_breakdown_adds_up_and_capacity_is_the_smaller_of_fraction_and_cap():
 
 def test_comm_buffers_only_when_tensor_parallel():
     hf = ENGINES["hf"]
-    one = memory_per_device(GPTJ, A10G_X4, hf, hf.efficiency["gpu"], "fp16", 1, 1, 128, 128, 0.9, None)
-    two = memory_per_device(GPTJ, A10G_X4, hf, hf.efficiency["gpu"], "fp16", 2, 1, 128, 128, 0.9, None)
-    assert two.runtime_overhead - one.runtime_overhead == hf.efficiency["gpu"].comm_buffer_bytes > 0
+    efficiency = hf.efficiency["gpu"]
+    assert overhead_bytes(efficiency, 2) - overhead_bytes(efficiency, 1) == efficiency.comm_buffer_bytes > 0
+    one = memory_per_device(GPTJ, A10G_X4, hf, efficiency, "fp16", 1, 1, 128, 128, 0.9, None)
+    two = memory_per_device(GPTJ, A10G_X4, hf, efficiency, "fp16", 2, 1, 128, 128, 0.9, None)
+    for tp, mem in ((1, one), (2, two)):  # the rest of the overhead follows each rank's own KV cache
+        assert mem.runtime_overhead == runtime_overhead_bytes(GPTJ, A10G_X4, hf, efficiency, tp, "fp16", 1, 128, 128,
+                                                              mem.kv_cache)
+
+
+# --- The GPU loop's measurements (bench/gpu/gpu_loop.py, H200, hf engine, fp16; README "GPU checks"):
+# a random Llama of Llama-2-7B's width with the tiny tokenizer's vocabulary, at 8 and 32 layers, served at
+# 128 tokens in, 64 out, 32 concurrent. nvidia-smi's peak per process: 6.1 GiB (8 layers), 20.0 GiB (32).
+
+GIB = 2**30
+H200 = catalog.accelerator_facts("h200", 1)
+
+
+def _gpu_loop_model(layers: int):
+    from lmc.planner.facts import ModelFacts
+    from lmc.testing.checkpoints import VOCAB_SIZE
+    from tests._scripts import load_script
+
+    shape = load_script("bench/gpu/gpu_loop.py").LLAMA_7B
+    hidden, inner = shape["hidden_size"], shape["intermediate_size"]
+    block = 4 * hidden * hidden + 3 * hidden * inner + 2 * hidden  # q, k, v, o; gate, up, down; two norms
+    return ModelFacts(id=f"lmc/random-llama-7b-{layers}-layers", family="llama", architecture="LlamaForCausalLM",
+                      parameters=layers * block + 2 * VOCAB_SIZE * hidden + hidden, layers=layers,
+                      hidden_size=hidden, attention_heads=shape["num_attention_heads"],
+                      kv_heads=shape["num_key_value_heads"], head_dim=hidden // shape["num_attention_heads"],
+                      intermediate_size=inner, vocab_size=VOCAB_SIZE, source="bench/gpu/gpu_loop.py")
+
+
+@pytest.mark.parametrize("layers, peak_gib", [(8, 6.1), (32, 20.0)])
+def test_the_gpu_loop_plan_covers_nvidia_smis_peak(layers, peak_gib):
+    model, hf = _gpu_loop_model(layers), ENGINES["hf"]
+    efficiency = hf.efficiency["gpu"]
+    batch, tokens_in, tokens_out = 32, 128, 64
+    mem = memory_per_device(model, H200, hf, efficiency, "fp16", 1, batch, tokens_in, tokens_out, 0.9, None)
+    # weights: every parameter in fp16, nothing split
+    assert mem.weights == model.parameters * 2
+    # the live KV cache: 32 rows of 192 positions, K and V of 32 heads × 128 per layer in fp16
+    per_token = 2 * layers * 32 * 128 * 2
+    assert mem.kv_cache == batch * (tokens_in + tokens_out) * per_token
+    # the PagedCache needs 32 × ceil(192 / 16) = 384 blocks: its pool of 64 doubles to 512, and the allocator
+    # keeps the freed pools of 64, 128 and 256 blocks: 960 blocks of 16 positions reserved
+    assert paged_pool_blocks(384) == 512
+    reserve = kv_reserve_bytes(model, 1, "fp16", batch, tokens_in, tokens_out, mem.kv_cache)
+    assert reserve == (64 + 128 + 256 + 512) * 16 * per_token
+    # runtime: the CUDA context (the catalog's 1 GiB), the pools beyond the live cache, one layer's gathered K/V
+    assert efficiency.runtime_overhead_bytes == GIB
+    assert mem.runtime_overhead == GIB + (reserve - mem.kv_cache) + mem.kv_cache // layers
+    assert mem.total == mem.weights + mem.kv_cache + mem.activations + mem.runtime_overhead
+    assert mem.total >= peak_gib * GIB, mem.total / GIB
+
+
+def test_the_paged_pool_constants_are_the_runtimes():
+    paged = pytest.importorskip("lmc.runtime.engines.paged")
+    assert (PAGED_FIRST_BLOCKS, PAGED_BLOCK_TOKENS) == (paged._FIRST_BLOCKS, paged.BLOCK_SIZE)
+    from lmc.planner.scheduling import BLOCK_SIZE
+
+    assert BLOCK_SIZE == PAGED_BLOCK_TOKENS  # the plan's kv_cache.block_size, which the runtime is given
+
+
+def test_a_growing_dynamic_cache_reserves_a_second_cache_when_the_pool_would_reserve_less():
+    model = _gpu_loop_model(8)
+    # one row of 1024 positions: 64 blocks, the pool's first size (never grown): 64 blocks reserved, while
+    # DynamicCache's torch.cat growth leaves the previous step's tensors cached: twice the live cache
+    kv = 1024 * kv_bytes_per_token(model, 1, "fp16")
+    assert paged_pool_blocks(64) == 64
+    assert kv_reserve_bytes(model, 1, "fp16", 1, 1000, 24, kv) == 2 * kv
+
+
+@pytest.mark.parametrize("engine, hardware", [
+    ("hf", catalog.local_facts()),  # a CPU host: freed blocks go back to the system, no caching allocator
+    ("vllm", H200),  # vLLM's own pool, sized inside gpu_memory_utilization (lmc.planner.vllm)
+    ("neuronx", catalog.hardware_facts("ml.inf2.8xlarge")),
+])
+def test_only_lmcs_decode_loop_on_a_gpu_pays_the_allocators_reserve(engine, hardware):
+    facts = ENGINES[engine]
+    efficiency = facts.efficiency[hardware.kind]
+    assert runtime_overhead_bytes(_gpu_loop_model(8), hardware, facts, efficiency, 1, "fp16", 32, 128, 64,
+                                  10 * GIB) == overhead_bytes(efficiency, 1)

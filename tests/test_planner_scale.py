@@ -11,7 +11,7 @@ from lmc.planner import catalog, plan_deployment
 from lmc.planner.engines import engine_facts
 from lmc.planner.latency import predict
 from lmc.planner.memory import param_split
-from lmc.planner.scale import hop_ms, request_seconds, stage_model
+from lmc.planner.scale import hop_ms, stage_model
 from lmc.schema.spec import Spec
 
 P4D = catalog.hardware_facts("ml.p4d.24xlarge")
@@ -130,14 +130,6 @@ def test_an_impossible_rate_has_no_plan_and_says_why():
     assert "raise target.instances to" in err.value.details[0]
 
 
-def test_request_seconds_is_the_prefill_and_every_token():
-    from lmc.planner.latency import Timing
-
-    timing = Timing(ttft_ms=500.0, tpot_ms=20.0, throughput_tokens_per_s=0, load_seconds=0, cost_per_hour=None,
-                    cost_per_million_tokens=None, instances_used=1)
-    assert request_seconds(timing, 100) == pytest.approx(2.5)
-
-
 def test_peak_below_the_rate_is_a_spec_error():
     with pytest.raises(ValueError, match="the peak is the higher rate"):
         spec(workload={"requests_per_second": 5.0, "peak_requests_per_second": 2.0})
@@ -154,8 +146,8 @@ def test_one_stage_keeps_the_engines_own_prediction():
                     cost_per_hour=7.09, cost_per_million_tokens=16.0, instances_used=1)
     scaled = scale_timing(timing, LLAMA_8B, G5, engine, "bf16", 4, 1, 1, 4, 1024, 100, peak_rate=2.0)
     assert scaled.timing is timing
-    assert scaled.requests_per_second == pytest.approx(4 / 1.1)
-    assert scaled.peak_instances == 1  # 2 requests/s need 1 replica of 3.6
+    assert scaled.requests_per_second == pytest.approx(123.0 / 100)  # throughput / output tokens
+    assert scaled.peak_instances == 2  # 2 requests/s need 2 replicas of 1.23, one per instance at TP 4 on 4 GPUs
     across = scale_timing(timing, LLAMA_8B, G5, engine, "bf16", 4, 2, 1, 4, 1024, 100)
     assert across.timing.throughput_tokens_per_s == pytest.approx(4 / across.timing.tpot_ms * 1e3)
     assert across.timing.instances_used == 2 and across.timing.load_seconds == 25.0

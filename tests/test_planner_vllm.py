@@ -178,8 +178,10 @@ def test_admission_keeps_a_new_requests_wait_within_the_ttft_goal():
     running, ttft, tpot = p.vllm.max_num_seqs, p.predicted.ttft_ms, p.predicted.tpot_ms
     slot = (ttft + 128 * tpot) / running
     waiting = p.vllm.max_num_queued_reqs - running
-    # the last one admitted meets its first token within the goal; one more would not
-    assert waiting >= 0 and (waiting + 1) * slot + ttft <= 4000 + 1e-6 < (waiting + 2) * slot + ttft
+    assert waiting == p.job_queue_size  # one queue size: the plan's, vLLM's bound and serving.properties'
+    # the w-th waiting request starts when the w-th running one ends (w slots), then its own TTFT: the last one
+    # admitted meets its first token within the goal; one more would not
+    assert waiting >= 1 and waiting * slot + ttft <= 4000 + 1e-6 < (waiting + 1) * slot + ttft
     assert p.vllm.retry_after_s == max(1, math.ceil(slot / 1000))
     assert p.decision("admission").value == p.vllm.max_num_queued_reqs
     # a tighter goal holds fewer; without a goal, LMI's queue: max_num_seqs + job_queue_size

@@ -8,6 +8,7 @@ import pytest
 
 from lmc.errors import SpecError
 from lmc.schema import load_spec, parse_size, parse_spec
+from lmc.schema.docs import DOC_PATH, spec_reference
 from lmc.schema.export import SCHEMA_PATH, spec_json_schema
 from lmc.schema.units import format_bytes
 
@@ -87,3 +88,74 @@ def test_unreadable_spec(tmp_path):
     path.write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(SpecError, match="cannot read the spec"):
         load_spec(path)
+
+
+def test_committed_spec_reference_is_current():
+    assert DOC_PATH.read_text() == spec_reference(), "run `python -m lmc.schema.docs`"
+
+
+def test_every_spec_key_has_a_description_and_appears_in_the_reference():
+    from lmc.schema.spec import Spec
+    from lmc.schema.docs import _section_shape
+
+    text = DOC_PATH.read_text()
+    schema = Spec.model_json_schema()
+    for section, prop in schema["properties"].items():
+        model, many = _section_shape(prop, schema["$defs"])
+        heading = f"[[{section}]]" if many else f"[{section}]"
+        assert f"## `{heading}`" in text, heading
+        assert model.get("description"), f"{heading}: the model needs a docstring (the section's intro)"
+        for key, field in model["properties"].items():
+            assert len(field.get("description", "")) >= 20, f"{section}.{key}: give it a one-line description"
+            assert f"- **`{key}`** (" in text, f"{section}.{key}"
+
+
+def test_the_reference_example_is_a_spec_that_plans(tmp_path):
+    from lmc.pipeline import plan_from_spec
+    from lmc.schema.docs import EXAMPLE
+
+    path = tmp_path / "example.toml"
+    path.write_text(EXAMPLE)
+    plan = plan_from_spec(load_spec(path)).plan
+    assert (plan.engine, plan.vllm.tool_call_parser, plan.vllm.reasoning_parser) == ("vllm", "hermes", "qwen3")
+    assert plan.goal_met
+
+
+def test_the_reference_walks_any_section_shape():
+    """Repeatable sections ([[name]]), optional ones (`X | None`) and tables inside a section appear with
+    their keys and an example built from the keys' own, without naming them in the generator."""
+    from typing import Literal
+
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Strict(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    class Source(Strict):
+        """Where the weights come from."""
+        uri: str = Field(examples=["s3://bucket/x"], description="Where the weights are.")
+
+    class Adapter(Strict):
+        """A LoRA adapter served beside the base model."""
+        name: str = Field(examples=["sql"], description="The name clients send as `model`.")
+        rank: int = Field(default=8, ge=1, le=512, description="The adapter's rank.")
+        source: Source | None = Field(default=None, description="Where it comes from.")
+
+    class Speculative(Strict):
+        """Speculative decoding."""
+        method: Literal["ngram", "draft"] = Field(description="How tokens are proposed.")
+
+    class Toy(Strict):
+        """A spec."""
+        adapters: list[Adapter] = []
+        speculative: Speculative | None = None
+
+    text = spec_reference(Toy, example="[[adapters]]\nname = \"sql\"\n")
+    assert "## `[[adapters]]`\n\n*optional, repeatable*\n\nA LoRA adapter served beside the base model." in text
+    assert '```toml\n[[adapters]]\nname = "sql"\n```' in text  # the example's own part
+    assert "- **`rank`** (integer, default `8`): The adapter's rank.\n  Constraints: ≥ 1, ≤ 512." in text
+    assert "- **`source`** (table, unset): Where it comes from." in text
+    assert "## `[adapters.source]`" in text and '```toml\n[adapters.source]\nuri = "s3://bucket/x"\n```' in text
+    assert "## `[speculative]`\n\n*optional*" in text
+    assert '```toml\n[speculative]\nmethod = "ngram"\n```' in text  # built: the first allowed value
+    assert '- **`method`** (one of `"ngram"`, `"draft"`, required): How tokens are proposed.' in text

@@ -2,9 +2,9 @@
 # The GPU checks in one call on a lent GPU machine (the `device` tool): the `gpu` tests, gpu_loop with the
 # hf engine (lmc calibrate, memory vs plan, TPOT vs roofline), then gpu_loop with DeepSpeed (AutoTP).
 # The machine's image has torch, transformers and nvcc but none of lmc's other needs: they travel as
-# wheels in .whl (README, "GPU checks"). vLLM's GPU wheel is too large to travel.
+# wheels in .whl (docs/measurements.md, "GPU checks"). vLLM's GPU wheel is too large to travel.
 #
-#   here:   see README "GPU checks" for the wheel download
+#   here:   see docs/measurements.md, "GPU checks", for the wheel download
 #   device: run(command="bash bench/gpu/device_check.sh", carry=[".whl"], timeout_s=560)
 #
 # Everything lands under $OUT: device.log (this script's output), ds_jit.log, results-*.json, logs.txt.

@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 ea7198ace9f048cd1a17f1a84918bc099dab202217cf59534948bca43386f619
-plan sha256 489399caa8190387d91606fe43f3d5d1fccddb02b97e7f7bcb99552b74b79e55
+spec sha256 5fd743c4af0166f9baf8087336b66afe9ce27afe1ca0513c095b494094256763
+plan sha256 8d7cea1bbc7b36e1a4303fe5bcbaeed305a8ec925de7d965265f409a7dbd4c68
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

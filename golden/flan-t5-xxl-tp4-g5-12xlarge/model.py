@@ -4,8 +4,8 @@ Serves google/flan-t5-xxl (t5, text2text-generation) with the deepspeed engine i
 tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
-spec sha256 53607a8916f68c0d65c86dc23ae0f3f5c3687c983af0e3e3e67f534bbe398b37
-plan sha256 0efa52295d20a0c1c30f04ded3c41513d380f2e41191c540adcae15207521c28
+spec sha256 dde21f57549a68fc9da3f0536df17be9fbf06ff4f6805b468af73213268985c1
+plan sha256 5a5c1963a7ac9db661129c5f5dc825045e071ea94858a129dcbbeb5493ff3d98
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 50 ms),
 sequences of up to 640 tokens, on cuda.
 
-spec sha256 b260ad5a899c1a864c64700469aca8f63ce30d8d7b81a8cac8c1ab65799ff9ee
-plan sha256 4d909ca759ca233e275caedc444dc7640906fa832523871e8c9bddc19464532a
+spec sha256 aa7bd27a45b40129e802e1428deb6d37cb02bf45d93eb8abfa92bd606853dfea
+plan sha256 eb4b8ff531c28a97d8c5a629f17039eeb07e5b6998af47a7b620580948814acb
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

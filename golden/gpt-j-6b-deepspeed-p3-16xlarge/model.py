@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 32 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waiting at most 50 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 9440643eba152bc660afba8ef5e8f383b2d50754376e00b7ac7deaa55ac9cc68
-plan sha256 6f2295525118a811772ee5c90bb9e697bef54eb4742df739a1efcda6aac2cdd7
+spec sha256 9c794c3ec797b542eb69b31d0e597f7f17fa73d0e4c550291ca87dcf76f24511
+plan sha256 d45815290ee9baa8e20491f9267dbf3b015469226474196894acb4c5f602ce76
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -6,8 +6,8 @@ tensor parallel degree 2, dynamic batches of up to 4 requests
 No compiled Neuron graphs are packed: transformers-neuronx cannot serialize compiled GPTJForSampling graphs, so they are compiled when the container starts
 (predicted load time including the compile: 378.9 s).
 
-spec sha256 6795048861774e3c89dd58e91a4436c95857934694c131dd947abe4a6511f55b
-plan sha256 2b977aa8ef5b12bdcc5caafb3a58f526dfecc0b6e389503c8fb66a0cbf76a471
+spec sha256 02055aae18cdb98ead5ff4b46f407a4f1087a0fdab3094fd696183a3b828d387
+plan sha256 228551cf6b700ce80abed595e796c05b723f0d808425393cc3c84632c0f36034
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 2048 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 bdeb0931d0ae3f23575cd2c0d7029122cf6fa6e5867bea8a572c31692f821c72
-plan sha256 74d10bfe2453780c4b5684e3e18ccf5a0955675c0b2d38769ec5cad2885f84ba
+spec sha256 a1d9538e8f04b5e5bd2191316b54f38bfba886da2d40f21141c423ec7d56dbb1
+plan sha256 5cf5115be61db50073e511ece94750da5cd259a6e45bcf4e5138f8c53ed7afd8
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 1536 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 a8d81812f6ce4b7e44406c5e43c39dfd1ce0683c96f6cf300ad0f33862cb7978
-plan sha256 aaa85870e32a11ffa26a10e824d7ddeeb23ea648ab1ef9dcc7b325823724af15
+spec sha256 bf917ad09d7090cefc19d9d4c4f7cd69f6b044995001e408c91baaf8050589df
+plan sha256 9166b5cc7ac0e0935ee39ec021854870e288c66d425bd5b1e39f21cd110bf76a
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

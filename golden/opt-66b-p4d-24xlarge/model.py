@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 16 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 08d63b5975cf8e40e7023802dfbb181b1227a737855aaa642b87a0bb2fac0867
-plan sha256 d6bf98e060b063320f4dea1df3379eb74194fac29f6bdfd84b9d838ab0124fd8
+spec sha256 da26ed9dd7b23a442ab272edea27922957a578f4e16d1075ded7e52f5dd4abf1
+plan sha256 d69da358b9d9fa76ed55422c489350e9504e0385227867a4f79319a82b4fea7b
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

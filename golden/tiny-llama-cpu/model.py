@@ -5,8 +5,8 @@ tensor parallel degree 2, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 96 tokens, on cpu.
 
-spec sha256 d3ca0be0e39d46830700e3f99bb23c103ebe106f3d10413e866549a8cfb90508
-plan sha256 f53816ed89528035d38ad5f227ab9ebf4b3807107a92419d90e5d2917bdb8499
+spec sha256 b243c89bcaa1a9898899c1c112c6594230fbc3b2cf6297dd974ef25088576060
+plan sha256 c884ea6de5aaf81c32f7a5e3c1be054c9ed0620a4485d10f95e39651d655303f
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

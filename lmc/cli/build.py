@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", metavar="PLAN_JSON", default=None, dest="plan_json",
                         help="the reviewed plan (lmc plan --json): stop if planning again gives another one "
                              "(e.g. the model's Hub revision moved)")
+    parser.add_argument("--accept-missed-goal", action="store_true",
+                        help="build a plan that fits but misses its goal (without it such a plan stops the build, exit 4)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="accept pickle checkpoints (*.bin); they can run code when loaded, so only for trusted files")
 
@@ -35,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     # Stage messages only for a person watching; logs and pipes get the summary (or the one error line).
     progress = (lambda message: print(f"lmc: {message}", file=sys.stderr)) if sys.stderr.isatty() else None
     result = _interruptible(lambda: build_artifact(loaded, out, fmt=args.fmt, allow_pickle=args.allow_pickle,
-                                                   progress=progress, expected_plan=expected))
+                                                   progress=progress, expected_plan=expected,
+                                                   accept_missed_goal=args.accept_missed_goal))
     plan = result.plan
     print(f"plan: {plan.model.id} on {plan.target.instance}: {plan.engine} {plan.dtype}, "
           f"TP {plan.tensor_parallel_degree} x {plan.replicas} replica(s), batch {plan.batch_size}, "

@@ -1,7 +1,8 @@
 """`lmc deploy SPEC --target sagemaker|kubernetes|kserve [-o DIR]`: plan, then write the deployment files.
 
-No weights are needed (as for `lmc plan`): the files are sized from the plan. They go to
-DIR/<target>/ (default DIR: deploy), replacing what an earlier run wrote there.
+No weights are needed (as for `lmc plan`): the files are sized from the plan and what `lmc build` would pack
+for it, or, with --artifact, from the built artifact's manifest. They go to DIR/<target>/ (default DIR:
+deploy), replacing what an earlier run wrote there.
 """
 
 from __future__ import annotations
@@ -28,21 +29,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", default=None, help="container image URI (default: [deploy] image)")
     parser.add_argument("--role", default=None, dest="role_arn",
                         help="SageMaker execution role ARN (default: [deploy] role_arn)")
+    parser.add_argument("--accept-missed-goal", action="store_true",
+                        help="write the files for a plan that fits but misses its goal (without it: exit 4)")
     parser.add_argument("--model-data", default=None,
                         help="the artifact's location: s3://.../model.tar.gz or an S3 prefix (default: [deploy] model_data)")
+    parser.add_argument("--service-account", default=None,
+                        help="Kubernetes service account the pods run as (default: [deploy] service_account, else the name)")
+    parser.add_argument("--artifact", metavar="PATH", default=None,
+                        help="the built artifact (model.tar.gz or a --format dir tree): size storage and timeouts from "
+                             "what its manifest lists instead of predicting what `lmc build` packs")
 
 
 def run(args: argparse.Namespace) -> int:
-    from lmc.emitters.deploy import Account, render_deployment, resource_name
+    from lmc.emitters.deploy import Account, read_built_artifact, render_deployment, resource_name
     from lmc.pipeline import plan_from_spec
     from lmc.schema import load_spec
     from lmc.schema.spec import DeploySpec
     from lmc.planner.sizing import copy_layout
 
+    from lmc.planner.goals import refuse_missed_goal
+
     loaded = load_spec(args.spec)
     result = plan_from_spec(loaded)
+    refuse_missed_goal(result.plan, args.accept_missed_goal, "deploy")
     given = loaded.spec.deploy
-    flags = {key: value for key in ("name", "image", "role_arn", "model_data")
+    flags = {key: value for key in ("name", "image", "role_arn", "model_data", "service_account")
              if (value := getattr(args, key)) is not None}
     if flags:  # flags are checked by the same rules as the spec's [deploy] keys
         try:
@@ -51,8 +62,9 @@ def run(args: argparse.Namespace) -> int:
             error = exc.errors()[0] if hasattr(exc, "errors") else {"loc": ("?",), "msg": str(exc)}
             raise UsageError(f"{_flag(str(error['loc'][0]))}: {error['msg']}") from None
     account = Account(name=given.name or resource_name(Path(args.spec).stem), image=given.image,
-                      role_arn=given.role_arn, model_data=given.model_data)
-    files = render_deployment(args.target, result.plan, result.hardware, account)
+                      role_arn=given.role_arn, model_data=given.model_data, service_account=given.service_account)
+    built = read_built_artifact(args.artifact) if args.artifact is not None else None
+    files = render_deployment(args.target, result.plan, result.hardware, account, built)
     out = Path(args.output)
     _replace_directory(out / args.target, {path.split("/", 1)[1]: body for path, body in files.items()})
     plan = result.plan

@@ -11,10 +11,12 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", help="the deployment spec (TOML)")
     output = parser.add_mutually_exclusive_group()
-    output.add_argument("--json", action="store_true", help="print the plan object (DESIGN.md) as JSON")
+    output.add_argument("--json", action="store_true", help="print the plan object (docs/plan.md) as JSON")
     output.add_argument("--explain", action="store_true", help="print every decision and alternative with its reason")
     parser.add_argument("--compare", type=Path, metavar="BENCH.json",
                         help="put the plan's predictions beside a bench report's measurements (with --json: as JSON)")
+    parser.epilog = ("exit status: 0 the plan meets its goal, 1 invalid input, 2 usage, 3 no feasible plan, "
+                     "4 the plan fits but misses its goal (printed all the same), 70 internal error")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,11 +40,22 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(json.dumps(comparison, indent=2) + "\n")
         else:
             sys.stdout.write(render_comparison(comparison, args.spec, str(args.compare)))
-        return 0
+        return _goal_status(result.plan)
     if args.json:
         sys.stdout.write(result.plan.to_json())
     else:
         from lmc.planner.report import render_plan
 
         sys.stdout.write(render_plan(result.plan, loaded.spec, explain=args.explain))
-    return 0
+    return _goal_status(result.plan)
+
+
+def _goal_status(plan) -> int:
+    """0 when the plan meets its goal; else one line on stderr and EXIT_GOAL_MISSED, so scripts can tell."""
+    if plan.goal_met:
+        return 0
+    from lmc.errors import EXIT_GOAL_MISSED
+    from lmc.planner.goals import goal_missed_line
+
+    print(f"lmc: {goal_missed_line(plan)} (exit {EXIT_GOAL_MISSED})", file=sys.stderr)
+    return EXIT_GOAL_MISSED

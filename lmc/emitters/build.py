@@ -5,7 +5,7 @@ SDK, the checkpoint's headers and shapes) is checked before any weight is read. 
 in a temporary directory next to `out` (same filesystem, so the final rename is atomic) and the
 staging directory is removed whatever happens: a failed build leaves nothing behind.
 
-Artifact layout (DESIGN.md): serving.properties, model.py, requirements.txt, lmc.json, the
+Artifact layout (docs/artifact.md): serving.properties, model.py, requirements.txt, lmc.json, the
 checkpoint's config.json / generation_config.json / tokenizer files, then
   hf, deepspeed:  shards/tp{N}/rank{r}.safetensors, already in the planned dtype;
   neuronx:        model.safetensors (cast, whole) and neuron/ (see lmc.emitters.neuron);
@@ -55,12 +55,15 @@ class BuildResult:
 
 
 def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_pickle: bool = False,
-                   progress: Progress | None = None, expected_plan: dict | None = None) -> BuildResult:
+                   progress: Progress | None = None, expected_plan: dict | None = None,
+                   accept_missed_goal: bool = False) -> BuildResult:
     """Plan `loaded`, then write the artifact at `out`. Raises LmcError (one line); leaves nothing on failure.
 
     `expected_plan`: the plan JSON that was reviewed (`lmc plan --json`); the build stops when planning
-    again gives another plan, naming both commits when the model's revision moved."""
+    again gives another plan, naming both commits when the model's revision moved. A plan that misses its
+    goal stops the build (GoalMissedError, exit 4) unless `accept_missed_goal`."""
     from lmc.pipeline import plan_from_spec
+    from lmc.planner.goals import refuse_missed_goal
 
     if fmt not in FORMATS:
         raise InternalError(f"unknown artifact format {fmt!r}")
@@ -70,6 +73,7 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
     plan, spec = result.plan, loaded.spec
     if expected_plan is not None:
         check_expected_plan(plan, expected_plan)
+    refuse_missed_goal(plan, accept_missed_goal, "build")
     profile = loaded.source.base_dir / spec.target.profile if spec.target.profile else None
     _check_output(out, fmt, inputs=[loaded.source.path, profile], checkpoint=result.checkpoint)
 

@@ -19,8 +19,9 @@ from lmc.errors import NoFeasiblePlanError
 from lmc.emitters import yaml_text
 from lmc.planner.facts import HardwareFacts
 from lmc.planner.plan import Plan
-from lmc.planner.sizing import (GB, GIB, PLATFORM_MAX_TIMEOUT_S, Sizing, copy_layout,
-                                 data_parallel_size, instances_per_copy_of, replicas_per_instance,
+from lmc.planner.facts import DTYPE_BYTES
+from lmc.planner.sizing import (GB, GIB, PLATFORM_MAX_TIMEOUT_S, Figure, Sizing, copy_layout,
+                                 data_parallel_size, instances_per_copy_of, planned_artifact, replicas_per_instance,
                                  size_deployment)
 
 TARGETS = ("sagemaker", "kubernetes", "kserve")
@@ -38,7 +39,10 @@ KSERVE_MODEL_DIR = "/mnt/models"  # where KServe's storage initializer puts STOR
 VARIANT = "AllTraffic"
 PROBE_PERIOD_S = 10
 SCALE_IN_COOLDOWN_S = 600
-DOWNLOADER_IMAGE = "public.ecr.aws/aws-cli/aws-cli:latest"
+# The AWS CLI's official image, pinned (a tag seen pinned in public manifests, 2026; Amazon ECR Public keeps
+# every version's tag: `aws ecr-public describe-image-tags --repository-name aws-cli/aws-cli` lists newer).
+DOWNLOADER_IMAGE = "public.ecr.aws/aws-cli/aws-cli:2.36.44"
+IRSA_ANNOTATION = "eks.amazonaws.com/role-arn"  # the role a service account's pods assume (EKS IRSA)
 NEURON_CORES_PER_DEVICE = 2  # Inferentia2 and Trainium: two NeuronCores per device (aws.amazon.com/neuron)
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 LWS_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
@@ -52,11 +56,16 @@ class Account:
     image: str | None = None
     role_arn: str | None = None
     model_data: str | None = None
+    service_account: str | None = None
 
     def placeholders(self, target: str) -> list[str]:
         """The values `target`'s files carry as placeholders, as `[deploy]` keys."""
-        keys = ("image", "role_arn", "model_data") if target == "sagemaker" else ("image", "model_data")
-        return [key for key in keys if getattr(self, key) is None]
+        return [key for key in ("image", "role_arn", "model_data") if getattr(self, key) is None]
+
+    @property
+    def service_account_name(self) -> str:
+        """The Kubernetes service account the pods read the model data as ([deploy] service_account, else the name)."""
+        return self.service_account or self.name
 
     @property
     def image_or_placeholder(self) -> str:
@@ -65,6 +74,11 @@ class Account:
     @property
     def role_or_placeholder(self) -> str:
         return self.role_arn or f"arn:aws:iam::000000000000:role/{PLACEHOLDER}-sagemaker-execution-role"
+
+    @property
+    def pod_role_or_placeholder(self) -> str:
+        """The IAM role the service account's pods assume to read the model data (IRSA)."""
+        return self.role_arn or f"arn:aws:iam::000000000000:role/{PLACEHOLDER}-model-data-reader"
 
     @property
     def model_data_or_placeholder(self) -> str:
@@ -82,9 +96,102 @@ def resource_name(text: str) -> str:
     return name or "lmc-model"
 
 
-def render_deployment(target: str, plan: Plan, hardware: HardwareFacts, account: Account) -> dict[str, bytes]:
-    """The files for `target`, README.md included. Raises NoFeasiblePlanError when the target cannot
-    run the plan (a pipeline across instances on SageMaker, a timeout past the platform's limit)."""
+@dataclass(frozen=True)
+class BuiltArtifact:
+    """What `lmc build` wrote, from its manifest (lmc.json): the plan it was built from, its files' total and,
+    for a model.tar.gz, the archive's own size."""
+
+    path: str
+    plan_sha256: str
+    tree_bytes: int
+    archive_bytes: int | None  # None for a directory (`lmc build --format dir`)
+
+
+def read_built_artifact(path: str) -> BuiltArtifact:
+    """The manifest of the artifact at `path` (a directory or a model.tar.gz). Raises ArtifactError."""
+    import tarfile
+    from pathlib import Path
+
+    from lmc.errors import ArtifactError
+    from lmc.manifest import MANIFEST_NAME, read_manifest
+
+    where = Path(path)
+    if where.is_dir():
+        manifest, archive = read_manifest(where), None
+        own = (where / MANIFEST_NAME).stat().st_size
+    else:
+        import tempfile
+
+        try:
+            with tarfile.open(where, "r:gz") as tar:
+                member = next((m for m in tar if m.name.lstrip("./") == MANIFEST_NAME and m.isfile()), None)
+                if member is None:
+                    raise ArtifactError(f"{path}: no {MANIFEST_NAME} in the archive; is it an artifact built by `lmc build`?")
+                data = tar.extractfile(member).read()
+        except (OSError, tarfile.TarError, EOFError) as exc:
+            raise ArtifactError(f"{path}: not a readable artifact (a directory or a model.tar.gz): {exc}") from None
+        with tempfile.TemporaryDirectory() as scratch:  # read_manifest's checks, on a file of its own
+            (Path(scratch) / MANIFEST_NAME).write_bytes(data)
+            manifest = read_manifest(Path(scratch))
+        archive, own = where.stat().st_size, len(data)
+    sha = manifest["plan"].get("plan_sha256")
+    tree = own + sum(entry["size"] for entry in manifest["files"].values())  # every file but lmc.json, and it
+    return BuiltArtifact(path=path, plan_sha256=str(sha), tree_bytes=tree, archive_bytes=archive)
+
+
+def predicted_artifact(plan: Plan) -> Figure:
+    """What `lmc build` packs for `plan` (lmc.emitters.build): the shards in the planned dtype for hf and
+    DeepSpeed; for neuronx the whole checkpoint cast to the planned dtype (fp16 for int8, which the Neuron SDK
+    quantizes as it loads); for vLLM either vLLM's sharded_state (a build host with the plan's GPUs: the
+    planned dtype) or the whole checkpoint in 16 bits for fp8 (any other build host, and every CPU plan):
+    the larger of the two, since the deploy files cannot know where the build runs."""
+    from lmc.emitters.vllm_weights import packed_dtype
+
+    planned = planned_artifact(plan)
+    if plan.engine == "neuronx":
+        dtype = "fp16" if plan.dtype == "int8" else plan.dtype
+        whole = int(plan.model.parameters * DTYPE_BYTES[dtype])
+        return Figure(whole, f"the whole checkpoint in {dtype} as `lmc build` packs it for neuronx: "
+                             f"{plan.model.parameters / 1e9:.2f} B parameters × {DTYPE_BYTES[dtype]:g} bytes")
+    dtype = packed_dtype(plan) if plan.engine == "vllm" else None
+    if dtype is None:  # hf, DeepSpeed: the shards; a quantized checkpoint: its files as they are
+        return Figure(planned.value, f"the weights of one model copy as `lmc build` packs them: {planned.reason}")
+    whole = int(plan.model.parameters * DTYPE_BYTES[dtype])
+    checkpoint = (f"the checkpoint in {dtype} as model.safetensors, {whole / GB:.1f} GB "
+                  f"({plan.model.parameters / 1e9:.2f} B parameters × {DTYPE_BYTES[dtype]:g} bytes)")
+    if plan.target.accelerator == "cpu":
+        return Figure(whole, f"{checkpoint}: what `lmc build` packs for vLLM on CPU")
+    if whole >= planned.value:
+        return Figure(whole, f"{checkpoint}: what `lmc build` packs on a build host without the plan's {plan.tensor_parallel_degree} "
+                             f"CUDA GPU(s); on one with them, vLLM's sharded_state in {plan.dtype}, "
+                             f"{planned.value / GB:.1f} GB ({planned.reason}); sized for the larger: give "
+                             "`--artifact` to size from the built one")
+    return Figure(planned.value, f"vLLM's sharded_state in {plan.dtype}, {planned.reason}, on a build host with "
+                                 f"the GPUs; elsewhere {checkpoint}; sized for the larger: give `--artifact` to size "
+                                 "from the built one")
+
+
+def artifact_figures(plan: Plan, account: Account, built: BuiltArtifact | None) -> tuple[Figure, Figure | None]:
+    """(the bytes an instance downloads, the tree a .tar.gz extracts to): from the built artifact's manifest
+    when given, else predicted. Raises ArtifactError when the artifact was built from another plan."""
+    if built is None:
+        return predicted_artifact(plan), None
+    from lmc.errors import ArtifactError
+
+    if built.plan_sha256 != plan.plan_sha256:
+        raise ArtifactError(f"{built.path}: built from plan {built.plan_sha256[:12]}, not this spec's plan "
+                            f"{plan.plan_sha256[:12]}: build the spec again, or give its artifact")
+    tree = Figure(built.tree_bytes, f"the files {built.path}'s manifest (lmc.json) lists, {built.tree_bytes / GB:.2f} GB")
+    if account.compressed and built.archive_bytes is not None:
+        return Figure(built.archive_bytes, f"{built.path} as built, {built.archive_bytes / GB:.2f} GB"), tree
+    return tree, (tree if account.compressed else None)
+
+
+def render_deployment(target: str, plan: Plan, hardware: HardwareFacts, account: Account,
+                      built: BuiltArtifact | None = None) -> dict[str, bytes]:
+    """The files for `target`, README.md included; sized from `built` (the artifact's manifest) when given,
+    else from what the build would pack. Raises NoFeasiblePlanError when the target cannot run the plan (a
+    pipeline across instances on SageMaker, a timeout past the platform's limit)."""
     if target not in TARGETS:
         raise ValueError(f"unknown deploy target {target!r}")
     if target == "sagemaker":
@@ -93,8 +200,9 @@ def render_deployment(target: str, plan: Plan, hardware: HardwareFacts, account:
         check_kserve(plan, hardware)
     # Only SageMaker caps the timeouts (Kubernetes has no such limit).
     limit = PLATFORM_MAX_TIMEOUT_S if target == "sagemaker" else None
+    artifact, unpacked = artifact_figures(plan, account, built)
     sizing = size_deployment(plan, hardware, compressed=account.compressed, server_timeout_s=server_timeout(plan),
-                             timeout_limit=limit)
+                             artifact=artifact, unpacked=unpacked, timeout_limit=limit)
     emit = {"sagemaker": sagemaker_files, "kubernetes": kubernetes_files, "kserve": kserve_files}[target]
     files = emit(plan, hardware, account, sizing)
     files[f"{target}/README.md"] = readme(target, plan, hardware, account, sizing, files).encode()
@@ -114,6 +222,10 @@ def server_timeout(plan: Plan) -> int:
 # (lmc.runtime.vllm_ray): the head starts Ray's head, waits for the nodes and serves; a worker joins the head.
 RAY_PORT = 6379
 KSERVE_MODEL_FORMAT = "lmc"
+# Raw deployment, and no HPA: lmc fixes the replicas at the plan's instances (min = max), and KServe 0.15's
+# autoscaler class "none" creates no HorizontalPodAutoscaler for them (kserve.github.io/website/0.15/modelserving/
+# autoscaling/raw_deployment_autoscaling, "Disable HPA in Raw Deployment").
+KSERVE_RAW = {"serving.kserve.io/deploymentMode": "RawDeployment", "serving.kserve.io/autoscalerClass": "none"}
 
 
 def check_kserve(plan: Plan, hardware: HardwareFacts) -> None:
@@ -181,11 +293,13 @@ def sagemaker_files(plan: Plan, hardware: HardwareFacts, account: Account, sizin
                               "PrimaryContainer": container},
         "create-endpoint-config.json": {"EndpointConfigName": name, "ProductionVariants": [variant]},
         "create-endpoint.json": {"EndpointName": name, "EndpointConfigName": name},
-        "register-scalable-target.json": {
+    }
+    if d.min_instances < d.max_instances:  # nothing to scale where the bounds are equal
+        bodies["register-scalable-target.json"] = {
             "ServiceNamespace": "sagemaker", "ResourceId": resource_id,
             "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
-            "MinCapacity": d.min_instances, "MaxCapacity": d.max_instances},
-        "put-scaling-policy.json": {
+            "MinCapacity": d.min_instances, "MaxCapacity": d.max_instances}
+        bodies["put-scaling-policy.json"] = {
             "PolicyName": f"{name}-invocations-per-instance", "ServiceNamespace": "sagemaker",
             "ResourceId": resource_id, "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
             "PolicyType": "TargetTrackingScaling",
@@ -193,8 +307,7 @@ def sagemaker_files(plan: Plan, hardware: HardwareFacts, account: Account, sizin
                 "TargetValue": sizing.invocations_per_instance_per_minute.value,
                 "PredefinedMetricSpecification": {"PredefinedMetricType": "SageMakerVariantInvocationsPerInstance"},
                 "ScaleInCooldown": SCALE_IN_COOLDOWN_S,
-                "ScaleOutCooldown": scale_out}},
-    }
+                "ScaleOutCooldown": scale_out}}
     return {f"sagemaker/{file}": (json.dumps(body, indent=2) + "\n").encode() for file, body in bodies.items()}
 
 
@@ -247,9 +360,13 @@ def _pod_spec(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Siz
     resources = device_resources(plan, hardware, sizing)
     limits = dict(resources)
     requests = {**resources, "ephemeral-storage": _quantity(int(sizing.storage_bytes.value))}
+    if sizing.cpu_millicores is not None:
+        requests["cpu"] = f"{int(sizing.cpu_millicores.value)}m"
     if hardware.kind == "cpu":  # the ranks share the host's memory: what the plan puts in it
         requests["memory"] = _quantity(plan.memory_per_device.total * plan.tensor_parallel_degree
                                        * replicas_per_instance(plan))
+    elif sizing.memory_request_bytes is not None:
+        requests["memory"] = _quantity(int(sizing.memory_request_bytes.value))
     container = {
         "name": "lmc-runtime",
         "image": account.image_or_placeholder,
@@ -265,7 +382,7 @@ def _pod_spec(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Siz
     else:
         container.update(_probes(sizing))
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity(int(sizing.shm_bytes.value))}}]
-    spec: dict = {}
+    spec: dict = {"serviceAccountName": account.service_account_name}
     if download:
         container["volumeMounts"].append({"name": "model", "mountPath": model_dir, "readOnly": True})
         volumes.append({"name": "model", "emptyDir": {"sizeLimit": _quantity(int(sizing.storage_bytes.value))}})
@@ -351,8 +468,7 @@ def kubernetes_files(plan: Plan, hardware: HardwareFacts, account: Account, sizi
             "spec": {
                 "replicas": d.instances // nodes,
                 "startupPolicy": "LeaderCreated",
-                "rolloutStrategy": {"type": "RollingUpdate",
-                                    "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
+                "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": _rolling_update(sizing)},
                 "leaderWorkerTemplate": {
                     "size": nodes,
                     "restartPolicy": "RecreateGroupOnPodRestart",
@@ -370,7 +486,7 @@ def kubernetes_files(plan: Plan, hardware: HardwareFacts, account: Account, sizi
             "spec": {
                 "replicas": d.instances,
                 "selector": {"matchLabels": selector},
-                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
+                "strategy": {"type": "RollingUpdate", "rollingUpdate": _rolling_update(sizing)},
                 "template": {"metadata": {"labels": labels, "annotations": _annotations(plan)},
                              "spec": _pod_spec(plan, hardware, account, sizing, serves=True)},
             },
@@ -383,8 +499,33 @@ def kubernetes_files(plan: Plan, hardware: HardwareFacts, account: Account, sizi
         "spec": {"selector": service_selector, "ports": [{"name": "http", "port": PORT, "targetPort": PORT,
                                                            "protocol": "TCP"}]},
     }
-    return {workload_file: yaml_text.dump(workload).encode(),
-            "kubernetes/service.yaml": yaml_text.dump(service).encode()}
+    return {workload_file: (_comment(f"rollout: {sizing.surge.reason}") + yaml_text.dump(workload)).encode(),
+            "kubernetes/service.yaml": yaml_text.dump(service).encode(),
+            "kubernetes/serviceaccount.yaml": service_account_yaml(account).encode()}
+
+
+def _rolling_update(sizing: Sizing) -> dict[str, int]:
+    """A surge pod where the plan leaves an instance for it, else one pod down at a time (sizing.rollout_surge)."""
+    surge = int(sizing.surge.value)
+    return {"maxUnavailable": 1 - surge, "maxSurge": surge}
+
+
+def _comment(text: str) -> str:
+    """`text` as YAML comment lines at the top of a file."""
+    import textwrap
+
+    return "".join(f"# {line}\n" for line in textwrap.wrap(text, 100, break_on_hyphens=False))
+
+
+def service_account_yaml(account: Account) -> str:
+    """The service account the pods run as: its IAM role (EKS IRSA's annotation) reads the model data."""
+    document = {"apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": {"name": account.service_account_name, "labels": _labels(account),
+                             "annotations": {IRSA_ANNOTATION: account.pod_role_or_placeholder}}}
+    return (_comment("The pods' identity for reading the model data: IRSA assumes the annotated role; with EKS Pod "
+                     "Identity instead, associate a role with this service account "
+                     "(aws eks create-pod-identity-association) and the annotation is ignored.")
+            + yaml_text.dump(document))
 
 
 # --- KServe -------------------------------------------------------------------------------------------
@@ -403,10 +544,11 @@ def kserve_files(plan: Plan, hardware: HardwareFacts, account: Account, sizing: 
     isvc = {
         "apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
         "metadata": {"name": account.name, "labels": _labels(account),
-                     "annotations": {"serving.kserve.io/deploymentMode": "RawDeployment", **_annotations(plan)}},
+                     "annotations": {**KSERVE_RAW, **_annotations(plan)}},
         "spec": {"predictor": predictor},
     }
-    return {"kserve/inferenceservice.yaml": yaml_text.dump(isvc).encode()}
+    return {"kserve/inferenceservice.yaml": yaml_text.dump(isvc).encode(),
+            "kserve/serviceaccount.yaml": service_account_yaml(account).encode()}
 
 
 def kserve_multinode_files(plan: Plan, hardware: HardwareFacts, account: Account, sizing: Sizing) -> dict[str, bytes]:
@@ -425,6 +567,7 @@ def kserve_multinode_files(plan: Plan, hardware: HardwareFacts, account: Account
         container["name"] = name
         container["env"] += ray_env
         pod.pop("terminationGracePeriodSeconds")  # not a ServingRuntime field: the InferenceService sets it
+        pod.pop("serviceAccountName")  # likewise
     head["containers"][0]["ports"].append({"name": "ray-gcs", "containerPort": RAY_PORT, "protocol": "TCP"})
     runtime = {
         "apiVersion": "serving.kserve.io/v1alpha1", "kind": "ServingRuntime",
@@ -439,16 +582,19 @@ def kserve_multinode_files(plan: Plan, hardware: HardwareFacts, account: Account
     isvc = {
         "apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
         "metadata": {"name": account.name, "labels": _labels(account),
-                     "annotations": {"serving.kserve.io/deploymentMode": "RawDeployment", **_annotations(plan)}},
+                     "annotations": {**KSERVE_RAW, **_annotations(plan)}},
         "spec": {"predictor": {
             "model": {"modelFormat": {"name": KSERVE_MODEL_FORMAT}, "runtime": account.name,
                       "storageUri": account.model_data_or_placeholder},
+            "serviceAccountName": account.service_account_name,
             "terminationGracePeriodSeconds": 120,
-            "workerSpec": {**sizes, "terminationGracePeriodSeconds": 120},
+            "workerSpec": {**sizes, "serviceAccountName": account.service_account_name,
+                           "terminationGracePeriodSeconds": 120},
         }},
     }
     return {"kserve/servingruntime.yaml": yaml_text.dump(runtime).encode(),
-            "kserve/inferenceservice.yaml": yaml_text.dump(isvc).encode()}
+            "kserve/inferenceservice.yaml": yaml_text.dump(isvc).encode(),
+            "kserve/serviceaccount.yaml": service_account_yaml(account).encode()}
 
 
 # --- README -------------------------------------------------------------------------------------------
@@ -465,7 +611,9 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
               f"- instance type {hardware.name}, {d.instances} instance(s): the plan ({plan.engine} {plan.dtype}, "
               f"{copy_layout(plan)}, {plan.replicas} replica(s)); `lmc plan --explain` says why",
               f"- autoscaling {d.min_instances}–{d.max_instances} instance(s): plan.deployment (the workload's "
-              "requests_per_second and peak_requests_per_second, or the instances the plan uses)",
+              "requests_per_second and peak_requests_per_second, or the instances the plan uses)"
+              + ("" if d.min_instances < d.max_instances or target != "sagemaker" else
+                 "; equal bounds, so no scaling target or policy is written"),
               f"- artifact {sizing.artifact_bytes.value / GB:.1f} GB: {sizing.artifact_bytes.reason}",
               f"- storage per instance {sizing.storage_bytes.value / GB:.1f} GB: {sizing.storage_bytes.reason}"]
     if sizing.ebs_volume_gb is not None:
@@ -488,6 +636,23 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
                   "failures allowed = the start-up timeout; readiness and liveness on `/ping`",
                   f"- devices per pod {sizing.devices_per_instance.value}: {sizing.devices_per_instance.reason}",
                   f"- /dev/shm {sizing.shm_bytes.value / GIB:.0f} GiB: {sizing.shm_bytes.reason}"]
+        if sizing.cpu_millicores is not None:
+            lines.append(f"- CPU request {int(sizing.cpu_millicores.value)}m: {sizing.cpu_millicores.reason} "
+                         "(the pod has the instance to itself)")
+        if hardware.kind == "cpu":
+            lines.append(f"- memory request: the plan's memory per rank ({plan.memory_per_device.total / GIB:.1f} GiB) "
+                         f"× TP {plan.tensor_parallel_degree} × {replicas_per_instance(plan)} replica(s): the ranks "
+                         "share the host's memory")
+        elif sizing.memory_request_bytes is not None:
+            lines.append(f"- memory request {sizing.memory_request_bytes.value / GIB:.0f} GiB: "
+                         f"{sizing.memory_request_bytes.reason}")
+        lines.append(f"- service account {account.service_account_name}: the pods' identity for the model data "
+                     + ("(`[deploy] service_account`)" if account.service_account else
+                        "(the resource name; `[deploy] service_account` or --service-account names another)")
+                     + f"; its role ({IRSA_ANNOTATION}): `[deploy] role_arn`")
+        if target == "kubernetes":
+            lines.append(f"- rollout maxSurge {int(sizing.surge.value)}, maxUnavailable {1 - int(sizing.surge.value)}: "
+                         f"{sizing.surge.reason}")
         nodes = instances_per_copy_of(plan)
         if nodes > 1 and efa_devices(hardware):
             carried = ("the stages' hand-overs" if d.pipeline_parallel_degree > 1 else
@@ -525,7 +690,7 @@ def readme(target: str, plan: Plan, hardware: HardwareFacts, account: Account, s
     if account.compressed:
         data = "a model.tar.gz: `lmc build SPEC`, then `aws s3 cp model.tar.gz URI`"
     lines.append(f"The model data is {data}.")
-    lines += ["", *_apply_steps(target, instances_per_copy_of(plan))]
+    lines += ["", *_apply_steps(target, instances_per_copy_of(plan), d.min_instances < d.max_instances)]
     return "\n".join(lines) + "\n"
 
 
@@ -537,32 +702,37 @@ def _describe_file(path: str) -> str:
     return {"deployment.yaml": ": a Deployment, one pod per instance",
             "leaderworkerset.yaml": ": a LeaderWorkerSet, one group of instances per model copy",
             "service.yaml": ": a Service in front of the serving pods",
+            "serviceaccount.yaml": ": the ServiceAccount the pods run as (its IAM role reads the model data)",
             "inferenceservice.yaml": ": a KServe InferenceService (raw deployment)",
             "servingruntime.yaml": ": the ServingRuntime it names: the Ray head's container and the workers' "
                                    "(workerSpec)"}.get(name, "")
 
 
-def _apply_steps(target: str, nodes: int) -> list[str]:
+def _apply_steps(target: str, nodes: int, scales: bool = True) -> list[str]:
     if target == "sagemaker":
-        return ["Apply, in this order:", "",
-                "    aws sagemaker create-model --cli-input-json file://create-model.json",
-                "    aws sagemaker create-endpoint-config --cli-input-json file://create-endpoint-config.json",
-                "    aws sagemaker create-endpoint --cli-input-json file://create-endpoint.json",
-                "    aws application-autoscaling register-scalable-target --cli-input-json file://register-scalable-target.json",
-                "    aws application-autoscaling put-scaling-policy --cli-input-json file://put-scaling-policy.json"]
+        steps = ["Apply, in this order:", "",
+                 "    aws sagemaker create-model --cli-input-json file://create-model.json",
+                 "    aws sagemaker create-endpoint-config --cli-input-json file://create-endpoint-config.json",
+                 "    aws sagemaker create-endpoint --cli-input-json file://create-endpoint.json"]
+        if scales:
+            steps += ["    aws application-autoscaling register-scalable-target --cli-input-json file://register-scalable-target.json",
+                      "    aws application-autoscaling put-scaling-policy --cli-input-json file://put-scaling-policy.json"]
+        return steps
     if target == "kubernetes":
-        steps = ["Apply with `kubectl apply -f .`; the pods need read access to the model data (their service "
-                 "account), nodes of the instance type in nodeSelector, and node ephemeral storage that holds the "
-                 "model volume (on NVMe instances, the kubelet's root on the instance store)."]
+        steps = ["Apply with `kubectl apply -f .`; the pods need nodes of the instance type in nodeSelector, node "
+                 "ephemeral storage that holds the model volume (on NVMe instances, the kubelet's root on the instance "
+                 "store), and read access to the model data for the role in serviceaccount.yaml (IRSA: the cluster's "
+                 "OIDC provider trusted by that role; or an EKS Pod Identity association for the service account)."]
         if nodes > 1:
             steps.append("LeaderWorkerSet must be installed (https://github.com/kubernetes-sigs/lws); each group's "
                          "pods join through LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX.")
         return steps
     if nodes > 1:
-        return ["Apply with `kubectl apply -f servingruntime.yaml -f inferenceservice.yaml` on a cluster with KServe "
-                "0.15 or later (raw deployment mode, multi-node); its storage initializer fetches storageUri into "
+        return ["Apply with `kubectl apply -f serviceaccount.yaml -f servingruntime.yaml -f inferenceservice.yaml` on a "
+                "cluster with KServe 0.15 or later (raw deployment mode, multi-node; no HPA); its storage initializer fetches storageUri into "
                 "/mnt/models on the head and on every worker. The image needs lmc's `ray` extra: the head's `lmc "
                 "runtime` starts Ray's head and waits for RAY_NODE_COUNT nodes, each worker's joins it through "
                 "HEAD_SVC, and vLLM runs on the cluster (distributed_executor_backend = ray)."]
-    return ["Apply with `kubectl apply -f inferenceservice.yaml` on a cluster with KServe (raw deployment mode); "
-            "its storage initializer fetches STORAGE_URI into /mnt/models."]
+    return ["Apply with `kubectl apply -f serviceaccount.yaml -f inferenceservice.yaml` on a cluster with KServe 0.15 or "
+            "later (raw deployment mode; autoscaler class none: no HPA, the replicas are the plan's); its storage "
+            "initializer fetches STORAGE_URI into /mnt/models as the service account, whose role (IRSA) reads it."]

@@ -14,7 +14,7 @@ A vLLM plan instead evaluates the plan's own serving model (planner/vllm.py `vll
 times the plan names in `predicted.step_times`) at each level: c clients over its replicas, the planned
 max_num_seqs, token budget and KV cache dtype, the bench's lengths.
 Latencies compare the measured p50. A figure is flagged when measured/predicted is off by more than
-25 % either way (DESIGN.md).
+25 % either way (docs/measuring.md).
 """
 
 from __future__ import annotations

@@ -50,6 +50,12 @@ class Timing:
     cost_per_million_tokens: float | None
     instances_used: int
     step_times: str = ""  # the step-time model behind these figures (planner/steps.py)
+    slot_ttft_ms: float | None = None  # TTFT of a request that finds a free slot (ttft_ms adds the queue, if any)
+
+    @property
+    def own_ttft_ms(self) -> float:
+        """TTFT once a request runs, without waiting for a slot (goals.py adds its own queueing to it)."""
+        return self.ttft_ms if self.slot_ttft_ms is None else self.slot_ttft_ms
 
 
 def efficiency_for(engine: EngineFacts, model: ModelFacts, hardware: HardwareFacts,

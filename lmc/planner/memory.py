@@ -217,8 +217,65 @@ def activation_bytes(model: ModelFacts, engine: EngineFacts, hardware: HardwareF
 
 
 def overhead_bytes(efficiency: EngineEfficiency, tp: int) -> int:
-    """CUDA context / Neuron runtime and allocator slack, plus collective buffers when TP > 1."""
+    """CUDA context / Neuron runtime, plus collective buffers when TP > 1."""
     return efficiency.runtime_overhead_bytes + (efficiency.comm_buffer_bytes if tp > 1 else 0)
+
+
+# lmc's decode loop (lmc.runtime.engines.paged.PagedCache): a pool of 64 blocks per layer at first, doubled
+# whenever a row needs a block the pool lacks; tests check these equal the runtime's.
+PAGED_FIRST_BLOCKS = 64
+PAGED_BLOCK_TOKENS = 16
+# Engines whose KV cache is lmc's decode loop over transformers' modules (PagedCache for continuous batching,
+# transformers' DynamicCache for dynamic batches), on PyTorch's CUDA caching allocator.
+DECODE_LOOP_ENGINES = ("hf", "deepspeed")
+
+
+def paged_pool_blocks(needed_blocks: int) -> int:
+    """The PagedCache's capacity once it holds `needed_blocks`: 64 doubled until it does."""
+    capacity = PAGED_FIRST_BLOCKS
+    while capacity < needed_blocks:
+        capacity *= 2
+    return capacity
+
+
+def kv_reserve_bytes(model: ModelFacts, tp: int, kv_dtype: str, batch: int, input_tokens: int,
+                     output_tokens: int, kv: int) -> int:
+    """What PyTorch's CUDA caching allocator holds for the KV cache of lmc's decode loop, `kv` (the live
+    cache) included. The allocator keeps every freed block for reuse and returns none to the driver
+    (torch.cuda.empty_cache aside), and a freed block serves only requests no larger than itself:
+
+    - continuous batching (PagedCache): each layer's pool grows by allocating the doubled pool, copying,
+      then freeing the old one, so a layer holds 64·(1 + 2 + … + 2^k) = 2·capacity − 64 blocks of pools,
+      each freed one too small for every later growth;
+    - dynamic batches (transformers' DynamicCache): every decode step replaces each layer's keys and values
+      by a torch.cat one token longer, allocated while the old tensor is live; the freed block is too small
+      for the next step's, so a second cache's worth stays reserved beside the live one: 2·kv.
+
+    The larger of the two (the scheduling is chosen after memory), over every layer."""
+    per_row = -(-(input_tokens + output_tokens) // PAGED_BLOCK_TOKENS)
+    capacity = paged_pool_blocks(batch * per_row)
+    pools = (2 * capacity - PAGED_FIRST_BLOCKS) * PAGED_BLOCK_TOKENS * kv_bytes_per_token(model, tp, kv_dtype)
+    return max(pools, 2 * kv)
+
+
+def decode_gather_bytes(kv: int, layers: int) -> int:
+    """A decode step's attention reads each row's keys and values gathered out of the pool
+    (PagedCache.update: index_select of every row's positions, padded to the longest): one layer's
+    K and V for the batch at full length, live beside the cache while that layer attends."""
+    return -(-kv // layers)
+
+
+def runtime_overhead_bytes(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
+                           efficiency: EngineEfficiency, tp: int, kv_dtype: str, batch: int, input_tokens: int,
+                           output_tokens: int, kv: int) -> int:
+    """The engine's fixed overhead (CUDA context, workspaces, collective buffers: `overhead_bytes`) and, for
+    lmc's decode loop on a GPU, what the caching allocator reserves beyond the live KV cache and the
+    decode's gathered K/V (docs/planner.md, "runtime overhead")."""
+    overhead = overhead_bytes(efficiency, tp)
+    if hardware.kind != "gpu" or engine.name not in DECODE_LOOP_ENGINES or model.is_encoder_decoder:
+        return overhead
+    slack = kv_reserve_bytes(model, tp, kv_dtype, batch, input_tokens, output_tokens, kv) - kv
+    return overhead + slack + decode_gather_bytes(kv, model.layers)
 
 
 def host_share(hardware: HardwareFacts, tp: int) -> int:
@@ -243,7 +300,8 @@ def memory_per_device(model: ModelFacts, hardware: HardwareFacts, engine: Engine
     weights = weight_bytes(model, engine, dtype, tp, hardware)
     kv = kv_cache_bytes(model, tp, act_dtype, batch, input_tokens, output_tokens)
     activations = activation_bytes(model, engine, hardware, tp, act_dtype, batch, input_tokens)
-    overhead = overhead_bytes(efficiency, tp)
+    overhead = runtime_overhead_bytes(model, hardware, engine, efficiency, tp, act_dtype, batch, input_tokens,
+                                      output_tokens, kv)
     total = weights + kv + activations + overhead
     capacity = capacity_bytes(hardware, memory_fraction, memory_cap) // host_share(hardware, tp)
     return MemoryPerDevice(weights=weights, kv_cache=kv, activations=activations, runtime_overhead=overhead,

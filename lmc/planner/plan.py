@@ -110,7 +110,7 @@ class Deployment(_Frozen):
     pipeline_parallel_degree: int = Field(default=1, ge=1, description="Pipeline stages (instances per model copy).")
     min_instances: int = Field(ge=1, description="Autoscaling lower bound.")
     max_instances: int = Field(ge=1, description="Autoscaling upper bound.")
-    requests_per_second: float = Field(default=0.0, ge=0, description="Requests per second the planned instances carry (TTFT + max_output_tokens · TPOT each, batch at a time).")
+    requests_per_second: float = Field(default=0.0, ge=0, description="Requests per second the planned instances carry: predicted throughput / max_output_tokens (docs/goals-and-admission.md).")
     cost_per_million_tokens_at_rate: float | None = Field(default=None, ge=0, description="USD per million output tokens at the spec's requests_per_second (None without a rate or a price).")
 
 
@@ -124,6 +124,7 @@ class Alternative(_Frozen):
     engine: str
     dtype: str
     tensor_parallel_degree: int
+    data_parallel_degree: int = Field(default=1, ge=1, description="vLLM data-parallel groups of tensor_parallel_degree ranks per replica (1: none).")
     replicas: int
     verdict: Literal["rejected", "feasible"]
     reason: str
@@ -142,7 +143,7 @@ class Plan(_Frozen):
     replicas: int = Field(ge=1)
     batch_size: int = Field(ge=1)
     max_batch_delay_ms: int = Field(ge=0)
-    job_queue_size: int = Field(ge=1)
+    job_queue_size: int = Field(ge=1, description="Requests one server holds waiting beyond those running before it answers 503: from the TTFT goal (docs/goals-and-admission.md); serving.properties writes the same.")
     max_sequence_length: int = Field(ge=1)
     scheduling: Literal["dynamic", "continuous"] = "dynamic"
     kv_cache: KvCache | None = None
@@ -150,12 +151,12 @@ class Plan(_Frozen):
     deployment: Deployment
     memory_per_device: MemoryPerDevice
     predicted: Predicted
-    goal_met: bool
+    goal_met: bool = Field(description="The workload's concurrency is admitted and meets the TPOT and TTFT goals with its queueing; false: `lmc plan` exits 4, build and deploy refuse it without --accept-missed-goal.")
     decisions: list[Decision]
     alternatives: list[Alternative]
 
     def to_dict(self) -> dict:
-        """The plan as JSON data; `kv_cache` and `vllm` only where they apply (DESIGN.md)."""
+        """The plan as JSON data; `kv_cache` and `vllm` only where they apply (docs/plan.md)."""
         body = self.model_dump(mode="json")
         for key in OPTIONAL_SECTIONS:
             if body.get(key) is None:
@@ -170,7 +171,7 @@ class Plan(_Frozen):
         return self.model_copy(update={"plan_sha256": digest})
 
     def to_json(self) -> str:
-        """Stable, readable JSON (key order as in DESIGN.md, 2-space indent, trailing newline)."""
+        """Stable, readable JSON (key order as in docs/plan.md, 2-space indent, trailing newline)."""
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def decision(self, key: str) -> Decision | None:

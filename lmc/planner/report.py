@@ -108,7 +108,8 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
         lines.append("")
         lines.append("alternatives" if explain else "best alternatives (--explain for all, with reasons)")
         for a in shown:
-            head = f"  {a.verdict:<8} {a.engine} {a.dtype} TP {a.tensor_parallel_degree} × {a.replicas}"
+            dp = f" DP {a.data_parallel_degree}" if a.data_parallel_degree > 1 else ""
+            head = f"  {a.verdict:<8} {a.engine} {a.dtype} TP {a.tensor_parallel_degree}{dp} × {a.replicas}"
             lines += _wrap(f"{head}: {a.reason}", "") if explain else [head[:WIDTH]]
     if explain:
         lines.append("")

@@ -7,9 +7,9 @@ costs on one instance plus (pp − 1) hand-overs of the batch's hidden states ov
 between instances; a prefill hands over the prompt's hidden states. Each instance loads only its
 stage, so the load time divides by the stages where the engine loads pre-partitioned weights.
 
-Rate: a replica serves `batch` requests at once, each taking TTFT + max_output_tokens · TPOT, so it
-carries batch / that many requests per second; the instance count is what the rate needs, in whole
-pipeline groups.
+Rate (planner/goals.py): the planned replicas carry throughput / max_output_tokens requests per
+second; the instance count is what the rate needs at each replica's share of that, in whole pipeline
+groups.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lmc.planner.facts import DTYPE_BYTES, EngineFacts, HardwareFacts, InterconnectFacts, ModelFacts
+from lmc.planner.goals import replicas_for_rate, requests_per_second
 from lmc.planner.latency import Timing, copy_instances, cost_figures
 from lmc.planner.memory import compute_dtype, param_split
 
@@ -74,17 +75,6 @@ def hop_ms(network: InterconnectFacts, message_bytes: float) -> float:
     return network.latency_us * 1e-3 + message_bytes / network.bandwidth_bytes_per_s * 1e3
 
 
-def request_seconds(timing: Timing, output_tokens: int) -> float:
-    """How long one request of the workload occupies its replica: the prefill, then every token."""
-    return (timing.ttft_ms + output_tokens * timing.tpot_ms) / 1e3
-
-
-def replicas_for_rate(rate: float, batch: int, timing: Timing, output_tokens: int) -> int:
-    """Replicas that carry `rate` requests per second at the predicted figures."""
-    per_replica = batch / request_seconds(timing, output_tokens)
-    return max(math.ceil(rate / per_replica - 1e-9), 1)
-
-
 def instances_for(replicas: int, per_instance: int, nodes: int) -> int:
     """Instances `replicas` copies need: whole groups of `nodes` instances each (pipeline stages, or
     data-parallel groups across instances) where a copy needs more than one."""
@@ -114,10 +104,10 @@ def scale_timing(timing: Timing, model: ModelFacts, hardware: HardwareFacts, eng
         batch = batch * pp if staged else batch
     else:
         scaled = _across_stages(timing, model, hardware, engine, dtype, tp, pp, replicas, batch, input_tokens)
-    rps = replicas * batch / request_seconds(scaled, output_tokens)
+    rps = requests_per_second(scaled.throughput_tokens_per_s, output_tokens)
     peak = scaled.instances_used
     if peak_rate is not None:
-        peak = max(peak, instances_for(replicas_for_rate(peak_rate, batch, scaled, output_tokens), per_instance, nodes))
+        peak = max(peak, instances_for(replicas_for_rate(peak_rate, rps / replicas), per_instance, nodes))
     return Scaled(scaled, rps, peak)
 
 

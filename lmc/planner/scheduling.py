@@ -17,15 +17,9 @@ def choose_scheduling(engine: EngineFacts, dtype: str, tp: int, batch: int, conc
                       model: ModelFacts, hardware: HardwareFacts, memory: MemoryPerDevice, pipeline_stages: int = 1
                       ) -> tuple[str, KvCache | None, str]:
     """("dynamic" | "continuous", the KV pool of a continuous plan, why)."""
-    why_not = _continuous_unavailable(engine, tp, model, hardware)
-    if not why_not and pipeline_stages > 1:
-        why_not = (f"{pipeline_stages} pipeline stages hand whole batches from one instance to the next; "
-                   "batches form dynamically")
+    why_not = _dynamic_because(engine, tp, model, hardware, concurrency, pipeline_stages)
     if why_not:
         return "dynamic", None, why_not
-    if concurrency < 2:
-        return "dynamic", None, ("workload.concurrency = 1: no request can arrive while another decodes, so "
-                                 "joining a running batch would gain nothing; batches form dynamically")
     pool = kv_pool(dtype, tp, sequence_tokens, model, hardware, memory)
     return "continuous", pool, (
         f"{concurrency} concurrent requests: with dynamic batching a request that arrives while a batch decodes "
@@ -34,6 +28,25 @@ def choose_scheduling(engine: EngineFacts, dtype: str, tp: int, batch: int, conc
         f"sequences; the KV pool of {pool.blocks} blocks of {pool.block_size} tokens (the memory left after "
         f"weights, activations and runtime overhead) holds {pool.max_concurrent_sequences} sequences of "
         f"{sequence_tokens} tokens")
+
+
+def schedules_continuously(engine: EngineFacts, tp: int, model: ModelFacts, hardware: HardwareFacts,
+                           concurrency: int, pipeline_stages: int = 1) -> bool:
+    """Whether choose_scheduling will choose continuous batching (the search's admission needs to know
+    before the choice: a continuous batch frees a slot per finished request, a dynamic one all at once)."""
+    return _dynamic_because(engine, tp, model, hardware, concurrency, pipeline_stages) is None
+
+
+def _dynamic_because(engine: EngineFacts, tp: int, model: ModelFacts, hardware: HardwareFacts, concurrency: int,
+                     pipeline_stages: int) -> str | None:
+    why_not = _continuous_unavailable(engine, tp, model, hardware)
+    if not why_not and pipeline_stages > 1:
+        why_not = (f"{pipeline_stages} pipeline stages hand whole batches from one instance to the next; "
+                   "batches form dynamically")
+    if not why_not and concurrency < 2:
+        why_not = ("workload.concurrency = 1: no request can arrive while another decodes, so "
+                   "joining a running batch would gain nothing; batches form dynamically")
+    return why_not
 
 
 def _continuous_unavailable(engine: EngineFacts, tp: int, model: ModelFacts, hardware: HardwareFacts) -> str | None:

@@ -4,8 +4,10 @@ Choice rules (docs/planner.md):
 - Hard constraints: the engine supports the hardware, family and dtype; TP divides the heads (kv
   heads divide TP or TP divides them); the memory fits the budget; the cost stays under
   max_cost_per_hour. Nothing passing them → NoFeasiblePlanError (exit 3) with the nearest options.
-- Goals (tpot_ms, ttft_ms) are soft: when some configuration fits but none meets them, the closest
-  one is returned with goal_met = false and a decision explaining the gap.
+- Goals (tpot_ms, ttft_ms) are soft: a configuration meets them when the workload's concurrency is
+  admitted and meets the TPOT goal and the TTFT goal with its queueing (planner/goals.py); when some
+  configuration fits but none meets them, the closest one is returned with goal_met = false and a
+  decision explaining the gap (`lmc plan` exits 4).
 - Among configurations meeting the goals: first those whose replicas × batch serve the concurrency,
   then the highest precision (16-bit before fp8 before int8: never quantize needlessly), then the
   objective (latency: TPOT then fewer devices; throughput: tokens/s; cost: USD per million tokens),
@@ -22,6 +24,14 @@ from lmc.errors import NoFeasiblePlanError, SpecValueError
 from lmc.layouts import parallel_layout
 from lmc.planner.engines import architectures, engine_facts, runs_architecture
 from lmc.planner.facts import DTYPE_BYTES, EngineFacts, HardwareFacts, ModelFacts
+from lmc.planner.goals import (
+    Admission,
+    GoalCheck,
+    admission,
+    goal_check,
+    output_tokens_per_request,
+    replicas_for_rate,
+)
 from lmc.planner.latency import Timing, copy_instances, efficiency_for, predict
 from lmc.planner.memory import (
     WEIGHT_ONLY,
@@ -42,12 +52,10 @@ from lmc.planner.plan import (
     PlanTarget,
     Predicted,
 )
-from lmc.planner.scheduling import choose_scheduling
+from lmc.planner.scheduling import choose_scheduling, schedules_continuously
 from lmc.planner.steps import RooflineSteps, StepLayout, step_times
 from lmc.planner.vllm import (
-    Admission,
     VllmLayout,
-    admission,
     fp8_kv_cache,
     kv_cache_section,
     vllm_decisions,
@@ -60,7 +68,6 @@ from lmc.planner.vllm import (
 from lmc.planner.scale import (
     MAX_PIPELINE_DEGREE,
     pipeline_unsupported,
-    replicas_for_rate,
     scale_timing,
     stage_layers,
     stage_model,
@@ -81,7 +88,8 @@ class Config:
     batch: int
     memory: MemoryPerDevice
     timing: Timing
-    goal_gap: float  # max(predicted/goal) over the goals; ≤ 1 means met
+    goal: GoalCheck  # the concurrency admitted and the goals met with its queueing (planner/goals.py)
+    admitted: Admission  # one replica's admission bound
     over_cost: bool
     vllm: VllmLayout | None = None  # vLLM plans: the KV pool and engine arguments
     pp: int = 1  # pipeline stages, one instance each
@@ -90,6 +98,11 @@ class Config:
     peak_instances: int = 1  # instances the peak rate needs (the autoscaling upper bound)
     superseded: str | None = None  # why this layout is not offered although it fits (retire_lmc_pipeline)
     dp: int = 1  # vLLM: data-parallel groups of `tp` ranks per replica (MoE: attention; experts parallel over all)
+
+    @property
+    def goal_gap(self) -> float:
+        """max(predicted / goal) over the goals, queueing and admission included; ≤ 1 means met."""
+        return self.goal.gap
 
     @property
     def fits(self) -> bool:
@@ -154,12 +167,11 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
         replicas=chosen.replicas,
         batch_size=chosen.batch,
         max_batch_delay_ms=0 if chosen.vllm else batch_delay_ms(spec, chosen.batch),
-        job_queue_size=job_queue_size(spec, chosen),
+        job_queue_size=job_queue_size(chosen),
         max_sequence_length=spec.workload.max_input_tokens + spec.workload.max_output_tokens,
         scheduling=scheduling,
         kv_cache=kv_cache,
-        vllm=vllm_section(chosen.vllm, model, hardware, chosen.dtype, spec, chosen_admission(spec, chosen))
-        if chosen.vllm else None,
+        vllm=vllm_section(chosen.vllm, model, hardware, chosen.dtype, spec, chosen.admitted) if chosen.vllm else None,
         deployment=deployment(spec, chosen),
         memory_per_device=chosen.memory,
         predicted=predicted(chosen.timing),
@@ -297,6 +309,12 @@ def tp_unsupported(tp: int, engine: EngineFacts, model: ModelFacts) -> str | Non
     if model.family not in engine.families and allowed is not None and tp not in allowed:
         return (f"needs a tensor-parallel layout lmc has only for {', '.join(engine.families)}, not "
                 f"{model.family} ({engine.name} serves it at TP {_fmt_list(allowed)})")
+    return heads_unsupported(tp, engine, model)
+
+
+def heads_unsupported(tp: int, engine: EngineFacts, model: ModelFacts) -> str | None:
+    """Why `engine` cannot split `model`'s heads (or MLP) `tp` ways, or None: the model's own reason, which
+    a TP pin's error names before any engine's missing layout."""
     if splits_heads(engine, model) and model.attention_heads % tp:
         return f"does not divide the {model.attention_heads} attention heads"
     kv = model.kv_heads
@@ -352,7 +370,7 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             raise SpecValueError("pin.tensor_parallel_degree", tp,
                                  f"exceeds the {hardware.devices} devices of {hardware.name}; "
                                  f"use one of {_fmt_list(_all_usable_tps(usable, model, hardware))}")
-        reasons = []
+        reasons, heads = [], []
         for engine in usable.values():
             if tp not in tp_degrees(engine, hardware):
                 allowed = engine.tp_degrees.get(hardware.accelerator)
@@ -364,10 +382,14 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             if why is None:
                 break
             reasons.append(why)
+            if (split := heads_unsupported(tp, engine, model)) is not None:
+                heads.append(split)
         else:
             options = _all_usable_tps(usable, model, hardware)
             hint = f"try {_fmt_list(options)}" if options else "no TP degree works on this hardware"
-            raise SpecValueError("pin.tensor_parallel_degree", tp, f"{reasons[0]}; {hint}")
+            # The heads are the model's: a reason there holds for every engine, so it comes before any one
+            # engine's missing layout.
+            raise SpecValueError("pin.tensor_parallel_degree", tp, f"{(heads or reasons)[0]}; {hint}")
     for key, registry in (("tool_call_parser", "vllm_tool_parsers"), ("reasoning_parser", "vllm_reasoning_parsers")):
         name = getattr(spec.serving, key)
         if name is None:
@@ -596,6 +618,8 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
         return []
     sizes = (vllm_batch_sizes(spec, staged, hardware, engine, efficiency, dtype, tp, dp, kv_fp8)
              if engine.name == "vllm" else batch_sizes(load.concurrency))
+    continuous = engine.name == "vllm" or schedules_continuously(engine, tp, model, hardware, load.concurrency, pp)
+    output_tokens = output_tokens_per_request(load)
     for batch in sizes:
         replicas = pin.replicas or min(max_replicas, math.ceil(load.concurrency / (batch * dp)))
         layout = None
@@ -608,33 +632,43 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
             memory = memory_per_device(staged, hardware, engine, efficiency, dtype, tp, batch,
                                        load.max_input_tokens, load.max_output_tokens,
                                        budget.memory_fraction, budget.memory_per_device)
-        scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout, memory.headroom >= 0)
+        fits = memory.headroom >= 0
+        scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout, fits=fits)
+        # Requests one replica runs at once: its batch in each data-parallel group (and, vLLM across
+        # instances, in each stage's micro-batch).
+        running = batch * dp * (pp if layout is not None else 1)
         over_rate = False
         if load.requests_per_second is not None:
-            needed = replicas_for_rate(load.requests_per_second, batch, scaled.timing, load.max_output_tokens)
+            needed = replicas_for_rate(load.requests_per_second, scaled.requests_per_second / replicas)
             over_rate = pin.replicas is not None and needed > pin.replicas
             if needed > replicas and pin.replicas is None:
+                # The rate keeps more requests in flight than the stated concurrency: every replica's batch.
                 replicas = needed
                 scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout,
-                                 memory.headroom >= 0)
+                                 max(load.concurrency, replicas * running), fits=fits)
             over_rate = over_rate or scaled.peak_instances > spec.target.instances
         timing = scaled.timing
+        admitted = admission(goal.ttft_ms, timing.own_ttft_ms, timing.tpot_ms, output_tokens, running,
+                             math.ceil(load.concurrency / replicas), continuous)
+        checked = goal_check(goal.tpot_ms, goal.ttft_ms, timing.tpot_ms, load.concurrency, replicas, admitted)
         over_cost = (budget.max_cost_per_hour is not None and timing.cost_per_hour is not None
                      and timing.cost_per_hour > budget.max_cost_per_hour)
-        out.append(Config(engine.name, dtype, tp, replicas, batch, memory, timing, goal_gap(goal, timing), over_cost,
+        out.append(Config(engine.name, dtype, tp, replicas, batch, memory, timing, checked, admitted, over_cost,
                           vllm=layout, pp=pp, over_rate=over_rate, requests_per_second=scaled.requests_per_second,
                           peak_instances=scaled.peak_instances, dp=dp))
     return out
 
 
 def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout: VllmLayout | None = None,
-            fits: bool = True):
-    """`fits` False: a configuration the memory rejects, whose figures only rank it among the rejected: lmc's
+            concurrency: int | None = None, fits: bool = True):
+    """The figures of `replicas` replicas at `concurrency` requests in flight (default: the workload's).
+    `fits` False: a configuration the memory rejects, whose figures only rank it among the rejected: lmc's
     own step times, so measured data are looked up only for configurations a plan can choose."""
     load = spec.workload
+    concurrency = concurrency or load.concurrency
     if layout is not None and pp > 1:  # vLLM's pipeline: micro-batches in flight, hand-overs inside
         base = vllm_pipeline_predict(model, hardware, engine, dtype, tp, pp, replicas, layout, load.max_input_tokens,
-                                     load.max_output_tokens, load.concurrency)
+                                     load.max_output_tokens, concurrency)
         return scale_timing(base, model, hardware, engine, dtype, tp, pp, replicas, batch, load.max_input_tokens,
                             load.max_output_tokens, load.peak_requests_per_second, staged=True)
     dp = layout.data_parallel_size if layout is not None else 1  # a replica: dp groups of tp ranks, `batch` each
@@ -642,7 +676,7 @@ def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layou
         steps = None if fits else RooflineSteps(model, hardware, engine, StepLayout(engine.name, dtype, layout.kv_dtype,
                                                                                    tp, dp), "does not fit")
         base = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, load.max_input_tokens,
-                            load.max_output_tokens, load.concurrency, steps)
+                            load.max_output_tokens, concurrency, steps)
     else:
         base = predict(model, hardware, engine, dtype, tp, replicas, batch, load.max_input_tokens,
                        load.max_output_tokens)
@@ -664,15 +698,6 @@ def vllm_batch_sizes(spec, model: ModelFacts, hardware: HardwareFacts, engine: E
     if 1 <= holds < load.concurrency and holds not in sizes:
         sizes = sorted(sizes + [holds])
     return sizes
-
-
-def goal_gap(goal, timing: Timing) -> float:
-    gaps = [0.0]
-    if goal.tpot_ms is not None:
-        gaps.append(timing.tpot_ms / goal.tpot_ms)
-    if goal.ttft_ms is not None:
-        gaps.append(timing.ttft_ms / goal.ttft_ms)
-    return max(gaps)
 
 
 # --- choice ----------------------------------------------------------------------------------------
@@ -748,6 +773,23 @@ def plan_quantization(model: ModelFacts, chosen: Config, hardware: HardwareFacts
     return vllm_quantization(chosen.dtype, hardware) if chosen.vllm else quantization(chosen.dtype)
 
 
+def quantization_reason(model: ModelFacts, chosen: Config, hardware: HardwareFacts) -> str:
+    """What the planned quantization does with weights, activations and the KV cache, as the engine runs it
+    (the same as plan_quantization says: vLLM's online fp8 on an fp8 GPU quantizes activations too)."""
+    act = compute_dtype(chosen.dtype, model, hardware)
+    if model.checkpoint_quantization is not None:
+        return "quantization_config of the checkpoint: vLLM reads it and picks the kernels"
+    if chosen.dtype not in WEIGHT_ONLY:
+        return "none: weights served in their planned dtype"
+    if chosen.vllm is not None and chosen.dtype == "fp8" and "fp8" in hardware.dtypes:
+        return (f"vLLM's online fp8: 1 byte per weight with one scale per tensor, activations quantized to fp8 at "
+                f"each step (fp8 matmuls on {hardware.accelerator}); the KV cache in {act}")
+    if chosen.vllm is not None and chosen.dtype == "fp8":
+        return (f"weight-only: 1 byte per weight (vLLM's Marlin fp8 kernels, {hardware.accelerator} has no fp8 "
+                f"compute); activations and KV in {act}")
+    return f"weight-only: 1 byte per weight + fp16 per-channel scales; activations and KV in {act}"
+
+
 def batch_delay_ms(spec, batch: int) -> int:
     """How long a batch may wait to fill: none for batch 1; ≤ 10% of the TTFT goal; 10 ms for latency,
     50 ms (DJL's default is 100) for throughput and cost."""
@@ -772,14 +814,12 @@ def deployment(spec, chosen: Config) -> Deployment:
                       cost_per_million_tokens_at_rate=at_rate)
 
 
-def job_queue_size(spec, config: Config) -> int:
-    """Room for twice the concurrency, and at least four batches per replica."""
-    return max(2 * spec.workload.concurrency, 4 * config.batch * config.replicas, 1)
-
-
-def chosen_admission(spec, config: Config) -> Admission:
-    """vLLM's admission bound for a vLLM configuration (planner/vllm.py)."""
-    return admission(spec, config.vllm, config.timing, config.pp, job_queue_size(spec, config))
+def job_queue_size(config: Config) -> int:
+    """Requests one server holds waiting (planner/goals.py, admission): a vLLM replica's waiting ones; for
+    lmc's engines, whose worker groups on one instance share one queue, every group's."""
+    if config.vllm is not None:
+        return config.admitted.waiting
+    return config.admitted.waiting * math.ceil(config.replicas / config.timing.instances_used)
 
 
 def predicted(t: Timing) -> Predicted:
@@ -876,10 +916,7 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
     out.append(Decision(key="dtype", value=chosen.dtype,
                         reason=f"{dwhy}; {weights_total / 1e9:.1f} GB of weights in {chosen.dtype}"))
     out.append(Decision(key="quantization", value=plan_quantization(model, chosen, hardware),
-                        reason="quantization_config of the checkpoint: vLLM reads it and picks the kernels"
-                        if model.checkpoint_quantization is not None else "weight-only: 1 byte per weight + fp16 per-channel scales; activations and KV in "
-                               f"{compute_dtype(chosen.dtype, model, hardware)}" if chosen.dtype in WEIGHT_ONLY
-                        else "none: weights served in their planned dtype"))
+                        reason=quantization_reason(model, chosen, hardware)))
 
     tps = sorted({(c.tp, c.dp): c for c in groups.values() if c.engine == chosen.engine and c.dtype == chosen.dtype}.items())
     compare = ", ".join(f"{_layout(tp, dp)}: {c.timing.tpot_ms:.2f} ms" for (tp, dp), c in tps
@@ -914,9 +951,10 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
                         reason="no batching at batch 1" if chosen.batch == 1 else
                         f"{'short wait for latency' if goal.optimize == 'latency' else 'fuller batches'}"
                         + (f", ≤ 10% of the {goal.ttft_ms:g} ms TTFT goal" if goal.ttft_ms else "")))
-    out.append(Decision(key="job_queue_size", value=job_queue_size(spec, chosen),
-                        reason=f"max(2 × concurrency {load.concurrency}, 4 × batch {chosen.batch} × replicas "
-                               f"{chosen.replicas})"))
+    groups = math.ceil(chosen.replicas / t.instances_used)
+    out.append(Decision(key="job_queue_size", value=job_queue_size(chosen),
+                        reason=chosen.admitted.reason + (f"; {groups} worker groups per instance share one queue"
+                                                         if groups > 1 and chosen.vllm is None else "")))
     act = compute_dtype(chosen.dtype, model, hardware)
     per_token = kv_bytes_per_token(model, chosen.tp, act)
     seq = load.max_input_tokens + load.max_output_tokens
@@ -930,19 +968,15 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
                             f"transformers-neuronx cannot serialize {model.family} graphs: compiled at container "
                             f"start (~{engine.compile_seconds_per_billion_params * model.parameters / 1e9 / 60:.0f} min, "
                             "in load_seconds)"))
-    gaps = []
-    if goal.tpot_ms is not None:
-        gaps.append(f"TPOT {t.tpot_ms:.2f} ms {'≤' if t.tpot_ms <= goal.tpot_ms else '>'} {goal.tpot_ms:g} ms")
-    if goal.ttft_ms is not None:
-        gaps.append(f"TTFT {t.ttft_ms:.2f} ms {'≤' if t.ttft_ms <= goal.ttft_ms else '>'} {goal.ttft_ms:g} ms")
-    summary = "; ".join(gaps) or "no latency goal given"
+    summary = chosen.goal.reason + ("" if goal.tpot_ms is not None or goal.ttft_ms is not None
+                                    else "; no latency goal given")
     if not goal_met:
         summary = (f"no configuration that fits meets the goal; the closest is {chosen.goal_gap:.2f}× it: {summary}; "
-                   "relax the goal, or use faster hardware")
+                   "relax the goal, raise target.instances (more replicas), or use faster hardware")
     out.append(Decision(key="goal", value=goal_met, reason=summary))
     if chosen.vllm is not None:
         out = vllm_decisions(out, spec, model, hardware, chosen.vllm, chosen.memory, chosen.replicas,
-                             chosen_admission(spec, chosen), chosen.tp)
+                             chosen.admitted, chosen.tp)
     return out
 
 
@@ -981,8 +1015,8 @@ def scale_decisions(spec, model: ModelFacts, hardware: HardwareFacts, chosen: Co
     placed = (f"{span} instances per replica (its {chosen.tp * chosen.dp} ranks, {parallel_layout(chosen.tp, chosen.dp)})"
               if span > 1 else f"{per_instance} replica(s) per instance")
     reason = (f"{chosen.replicas} replica(s) × {pp} stage(s), {placed}; they carry "
-              f"{chosen.requests_per_second:.2f} requests/s (batch {chosen.batch} / (TTFT + {load.max_output_tokens} "
-              f"× TPOT) each)")
+              f"{chosen.requests_per_second:.2f} requests/s (throughput {t.throughput_tokens_per_s:.1f} tokens/s / "
+              f"{output_tokens_per_request(load)} output tokens a request)")
     if load.requests_per_second is not None:
         reason += f" for the {load.requests_per_second:g} requests/s of the workload"
         if load.peak_requests_per_second is not None:
@@ -1004,14 +1038,15 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
         verdict, reason = "feasible", _describe(spec, model, hardware, c)
         if c.goal_gap > 1.0 and goal_met:
             verdict, reason = "rejected", "goal missed: " + reason
-        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
-                               verdict=verdict, reason=reason))
+        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, data_parallel_degree=c.dp,
+                               replicas=c.replicas, verdict=verdict, reason=reason))
     # lmc's retired pipeline (retire_lmc_pipeline): the best per group, with its figures, for comparison.
     retired = _best_per_group(spec, model, hardware, [replace(c, superseded=None) for c in configs if c.superseded],
                               goal_met)
     for c in sorted(retired.values(), key=lambda c: sort_key(spec, model, hardware, c, goal_met)):
-        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
-                               verdict="rejected", reason=f"{PIPELINE_RETIRED}: {_describe(spec, model, hardware, c)}"))
+        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, data_parallel_degree=c.dp,
+                               replicas=c.replicas, verdict="rejected",
+                               reason=f"{PIPELINE_RETIRED}: {_describe(spec, model, hardware, c)}"))
     # Configurations that do not fit or cost too much: the smallest deficit per (engine, dtype, tp).
     short: dict[tuple, Config] = {}
     for c in configs:
@@ -1026,8 +1061,8 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
         else:
             reason = (f"doesn't fit: needs {_gib(c.memory.total)} per device (weights {_gib(c.memory.weights)}) "
                       f"> {_gib(c.memory.capacity)} capacity")
-        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, replicas=c.replicas,
-                               verdict="rejected", reason=reason))
+        out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, data_parallel_degree=c.dp,
+                               replicas=c.replicas, verdict="rejected", reason=reason))
     for r in sorted(rejections, key=lambda r: (r.engine, r.dtype, r.tp)):
         out.append(Alternative(engine=r.engine, dtype=r.dtype, tensor_parallel_degree=r.tp, replicas=r.replicas,
                                verdict="rejected", reason=r.reason))
@@ -1081,9 +1116,9 @@ def no_feasible_plan(spec, model: ModelFacts, hardware: HardwareFacts, engines: 
                    f"{spec.target.instances}")
         per_replica = best.requests_per_second / best.replicas
         details.append(f"best: {best.engine} {best.dtype} TP {best.tp}" + (f" PP {best.pp}" if best.pp > 1 else "")
-                       + f" batch {best.batch}: {per_replica:.3f} requests/s per replica (TTFT "
-                       f"{best.timing.ttft_ms:.0f} ms + {load.max_output_tokens} × TPOT {best.timing.tpot_ms:.1f} ms "
-                       f"per request); raise target.instances to {best.peak_instances} or lower the rate")
+                       + f" batch {best.batch}: {per_replica:.3f} requests/s per replica (its throughput / "
+                       f"{output_tokens_per_request(load)} output tokens a request); raise target.instances to "
+                       f"{best.peak_instances} or lower the rate")
     elif configs:  # only the cost cap stands in the way: say what the cheapest fitting one costs
         cheapest = min((c for c in configs if c.fits), key=lambda c: c.timing.cost_per_hour or 0)
         price = cheapest.timing.cost_per_hour or 0

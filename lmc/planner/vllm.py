@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, ModelFacts
+from lmc.planner.goals import Admission
 from lmc.planner.latency import Timing, copy_instances, cost_figures, dp_weight_bytes, predict
 from lmc.planner.memory import (
     capacity_bytes,
@@ -248,11 +249,12 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     # benchmark measures: completed tokens over the run), so requests/s = throughput / output tokens.
     cycle = ttft + (output_tokens - 1) * step
     throughput = groups * running * output_tokens / cycle * 1e3
+    slot_ttft = ttft
     waiting = -(-concurrency // groups) - running  # requests per group beyond its running slots
     if waiting > 0:
         ttft = queued_ttft_ms(ttft, step, running, running + waiting, output_tokens)
     _, cost_million = cost_figures(hardware, base.instances_used, throughput)
-    return replace(base, ttft_ms=ttft, tpot_ms=step, throughput_tokens_per_s=throughput,
+    return replace(base, ttft_ms=ttft, slot_ttft_ms=slot_ttft, tpot_ms=step, throughput_tokens_per_s=throughput,
                    load_seconds=base.load_seconds + engine.efficiency[hardware.kind].start_seconds,
                    cost_per_million_tokens=cost_million, step_times=steps.source)
 
@@ -305,7 +307,7 @@ def vllm_pipeline_predict(model: ModelFacts, hardware: HardwareFacts, engine: En
                         output_tokens, micro).load_seconds
     instances = instances_for(replicas, max(hardware.devices // tp, 1), pp)
     cost_hour, cost_million = cost_figures(hardware, instances, throughput)
-    return replace(whole, ttft_ms=ttft, tpot_ms=whole.tpot_ms + hops, throughput_tokens_per_s=throughput,
+    return replace(whole, ttft_ms=ttft, slot_ttft_ms=None, tpot_ms=whole.tpot_ms + hops, throughput_tokens_per_s=throughput,
                    load_seconds=load, instances_used=instances, cost_per_hour=cost_hour,
                    cost_per_million_tokens=cost_million)
 
@@ -332,40 +334,6 @@ def kv_cache_section(layout: VllmLayout) -> KvCache:
 VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-@dataclass(frozen=True)
-class Admission:
-    """How many requests vLLM holds at once (running or waiting) before it answers 503, and the Retry-After
-    lmc adds to that answer."""
-
-    max_num_queued_reqs: int
-    retry_after_s: int
-    reason: str
-
-
-def admission(spec, layout: VllmLayout, timing: Timing, stages: int, queue: int) -> Admission:
-    """With the batch full, a waiting request starts when a running one ends: one of `running` (max_num_seqs,
-    times the stages' micro-batches) ends every request time / running, a request's time being TTFT +
-    max_output_tokens × TPOT. A new request behind `w` waiting ones meets its first token after about
-    (w + 1) slots + TTFT: vLLM holds as many waiting as keep that within the spec's TTFT goal, and answers 503
-    beyond (vLLM's max_num_queued_reqs; vLLM itself queues without bound). Without a TTFT goal: LMI's queue,
-    `queue` (job_queue_size) waiting."""
-    running = layout.max_num_seqs * stages * layout.data_parallel_size
-    request_ms = timing.ttft_ms + spec.workload.max_output_tokens * timing.tpot_ms
-    slot_ms = request_ms / running
-    retry = max(1, math.ceil(slot_ms / 1000))
-    goal = spec.goal.ttft_ms
-    per_slot = (f"one of {running} running requests ends every {slot_ms:.1f} ms (TTFT {timing.ttft_ms:.1f} + "
-                f"{spec.workload.max_output_tokens} × TPOT {timing.tpot_ms:.2f} = {request_ms:.0f} ms each)")
-    if goal is None:
-        return Admission(running + queue, retry,
-                         f"no TTFT goal: {running} running + job_queue_size {queue} waiting, as LMI's queue; "
-                         f"{per_slot}; one more is answered 503 with Retry-After {retry} s")
-    waiting = max(0, math.floor((goal - timing.ttft_ms) / slot_ms) - 1)
-    return Admission(running + waiting, retry,
-                     f"{per_slot}: {waiting} waiting keep a new request's wait + TTFT within the {goal:g} ms TTFT "
-                     f"goal; one more is answered 503 with Retry-After {retry} s (vLLM alone would queue it)")
-
-
 def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts, dtype: str, spec,
                  admitted: Admission) -> VllmConfig:
     """The engine arguments of a vLLM plan: sizes, the compute dtype and vLLM's quantization flag (fp8 online
@@ -382,13 +350,13 @@ def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts,
                       enable_expert_parallel=bool(spec.pin.expert_parallel) or (layout.data_parallel_size > 1
                                                                   and model.num_experts > 1),
                       data_parallel_size=layout.data_parallel_size,
-                      max_num_queued_reqs=admitted.max_num_queued_reqs, retry_after_s=admitted.retry_after_s,
+                      max_num_queued_reqs=admitted.bound, retry_after_s=admitted.retry_after_s,
                       tool_call_parser=spec.serving.tool_call_parser, reasoning_parser=spec.serving.reasoning_parser)
 
 
 def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str | None = None,
                    data_parallel: int = 1) -> tuple[str, str]:
-    """How a vLLM artifact carries its weights, and why (the build follows this; README has the details)."""
+    """How a vLLM artifact carries its weights, and why (the build follows this; docs/choices.md, "vLLM", has the details)."""
     if data_parallel > 1 and not remote and not quantized:
         return ("checkpoint", f"the checkpoint in the planned dtype: with {data_parallel} data-parallel groups each "
                               "rank loads its part from it (vLLM's sharded_state is written per rank of one "
@@ -473,7 +441,7 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
                  "the budget's share (vLLM on CPU sizes its KV pool from VLLM_CPU_KVCACHE_SPACE instead)"),
         kv_dtype_decision(layout, hardware, spec, running),
         Decision(key="weights", value=fmt, reason=why),
-        Decision(key="admission", value=admitted.max_num_queued_reqs, reason=admitted.reason),
+        Decision(key="admission", value=admitted.bound, reason=admitted.reason),
     ]
     dp = layout.data_parallel_size
     span = copy_instances(hardware, tp * dp)

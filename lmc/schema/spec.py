@@ -26,25 +26,48 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    """What to serve."""
+    """What to serve: a Hugging Face model, and where its facts and weights come from.
+
+    The planner reads the model's facts (config.json and the safetensors headers) from `path` when it is
+    given, else from the Hugging Face Hub through huggingface_hub (HF_TOKEN, HF_HOME, HF_HUB_OFFLINE and
+    HF_ENDPOINT are honoured), else from the built-in catalog's copy of the published config.json
+    (docs/catalog.md). `lmc build` packs the weights from `path`, or downloads the planned commit from the
+    Hub, unless `uri` leaves them remote.
+    """
 
     id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/+-]*$",
-                    description="Model id (HF hub style: letters, digits, . _ - + /); facts come from `path` when given, else the catalog.")
-    path: str | None = Field(default=None, min_length=1, description="Local HF checkpoint directory, relative to the spec file.")
-    uri: str | None = Field(default=None, min_length=1, description="Remote weights (s3://...) the container loads instead of packed weights.")
-    revision: str | None = Field(default=None, min_length=1, description="Checkpoint revision, recorded in the artifact.")
-    task: Task = Field(default="text-generation", description="text-generation (decoder-only) or text2text-generation (T5 family).")
-    trust_remote_code: bool = Field(default=False, description="Allow the checkpoint's own modelling code.")
+                    examples=["Qwen/Qwen3-8B"],
+                    description="The model's Hugging Face Hub id (letters, digits, . _ - + /); its facts come from `path` when given, else the Hub, else the built-in catalog.")
+    path: str | None = Field(default=None, min_length=1, examples=["models/qwen3-8b"],
+                             description="A local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), relative to the spec file; the facts and the packed weights come from it.")
+    uri: str | None = Field(default=None, min_length=1, examples=["s3://my-bucket/qwen3-8b/"],
+                            description="Where the container loads the weights from instead of the artifact (s3://...): `lmc build` packs none and serving.properties names it as option.model_id.")
+    revision: str | None = Field(default=None, min_length=1, examples=["main"],
+                                 description="A Hub branch, tag or commit to plan and build from (default: the main branch); the plan records the commit it read, and the catalog is not used when it is set.")
+    task: Task = Field(default="text-generation", examples=["text2text-generation"],
+                       description='"text-generation" for decoder-only models, "text2text-generation" for encoder-decoders (the T5 family); the planner refuses the one that does not match the model.')
+    trust_remote_code: bool = Field(default=False, examples=[True],
+                                    description="Let a stock LMI container run modelling code shipped with the checkpoint (serving.properties' option.trust_remote_code); `lmc runtime` does not read it and runs only the architectures transformers and vLLM ship.")
 
 
 class TargetSpec(_Strict):
-    """Where to serve it."""
+    """Where to serve it: the hardware of one instance, and how many instances the plan may use.
 
-    instance: str | None = Field(default=None, min_length=1, description='A catalog instance (ml.g5.12xlarge, g5.12xlarge) or "local".')
-    accelerator: str | None = Field(default=None, min_length=1, description="A catalog accelerator (a10g, a100-40gb, ...), with `devices`.")
-    devices: int | None = Field(default=None, ge=1, le=1024, description="How many accelerators, with `accelerator`.")
-    instances: int = Field(default=1, ge=1, le=1024, description="The most instances the plan may use (replicas, pipeline stages, autoscaling).")
-    profile: str | None = Field(default=None, min_length=1, description="A measured hardware profile (catalog-entry format), relative to the spec file.")
+    Name the hardware one way: `instance` (a catalog instance type, or "local"), or `accelerator` with
+    `devices`. The catalog (docs/catalog.md) gives each device's memory, bandwidth, compute and price; a
+    `profile` measured by `lmc calibrate` replaces those figures with this machine's.
+    """
+
+    instance: str | None = Field(default=None, min_length=1, examples=["ml.g5.12xlarge"],
+                                 description='A catalog instance type, SageMaker (ml.g5.12xlarge) or EC2 (g5.12xlarge) name, or "local": the CPU of the machine lmc runs on (tensor-parallel ranks are processes over gloo).')
+    accelerator: str | None = Field(default=None, min_length=1, examples=["a10g"],
+                                    description="A catalog accelerator (t4, a10g, l4, l40s, a100-40gb, a100-80gb, h100-80gb, h200, inferentia2, trainium, ...) instead of an instance type; needs `devices`.")
+    devices: int | None = Field(default=None, ge=1, le=1024, examples=[4],
+                                description="How many of `accelerator` one instance has; needs `accelerator`.")
+    instances: int = Field(default=1, ge=1, le=1024, examples=[2],
+                           description="The most instances the plan may use: for replicas, for pipeline stages when a model copy does not fit one instance, and as the autoscaling upper bound.")
+    profile: str | None = Field(default=None, min_length=1, examples=["profile.toml"],
+                                description="A measured hardware profile (`lmc calibrate --out`, the catalog-entry format), relative to the spec file; the planner predicts from its figures instead of the catalog's.")
 
     @model_validator(mode="after")
     def _one_way_to_name_hardware(self) -> "TargetSpec":
@@ -60,29 +83,46 @@ class TargetSpec(_Strict):
 
 
 class BudgetSpec(_Strict):
-    """How much of the hardware the plan may use."""
+    """How much of the hardware the plan may use. These are hard limits: a layout over either is rejected,
+    and when none is left `lmc plan` exits 3 naming the nearest options.
+    """
 
-    memory_fraction: float = Field(default=0.9, gt=0, le=1, description="Share of each device's memory the plan may fill.")
-    memory_per_device: ByteSize | None = Field(default=None, description='Absolute cap per device: "20GiB", "20GB" or bytes.')
-    max_cost_per_hour: float | None = Field(default=None, gt=0, description="USD per hour for all instances together.")
+    memory_fraction: float = Field(default=0.9, gt=0, le=1, examples=[0.85],
+                                   description="Share of each device's memory the plan may fill (weights, KV cache, activations and runtime overhead together).")
+    memory_per_device: ByteSize | None = Field(default=None, examples=["20GiB"],
+                                               description='An absolute cap per device, "20GiB" (2^30 bytes), "20GB" (10^9 bytes), "512MiB" or integer bytes; the lower of it and memory_fraction applies.')
+    max_cost_per_hour: float | None = Field(default=None, gt=0, examples=[12.0],
+                                            description="The most all the plan's instances may cost together, USD per hour at catalog prices; dearer layouts are rejected.")
 
 
 class GoalSpec(_Strict):
-    """What the deployment must achieve."""
+    """What the deployment must achieve. Goals are soft: when something fits but nothing meets them, the
+    plan is the closest one, with `goal_met: false` (exit 0); only the budget and what the engines can run make a spec infeasible (exit 3).
+    """
 
-    tpot_ms: float | None = Field(default=None, gt=0, description="Time per output token (p50) at the planned batch, ms.")
-    ttft_ms: float | None = Field(default=None, gt=0, description="Time to first token for a max_input_tokens prompt, ms.")
-    optimize: Optimize = Field(default="latency", description="What to prefer among plans that meet the goal.")
+    tpot_ms: float | None = Field(default=None, gt=0, examples=[50],
+                                  description="Time per output token (p50) at the planned batch, in milliseconds; unset: no TPOT goal.")
+    ttft_ms: float | None = Field(default=None, gt=0, examples=[1000],
+                                  description="Time to first token for a max_input_tokens prompt, in milliseconds; unset: no TTFT goal.")
+    optimize: Optimize = Field(default="latency", examples=["throughput"],
+                               description='What to prefer among plans that meet the goals, after holding the concurrency and 16-bit precision: "latency" (lowest TPOT), "throughput" (most output tokens per second) or "cost" (lowest USD per million tokens); also the batch delay (10 ms for latency, 50 ms otherwise).')
 
 
 class WorkloadSpec(_Strict):
-    """The traffic to plan for."""
+    """The traffic to plan for: request lengths size the sequence length and the KV cache, concurrency the
+    batches and replicas, request rates the instance count and autoscaling bounds.
+    """
 
-    max_input_tokens: int = Field(default=1024, ge=1, le=1_048_576, description="Longest prompt, tokens.")
-    max_output_tokens: int = Field(default=256, ge=1, le=1_048_576, description="Longest generation, tokens.")
-    concurrency: int = Field(default=1, ge=1, le=100_000, description="Concurrent requests to serve.")
-    requests_per_second: float | None = Field(default=None, gt=0, le=1_000_000, description="Steady request rate to carry; sizes the instance count.")
-    peak_requests_per_second: float | None = Field(default=None, gt=0, le=1_000_000, description="Peak request rate; sizes the autoscaling upper bound (needs requests_per_second).")
+    max_input_tokens: int = Field(default=1024, ge=1, le=1_048_576, examples=[2048],
+                                  description="Longest prompt, in tokens; with max_output_tokens, the sequence length the plan sizes the KV cache for (at most the model's positions).")
+    max_output_tokens: int = Field(default=256, ge=1, le=1_048_576, examples=[512],
+                                   description="Longest generation, in tokens.")
+    concurrency: int = Field(default=1, ge=1, le=100_000, examples=[16],
+                             description="Requests in flight at once that the plan must hold (replicas × batch) and meet the goals at.")
+    requests_per_second: float | None = Field(default=None, gt=0, le=1_000_000, examples=[2.5],
+                                              description="Steady request rate to carry; sizes the instance count (a request holds its replica for TTFT + max_output_tokens × TPOT).")
+    peak_requests_per_second: float | None = Field(default=None, gt=0, le=1_000_000, examples=[10.0],
+                                                   description="Peak request rate; sizes the autoscaling upper bound (needs requests_per_second, and is at least it).")
 
     @model_validator(mode="after")
     def _peak_above_rate(self) -> "WorkloadSpec":
@@ -96,37 +136,63 @@ class WorkloadSpec(_Strict):
 
 
 class PinSpec(_Strict):
-    """Choices fixed by the user; the planner checks them and explains the consequences."""
+    """Choices fixed by the user; the planner checks them against the model and hardware, refuses a pin
+    that cannot run with the reason, and explains the consequences (`lmc plan --explain`). Unset: the
+    planner chooses.
+    """
 
-    engine: Engine | None = Field(default=None, description="Serving engine.")
-    dtype: Dtype | None = Field(default=None, description="Weight dtype; int8 is weight-only quantization.")
-    tensor_parallel_degree: int | None = Field(default=None, ge=1, le=1024, description="Devices per replica.")
-    replicas: int | None = Field(default=None, ge=1, le=100_000, description="Model copies across the instances.")
-    pipeline_parallel_degree: int | None = Field(default=None, ge=1, le=64, description="Pipeline stages, one instance each, per model copy.")
-    expert_parallel: bool | None = Field(default=None, description="vLLM, mixture-of-experts models: whole experts on each tensor-parallel rank (vLLM's enable_expert_parallel) instead of every expert split across the ranks.")
-    kv_cache_dtype: Literal["auto", "fp8"] | None = Field(default=None, description="vLLM --kv-cache-dtype: auto (the compute dtype) or fp8 (half the bytes per cached token: twice the sequences in the pool; GPUs with fp8: Hopper, Ada, Blackwell). Unset: fp8 where the GPU has it and a compute-dtype pool would hold fewer sequences than the concurrency.")
-    data_parallel_degree: int | None = Field(default=None, ge=1, le=1024, description="vLLM --data-parallel-size: groups of tensor_parallel_degree ranks per model copy, each with its own attention, KV pool and max_num_seqs, behind one endpoint; mixture-of-experts models spread their experts over all the groups' ranks (expert parallel). On GPUs the groups may span instances. 1: none.")
+    engine: Engine | None = Field(default=None, examples=["vllm"],
+                                  description='Serve with this engine only: "vllm" (GPUs, CPU), "hf" (HF transformers: CPU, GPUs), "deepspeed" (NVIDIA GPUs) or "neuronx" (Inferentia2, Trainium).')
+    dtype: Dtype | None = Field(default=None, examples=["bf16"],
+                                description="The weights' dtype: fp32, fp16, bf16, int8 (weight-only, per-channel scales) or fp8 (where the hardware has it; vLLM's online quantization).")
+    tensor_parallel_degree: int | None = Field(default=None, ge=1, le=1024, examples=[2],
+                                               description="Devices one model copy (one pipeline stage) is split across by tensor parallelism; it must divide what the engine splits (attention heads) and fit the instance's devices.")
+    replicas: int | None = Field(default=None, ge=1, le=100_000, examples=[2],
+                                 description="Model copies across the instances, each of tensor_parallel_degree devices (× pipeline stages).")
+    pipeline_parallel_degree: int | None = Field(default=None, ge=1, le=64, examples=[2],
+                                                 description="Pipeline stages per model copy, one instance each (vLLM across instances); without it, stages are tried only when a copy does not fit one instance.")
+    expert_parallel: bool | None = Field(default=None, examples=[True], description="vLLM, mixture-of-experts models: whole experts on each tensor-parallel rank (vLLM's enable_expert_parallel) instead of every expert split across the ranks.")
+    kv_cache_dtype: Literal["auto", "fp8"] | None = Field(default=None, examples=["fp8"], description="vLLM --kv-cache-dtype: auto (the compute dtype) or fp8 (one byte per cached element: twice the sequences in the pool; GPUs with fp8: Hopper, Ada, Blackwell). Unset: fp8 where the GPU has it and a compute-dtype pool would hold fewer sequences than the concurrency asks.")
+    data_parallel_degree: int | None = Field(default=None, ge=1, le=1024, examples=[2], description="vLLM --data-parallel-size: groups of tensor_parallel_degree ranks per model copy, each with its own attention, KV pool and max_num_seqs, behind one endpoint; mixture-of-experts models spread their experts over all the groups' ranks (expert parallel). On GPUs the groups may span instances. 1: none.")
 
 
 class ServingSpec(_Strict):
-    """What the server offers beyond generation (vLLM plans: vLLM's OpenAI server options)."""
+    """What the server offers beyond generation: vLLM's OpenAI-server options. Setting one makes the plan a
+    vLLM one (the other engines are refused with that reason); the names are checked at plan time against
+    the parsers the pinned vLLM registers (lmc/planner/data/engines/vllm_tool_parsers.txt and
+    vllm_reasoning_parsers.txt).
+    """
 
     tool_call_parser: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
-                                         description="Tool calling: the parser vLLM reads the model's tool calls with (vLLM's --tool-call-parser: hermes, llama3_json, pythonic, mistral, qwen3_xml, ...); enables automatic tool choice. Needs the vllm engine.")
+                                         examples=["hermes"],
+                                         description="Tool calling: the parser vLLM reads the model's tool calls with (vLLM's --tool-call-parser with --enable-auto-tool-choice: hermes, llama3_json, pythonic, mistral, qwen3_xml, ...). Needs the vllm engine.")
     reasoning_parser: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                                         examples=["qwen3"],
                                          description="Reasoning models: the parser that separates the reasoning from the answer (vLLM's --reasoning-parser: deepseek_r1, qwen3, gpt_oss, ...). Needs the vllm engine.")
 
 
 class DeploySpec(_Strict):
-    """Account-specific values for `lmc deploy`; where unset, the files carry marked placeholders."""
+    """Account-specific values for `lmc deploy` (docs/deploy.md). Where unset, the files carry
+    REPLACE_ME placeholders that keep the value's shape, and `lmc deploy` names them; the flags
+    `--name`, `--image`, `--role` and `--model-data` override these keys.
+    """
 
     name: str | None = Field(default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
-                             description="Name of the model, endpoint and Kubernetes resources (lower case, digits, -).")
-    image: str | None = Field(default=None, min_length=1, max_length=255, description="Container image URI that runs `lmc runtime`.")
+                             examples=["qwen3-8b"],
+                             description="Name of the SageMaker model, endpoint config and endpoint, and of the Kubernetes and KServe resources (lower-case letters, digits, -); default: the spec's file name.")
+    image: str | None = Field(default=None, min_length=1, max_length=255,
+                              examples=["123456789012.dkr.ecr.us-east-1.amazonaws.com/lmc-runtime:0.1.0"],
+                              description="The container image that runs `lmc runtime` (docker/ builds one), in every target's files.")
     role_arn: str | None = Field(default=None, min_length=20, max_length=2048, pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/.+$",
-                                 description="SageMaker execution role ARN.")
+                                 examples=["arn:aws:iam::123456789012:role/SageMakerExecutionRole"],
+                                 description="IAM role that reads the model data: SageMaker's execution role (CreateModel's ExecutionRoleArn, also to pull the image), or on Kubernetes and KServe the role of the pods' service account (EKS IRSA annotation).")
     model_data: str | None = Field(default=None, min_length=1, max_length=1024, pattern=r"^(s3|https)://.+",
-                                   description="Where the built artifact lives (s3://bucket/prefix/model.tar.gz).")
+                                   examples=["s3://my-bucket/lmc/qwen3-8b/model/"],
+                                   description="Where the built artifact was uploaded: a model.tar.gz (SageMaker's ModelDataUrl) or, ending otherwise, an S3 prefix of `lmc build --format dir` (uncompressed, what AWS recommends for large models); the Kubernetes init container and KServe's storage initializer fetch it too.")
+    service_account: str | None = Field(default=None, min_length=1, max_length=253,
+                                        pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$",
+                                        examples=["qwen3-8b"],
+                                        description="Kubernetes service account the pods run as (default: `name`); lmc deploy writes it with role_arn's IRSA annotation.")
 
 
 class Spec(_Strict):

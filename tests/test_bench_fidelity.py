@@ -1,0 +1,143 @@
+"""bench/fidelity.py: its CSV of published measurements is well-formed and cited, and its arithmetic is right."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmc.planner import catalog
+from lmc.schema import parse_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("fidelity_bench", REPO / "bench" / "fidelity.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+fidelity = _load_bench()
+ROWS = fidelity.load_rows(fidelity.DEFAULT_CSV)
+
+
+def test_csv_has_enough_rows_with_unique_ids():
+    ids = [row["id"] for row in ROWS]
+    assert len(ROWS) >= 45
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row["id"] for row in ROWS])
+def test_row_is_cited_and_well_formed(row):
+    assert re.fullmatch(r"https://\S+", row["source_url"]), row["source_url"]
+    assert row["source_table"].strip(), "which table or figure of the source"
+    assert re.fullmatch(r"\d{4}-\d{2}(-\d{2})?", row["source_date"]), row["source_date"]
+    lowered = (row["source_url"] + " " + row["source_table"] + " " + row["notes"]).lower()
+    assert not [name for name in fidelity.FORBIDDEN_SOURCES if name in lowered]
+    assert row["gpu"] in fidelity.GPU_INSTANCE and row["engine"] in fidelity.ENGINE_AIC_BACKEND
+    assert row["num_gpus"] == row["tp"] * row["dp"]
+    assert row["concurrency"] is not None and 1 <= row["concurrency"] <= 256
+    assert row["input_len"] > 0 and row["output_len"] > 0
+    measured = [row[key] for key in fidelity.MEASURED if row[key] is not None]
+    assert measured and all(value > 0 for value in measured)
+    assert row["weight_dtype"] in {"bf16", "fp16", "fp8", "mxfp4"} and row["kv_dtype"] in {"bf16", "fp16", "fp8"}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row["id"] for row in ROWS])
+def test_row_spec_is_a_valid_lmc_spec_of_a_catalog_model(row):
+    assert catalog.has_model(row["model"])
+    loaded = parse_spec(fidelity.spec_text(row), REPO / "bench" / "data" / "row.toml")
+    assert loaded.spec.pin.engine == "vllm"
+    assert loaded.spec.pin.tensor_parallel_degree == row["tp"]
+    assert loaded.spec.workload.concurrency == row["concurrency"]
+    assert loaded.spec.workload.max_input_tokens == row["input_len"]
+
+
+def test_forbidden_sources_are_recognised():
+    for url in ("https://inferencemax.semianalysis.com/", "https://github.com/SemiAnalysisAI/InferenceX/issues/1",
+                "https://docs.gpustack.ai/latest/performance-lab/x", "https://docs.nvidia.com/nim/benchmarking/llm/"):
+        assert [name for name in fidelity.FORBIDDEN_SOURCES if name in url.lower()], url
+
+
+def test_errors_and_medians_on_two_hand_made_rows():
+    def row(row_id, **measured):
+        return {"id": row_id, "tpot_ms": None, "ttft_ms": None, "output_throughput_tok_s": None, **measured}
+
+    first = fidelity.RowResult(row("hand-a-1", tpot_ms=20.0, ttft_ms=100.0, output_throughput_tok_s=1000.0),
+                               lmc={"tpot_ms": 25.0, "ttft_ms": 50.0, "output_throughput_tok_s": 900.0})
+    second = fidelity.RowResult(row("hand-b-1", tpot_ms=40.0, output_throughput_tok_s=500.0),
+                                lmc={"tpot_ms": 30.0, "ttft_ms": 70.0, "output_throughput_tok_s": 800.0},
+                                aic={"error": "OOM"})
+    assert first.errors("lmc") == {"tpot_ms": 25.0, "ttft_ms": -50.0, "output_throughput_tok_s": -10.0}
+    assert second.errors("lmc") == {"tpot_ms": -25.0, "ttft_ms": None, "output_throughput_tok_s": 60.0}
+    stats = fidelity.summary([first, second], with_aic=True)
+    assert stats["lmc_tpot_ms"] == {"median_abs_pct": 25.0, "worst_abs_pct": 25.0, "n": 2}
+    assert stats["lmc_ttft_ms"] == {"median_abs_pct": 50.0, "worst_abs_pct": 50.0, "n": 1}
+    assert stats["lmc_output_throughput_tok_s"] == {"median_abs_pct": 35.0, "worst_abs_pct": 60.0, "n": 2}
+    assert stats["aiconfigurator_answered"] == 0 and stats["lmc_planned"] == 2
+    assert stats["groups"]["hand-a"]["lmc_tpot_ms"] == {"median_abs_pct": 25.0, "worst_abs_pct": 25.0, "n": 1}
+    assert stats["groups"]["hand-b"]["lmc_output_throughput_tok_s"]["median_abs_pct"] == 60.0
+
+
+def test_aiconfigurator_report_is_parsed_and_refusals_kept():
+    report = ("  TTFT:             346.584 ms\n  TPOT:             24.500 ms\n  Request Latency:  19922.146 ms\n"
+              "  tokens/s:         641.70\n  tokens/s/gpu:     80.21\n")
+    assert fidelity.parse_aic_output(report) == {"ttft_ms": 346.584, "tpot_ms": 24.5, "output_throughput_tok_s": 641.7}
+    assert fidelity.parse_aic_output(report.replace("641.70", "1,641.70").replace("346.584", "6,120.5"))[
+        "output_throughput_tok_s"] == 1641.7
+    assert fidelity.parse_aic_output(report.replace("346.584", "6,120.5"))["ttft_ms"] == 6120.5
+    assert fidelity.parse_aic_output("[E] ... estimate failed: OOM at batch 256") == {"error": "OOM"}
+
+
+def test_aiconfigurator_command_follows_the_row():
+    trtllm = next(row for row in ROWS if row["engine"] == "trtllm" and row["ep"] == 4)
+    args = fidelity.aic_args(trtllm, bundled={"deepseek-ai/deepseek-r1": "deepseek-ai/DeepSeek-R1"})
+    flags = dict(zip(args[2::2], args[3::2]))
+    assert args[:2] == ["cli", "estimate"]
+    assert flags["--model-path"] == "deepseek-ai/DeepSeek-R1" and flags["--system"] == "h200_sxm"
+    assert flags["--backend"] == "trtllm" and flags["--tp-size"] == "8"
+    assert (flags["--moe-tp-size"], flags["--moe-ep-size"]) == ("2", "4")  # 8 ranks: EP 4 x TP 2
+    assert flags["--batch-size"] == str(trtllm["concurrency"]) and flags["--kvcache-quant-mode"] == "bfloat16"
+    dense_fp8 = next(row for row in ROWS if row["model"] == "meta-llama/Llama-3.1-405B")
+    flags = dict(zip(*[iter(fidelity.aic_args(dense_fp8, bundled={})[2:])] * 2))
+    assert "--moe-tp-size" not in flags and flags["--gemm-quant-mode"] == "fp8"  # bf16 checkpoint served in fp8
+    assert flags["--model-path"] == "meta-llama/Meta-Llama-3.1-405B"  # the name aiconfigurator bundles it under
+    qwen = {**dense_fp8, "model": "Qwen/Qwen2.5-7B-Instruct", "weight_dtype": "bf16"}
+    flags = dict(zip(*[iter(fidelity.aic_args(qwen, bundled={})[2:])] * 2))
+    assert flags["--model-path"].endswith("qwen--qwen2.5-7b-instruct") and "--gemm-quant-mode" not in flags
+
+
+def test_markdown_table_has_a_row_per_result_and_the_summary():
+    result = fidelity.RowResult({**ROWS[0]}, lmc={"tpot_ms": 50.0, "ttft_ms": 100.0, "output_throughput_tok_s": 200.0,
+                                                  "predictor": "lmc-roofline"})
+    stats = fidelity.summary([result], with_aic=False)
+    text = fidelity.markdown_table([result], stats, with_aic=False)
+    assert f"| {ROWS[0]['id']} |" in text and "lmc-roofline" in text
+    assert "| lmc, all rows | " in text and "1 of 1" in text
+
+
+def test_predictor_is_the_name_the_plan_gives():
+    named = {"predicted": {"tpot_ms": 16.3, "step_times": "aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0)"}}
+    assert fidelity.find_predictor(named) == "aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0)"
+    assert fidelity.find_predictor({"predicted": {"tpot_ms": 16.3}, "predictor": "lmc roofline"}) == "lmc roofline"
+    assert fidelity.find_predictor({"predicted": {"tpot_ms": 16.3}}) is None  # the bench then says lmc-roofline
+
+
+def test_kv_cache_dtype_follows_the_row_where_the_spec_has_the_field():
+    allowed = {"auto", "fp8"}  # the shape of a `kv_cache_dtype: Literal["auto", "fp8"]` pin
+    assert fidelity.kv_dtype_value("fp8", allowed) == "fp8"
+    assert fidelity.kv_dtype_value("bf16", allowed) == "auto"  # the measured run's 16-bit cache, not lmc's choice
+    assert fidelity.kv_dtype_value("fp8", set()) is None and fidelity.kv_dtype_value("bf16", {"fp8"}) is None
+
+
+@pytest.mark.parametrize("gpu", sorted(fidelity.GPU_INSTANCE))
+def test_each_gpu_maps_to_a_catalog_instance_of_that_gpu(gpu):
+    facts = catalog.hardware_facts(fidelity.GPU_INSTANCE[gpu])
+    assert facts.accelerator.startswith(gpu) and facts.devices == 8  # room for any TP x DP of a row
+    assert gpu in fidelity.GPU_AIC_SYSTEM
