@@ -150,3 +150,20 @@ def test_an_fp8_kv_pin_on_a_gpu_without_fp8_is_refused_with_the_fix():
         plan({"target": {"instance": "ml.g5.12xlarge"}, "pin": {"kv_cache_dtype": "fp8"}}, QWEN8, A10G)
     assert str(err.value) == ("pin.kv_cache_dtype = 'fp8': a10g has no fp8: vLLM's fp8 KV cache needs a GPU with "
                               "fp8 (Hopper, Ada, Blackwell); use auto")
+
+
+def test_a_quantized_checkpoint_aiconfigurator_does_not_bundle_runs_on_its_kernels_data_or_says_why_not():
+    pytest.importorskip("aiconfigurator_core")
+    llama = catalog.model_facts("meta-llama/Llama-3.3-70B-Instruct")
+    layout = StepLayout("vllm", "bf16", "bf16", 4)
+    fp8 = step_times(llama.model_copy(update={"checkpoint_quantization": "fp8"}), H100, VLLM, layout)
+    bf16 = step_times(llama, H100, VLLM, layout)
+    assert isinstance(fp8, MeasuredSteps) and fp8.compile_args["gemm_quant_mode"] == "fp8"
+    assert fp8.decode_ms(8, 2000) < bf16.decode_ms(8, 2000)  # half the weight bytes a step reads
+    # No int4 GEMM data for vLLM on H100: lmc's model, and the reason without this machine's paths.
+    int4 = step_times(llama.model_copy(update={"checkpoint_quantization": "int4"}), H100, VLLM, layout)
+    assert int4.source == ("lmc roofline (latency.py); aiconfigurator could not model this layout: perf database "
+                           "error: GEMM perf data missing for quant 'int4_wo'")
+    a100 = catalog.hardware_facts("ml.p4d.24xlarge")  # no fp8 compute: vLLM runs an fp8 checkpoint weight-only
+    assert step_times(llama.model_copy(update={"checkpoint_quantization": "fp8"}), a100, VLLM, layout).source == (
+        "lmc roofline (latency.py); aiconfigurator has no data for vLLM's kernels of a fp8 checkpoint on a100-40gb")

@@ -30,6 +30,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -143,6 +144,8 @@ class MeasuredSteps:
             self.decode_ms(1, 2)
         except Exception as exc:  # its own errors: unsupported quantization, missing tables, ...
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            # Its messages name files on this machine: the plan keeps what is true anywhere.
+            first = re.sub(r" at /[^\s;]+", "", first).split("; available")[0]
             self._answers["error"] = first[:200]
             _write_cache(self.cache_file, self._answers)
         error = self._answers.get("error")
@@ -245,18 +248,31 @@ def save_step_times() -> None:
 atexit.register(save_step_times)
 
 
+# A quantized checkpoint whose config aiconfigurator does not bundle, by how lmc's facts name its weights:
+# what vLLM runs it with on a GPU that has the kernels (fp8: w8a8 fp8 GEMMs on Hopper/Ada/Blackwell; 4-bit
+# AWQ/GPTQ: weight-only int4 GEMMs with 16-bit activations; MXFP4 experts: weight-only, 16-bit activations).
+CHECKPOINT_MODES = {
+    "fp8": {"gemm_quant_mode": "fp8", "moe_quant_mode": "fp8"},
+    "int4": {"gemm_quant_mode": "int4_wo", "moe_quant_mode": "int4_wo"},
+    "mxfp4": {"gemm_quant_mode": "bfloat16", "moe_quant_mode": "w4a16_mxfp4"},
+}
+
+
 def aic_quant_modes(model: ModelFacts, hardware: HardwareFacts, layout: StepLayout,
                     bundled: bool) -> dict | str:
     """aiconfigurator's quantization modes for lmc's dtype: fp8 is vLLM's online fp8 (fp8 weights, dynamic
     fp8 activations where the GPU computes in fp8); a quantized checkpoint keeps its own (aiconfigurator
-    reads it from the bundled config); an fp8 KV cache is its fp8 KV mode."""
+    reads it from the bundled config, else from CHECKPOINT_MODES); an fp8 KV cache is its fp8 KV mode."""
     modes: dict[str, str] = {}
     if layout.kv_dtype == "fp8":
         modes["kvcache_quant_mode"] = "fp8"
-    if model.checkpoint_quantization is not None:
+    quantized = model.checkpoint_quantization
+    if quantized is not None:
         if bundled:
             return modes
-        return f"aiconfigurator's model of a {model.checkpoint_quantization} checkpoint needs its bundled config"
+        if quantized not in CHECKPOINT_MODES or (quantized == "fp8" and "fp8" not in hardware.dtypes):
+            return f"aiconfigurator has no data for vLLM's kernels of a {quantized} checkpoint on {hardware.accelerator}"
+        return {**modes, **CHECKPOINT_MODES[quantized]}
     if layout.dtype == "fp8":
         if "fp8" not in hardware.dtypes:
             return f"aiconfigurator has no weight-only fp8 kernels for {hardware.accelerator}"
