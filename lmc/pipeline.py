@@ -34,6 +34,9 @@ def plan_from_spec(loaded: LoadedSpec) -> PlanResult:
         from lmc.planner import plan_deployment
 
         plan = plan_deployment(loaded.spec, model, hardware, spec_sha256=loaded.sha256, lmc_version=__version__)
+        from lmc.planner.steps import save_step_times
+
+        save_step_times()  # the measured step times it looked up, for the next plan of the same deployment
     except SpecValueError as exc:
         raise loaded.source.error(exc.key_path, exc.detail, exc.value) from None
     return PlanResult(plan=plan, model=model, hardware=hardware, checkpoint=checkpoint)

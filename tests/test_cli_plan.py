@@ -31,7 +31,9 @@ def test_plan_json_has_exactly_the_design_keys(capsys):
     assert list(plan["memory_per_device"]) == ["weights", "kv_cache", "activations", "runtime_overhead",
                                                "total", "capacity", "headroom"]
     assert list(plan["predicted"]) == ["ttft_ms", "tpot_ms", "throughput_tokens_per_s", "load_seconds",
-                                       "cost_per_hour", "cost_per_million_tokens"]
+                                       "cost_per_hour", "cost_per_million_tokens", "step_times"]
+    # Every predicted figure names the model behind it (DESIGN, "Predictions"): a deepspeed plan, lmc's own.
+    assert plan["predicted"]["step_times"].startswith("lmc roofline (latency.py); ")
     memory = plan["memory_per_device"]
     assert all(isinstance(v, int) for v in memory.values())
     assert memory["total"] == memory["weights"] + memory["kv_cache"] + memory["activations"] + memory["runtime_overhead"]

@@ -145,3 +145,26 @@ def test_a_file_that_is_not_a_bench_report_is_one_line_exit_1(planned, content, 
                          capture_output=True, text=True)
     assert out.returncode == 1
     assert message in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_a_vllm_plan_is_compared_through_its_own_serving_model():
+    from lmc.measure.compare import compare, render_comparison
+    from lmc.planner import catalog, plan_deployment
+    from lmc.planner.engines import engine_facts
+    from lmc.planner.vllm import vllm_memory, vllm_predict
+    from lmc.schema.spec import Spec
+
+    model, hardware, vllm = catalog.model_facts("Qwen/Qwen3-8B"), catalog.hardware_facts("ml.g6e.xlarge"), engine_facts()["vllm"]
+    spec = Spec.model_validate({"model": {"id": model.id}, "target": {"instance": "ml.g6e.xlarge"},
+                                "pin": {"engine": "vllm", "dtype": "bf16"}, "workload": {"concurrency": 8}})
+    plan = plan_deployment(spec, model, hardware, spec_sha256="0" * 64, lmc_version="test")
+    figures = {"ttft_ms": 100.0, "tpot_ms": 20.0, "e2e_ms": 1300.0, "output_tokens_per_s": 300.0,
+               "peak_worker_memory_bytes": 2**34}
+    result = compare(plan, model, hardware, vllm, _report({1: figures, 8: figures}, plan.plan_sha256, 512, 128))
+    _, layout = vllm_memory(model, hardware, vllm, vllm.efficiency["gpu"], "bf16", 1, plan.vllm.max_num_seqs,
+                            spec.workload.max_input_tokens, spec.workload.max_output_tokens, 0.9, None)
+    want = vllm_predict(model, hardware, vllm, "bf16", 1, plan.replicas, layout, 512, 128, 8)
+    row = next(r for r in result["rows"] if r["concurrency"] == 8 and r["figure"] == "tpot_ms")
+    assert row["predicted"] == pytest.approx(want.tpot_ms)
+    assert "step times: aiconfigurator-core 0.12.0 measured data (l40s, vllm 0.24.0)" in render_comparison(
+        result, "spec.toml", "bench.json")

@@ -247,3 +247,24 @@ def test_data_parallel_attention_reads_a_share_of_the_experts_and_pays_the_gathe
     one = predict(deepseek, p5en, vllm, "fp8", 1, 1, 16, 1024, 256, dp=8)
     assert one.throughput_tokens_per_s == pytest.approx(8 * 16 / one.tpot_ms * 1e3)
     assert one.instances_used == 1
+
+
+def test_vllms_custom_allreduce_on_nvlink_takes_one_or_two_stages_instead_of_ncclss_ring():
+    from lmc.planner.latency import allreduce_ms, custom_allreduce_us
+
+    vllm = engine_facts()["vllm"].efficiency["gpu"]
+    p5, g5 = catalog.hardware_facts("ml.p5.48xlarge"), catalog.hardware_facts("ml.g5.12xlarge")
+    link = p5.interconnect  # 450 GB/s per rank, 0.6 µs a step; vLLM reaches 0.7 of it, 3 µs a stage
+    # 4 ranks, 256 KiB (below 512 KiB): one stage, every peer's whole message read.
+    assert custom_allreduce_us(link, vllm, 4, 262144) == pytest.approx(3.6 + 3 * 262144 / (450e9 * 0.7) * 1e6)
+    # 8 ranks, 512 KiB (not below 256 KiB): reduce-scatter then all-gather, 7/8 of it each.
+    assert custom_allreduce_us(link, vllm, 8, 524288) == pytest.approx(2 * 3.6 + 2 * 7 / 8 * 524288 / 315e9 * 1e6)
+    # NCCL's ring beyond: past 8 MiB, at 3 ranks, on PCIe past 2 ranks, for engines without such kernels.
+    assert custom_allreduce_us(link, vllm, 8, 9 * 2**20) is None
+    assert custom_allreduce_us(link, vllm, 3, 262144) is None
+    assert custom_allreduce_us(g5.interconnect, vllm, 4, 262144) is None
+    assert custom_allreduce_us(g5.interconnect, vllm, 2, 262144) is not None
+    deepspeed = engine_facts()["deepspeed"].efficiency["gpu"]
+    assert custom_allreduce_us(link, deepspeed, 4, 262144) is None
+    assert allreduce_ms(p5, vllm, 8, 327680) < allreduce_ms(p5, deepspeed.model_copy(
+        update={"allreduce_overhead_us": 0.0, "allreduce_efficiency": 0.7}), 8, 327680)

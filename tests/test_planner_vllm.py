@@ -115,18 +115,26 @@ def test_fp8_only_where_the_hardware_has_it():
     assert p.dtype == "fp8" and p.quantization.startswith("fp8 (vLLM --quantization fp8")
 
 
-def test_p50_tpot_is_the_decode_step_and_throughput_pays_the_prefills():
+def test_tpot_is_the_mean_step_and_throughput_pays_the_prefills():
+    """lmc's own step times (the roofline) under the serving model: each step carries the running decodes and
+    running / output prompts' share of prefill; TPOT (vLLM bench's per-request mean) and throughput both pay it."""
+    from lmc.planner.steps import RooflineSteps, StepLayout
+
+    steps = RooflineSteps(LLAMA8, G6E, VLLM, StepLayout("vllm", "bf16", "bf16", 1))
     _, layout = vllm_memory(LLAMA8, G6E, VLLM, VLLM.efficiency["gpu"], "bf16", 1, 8, 1024, 256, 0.9, None)
-    timing = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 1024, 256, 8)
-    decode = tpot_ms(LLAMA8, G6E, VLLM, "bf16", 1, 8, 1024, 256)
-    assert timing.tpot_ms == pytest.approx(decode)  # 8/256 joins per step: most steps carry no prefill
-    assert timing.throughput_tokens_per_s < 8 / decode * 1e3
+    timing = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 1024, 256, 8, steps=steps)
+    decode = steps.decode_ms(8, 1024 + 128)
+    per_token = (steps.mixed_ms(1024, 8, 1024, 1152) - decode) / 1024
+    assert timing.tpot_ms == pytest.approx(decode + 8 / 256 * 1024 * per_token)
+    # Each of the 8 slots yields 256 tokens per TTFT + 255 steps.
+    assert timing.throughput_tokens_per_s == pytest.approx(8 * 256 / (timing.ttft_ms + 255 * timing.tpot_ms) * 1e3)
+    assert timing.tpot_ms > decode
     # A prompt longer than a step's token budget is chunked: TTFT grows by more than one chunk's step
-    short = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 2000, 256, 8).ttft_ms
-    long = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 4000, 256, 8).ttft_ms
-    assert long > 1.9 * short
+    short = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 1000, 256, 8, steps=steps).ttft_ms
+    long = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 4000, 256, 8, steps=steps).ttft_ms
+    assert long > 2 * short  # 4000 tokens (+ the others' share) in 3 steps of the 2040-token budget, not 1
     # Running decodes ride in every prefill step: more concurrency, later first token
-    alone = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 1024, 256, 1).ttft_ms
+    alone = vllm_predict(LLAMA8, G6E, VLLM, "bf16", 1, 1, layout, 1024, 256, 1, steps=steps).ttft_ms
     assert timing.ttft_ms > alone
 
 

@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 50 ms),
 sequences of up to 640 tokens, on cuda.
 
-spec sha256 aa7bd27a45b40129e802e1428deb6d37cb02bf45d93eb8abfa92bd606853dfea
-plan sha256 eb4b8ff531c28a97d8c5a629f17039eeb07e5b6998af47a7b620580948814acb
+spec sha256 c7d5add66dd979f373d95448cb2576951696b85cbeed35baf8caa975e11697d6
+plan sha256 bbb5c92526970cd60e50ef7cad021009e738ea800bd494d7d582d05ce28ed251
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

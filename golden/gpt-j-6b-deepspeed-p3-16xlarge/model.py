@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 32 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waiting at most 50 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 9c794c3ec797b542eb69b31d0e597f7f17fa73d0e4c550291ca87dcf76f24511
-plan sha256 d45815290ee9baa8e20491f9267dbf3b015469226474196894acb4c5f602ce76
+spec sha256 da3823c1a084adc8dabf09ec7b769697171900edad8386da7b700977e6e6f2eb
+plan sha256 c53bc85def30d7375bfbf6a6b987b39974489cb2c7f9a23206edab752509ca2f
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 1, continuous batching of up to 2 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 2 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 c2c3dd73b368f9409ad0bf24f9e8e3dc399ae8974bd8ab4bda197cb4f91cbd63
-plan sha256 afd0da62b7badbe4398f8ec4392bbde7c2d568cc8d7cee0d086634fae9c10c61
+spec sha256 d38782cadbd7c67afd01fdf60e59e527794ae953a12a4b0b1070b3d9eba1316a
+plan sha256 49c04c16b56ed9af015c5e831cf1943279fbf99e753ae0ab4977e5122be6afd8
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

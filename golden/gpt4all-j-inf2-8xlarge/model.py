@@ -6,8 +6,8 @@ tensor parallel degree 2, dynamic batches of up to 4 requests
 No compiled Neuron graphs are packed: transformers-neuronx cannot serialize compiled GPTJForSampling graphs, so they are compiled when the container starts
 (predicted load time including the compile: 378.9 s).
 
-spec sha256 02055aae18cdb98ead5ff4b46f407a4f1087a0fdab3094fd696183a3b828d387
-plan sha256 228551cf6b700ce80abed595e796c05b723f0d808425393cc3c84632c0f36034
+spec sha256 807e60cf22f792b729b00d9f7bf73f48910066be1378a61e6d2667b4e1e291bc
+plan sha256 5d69541904f460e24ce68a548b683d5b333294c84772176b41b340819da2f620
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

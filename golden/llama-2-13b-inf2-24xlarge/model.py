@@ -5,8 +5,8 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 2048 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 a1d9538e8f04b5e5bd2191316b54f38bfba886da2d40f21141c423ec7d56dbb1
-plan sha256 5cf5115be61db50073e511ece94750da5cd259a6e45bcf4e5138f8c53ed7afd8
+spec sha256 150014d85af5a5200e5ddb19045d849d308cb5c6507992c489740f029fff0164
+plan sha256 6c58fbbe253ea49ad91c7aba791ba08e179b4e795c65048dd524433dc03c7757
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 1536 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 bf917ad09d7090cefc19d9d4c4f7cd69f6b044995001e408c91baaf8050589df
-plan sha256 9166b5cc7ac0e0935ee39ec021854870e288c66d425bd5b1e39f21cd110bf76a
+spec sha256 7363bec532b1e40b5998886689870254af558d25b78fa1bc1ecc77ac404625a0
+plan sha256 32bfcbb470881c2c8505df3c18be55aa6399a8be66d4b8c678cc694f95b2cd3a
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

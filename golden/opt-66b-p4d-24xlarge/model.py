@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 16 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 da26ed9dd7b23a442ab272edea27922957a578f4e16d1075ded7e52f5dd4abf1
-plan sha256 d69da358b9d9fa76ed55422c489350e9504e0385227867a4f79319a82b4fea7b
+spec sha256 be4bc154fcc52ba75cf02d8f00ea4cd35ca33005a06cb56fface6e26d4cc4e19
+plan sha256 f24658675261e9f3ff4bb491ce7600e9d90e0966dc8bda2c7c7926c2bcc1bb51
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

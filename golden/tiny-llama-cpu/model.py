@@ -5,8 +5,8 @@ tensor parallel degree 2, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 96 tokens, on cpu.
 
-spec sha256 b243c89bcaa1a9898899c1c112c6594230fbc3b2cf6297dd974ef25088576060
-plan sha256 c884ea6de5aaf81c32f7a5e3c1be054c9ed0620a4485d10f95e39651d655303f
+spec sha256 cfd56e677a0f1ec418168226706c70f7839b705403c0ca1849017be1714c93cd
+plan sha256 b089984ffe5d61208510a4521f39b441f8bddbafff3f4b918368d16d28bc9e33
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -10,6 +10,9 @@ sequences at a time (closed-loop clients arrive together, so dynamic batches fil
 - end-to-end = TTFT + (output − 1) · TPOT;
 - output throughput = min(c, R · B) · output / end-to-end;
 - peak worker memory = the memory model's per-device total at batch b (on a CPU host, per TP rank).
+A vLLM plan instead evaluates the plan's own serving model (planner/vllm.py `vllm_predict`, over the step
+times the plan names in `predicted.step_times`) at each level: c clients over its replicas, the planned
+max_num_seqs, token budget and KV cache dtype, the bench's lengths.
 Latencies compare the measured p50. A figure is flagged when measured/predicted is off by more than
 25 % either way (docs/measuring.md).
 """
@@ -40,6 +43,8 @@ def predict_level(plan: Plan, model: ModelFacts, hardware: HardwareFacts, engine
     from lmc.planner.memory import memory_per_device
 
     batch = min(plan.batch_size, math.ceil(concurrency / plan.replicas))
+    if plan.engine == "vllm" and plan.vllm is not None:
+        return _vllm_level(plan, model, hardware, engine, concurrency, input_tokens, output_tokens, batch)
     args = (model, hardware, engine, plan.dtype, plan.tensor_parallel_degree)
     tpot = latency.tpot_ms(*args, batch, input_tokens, output_tokens)
     ttft = latency.ttft_ms(*args, input_tokens * batch)
@@ -51,6 +56,29 @@ def predict_level(plan: Plan, model: ModelFacts, hardware: HardwareFacts, engine
                                plan.tensor_parallel_degree, batch, input_tokens, output_tokens, 1.0, None)
     return {"batch": batch, "ttft_ms": ttft, "tpot_ms": tpot, "e2e_ms": e2e,
             "output_tokens_per_s": active * output_tokens / e2e * 1e3, "peak_worker_memory_bytes": memory.total}
+
+
+def _vllm_level(plan: Plan, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, concurrency: int,
+                input_tokens: int, output_tokens: int, batch: int) -> dict[str, float]:
+    """A vLLM plan's own serving model at one level (its layout as planned, the bench's lengths)."""
+    from lmc.planner.memory import compute_dtype
+    from lmc.planner.vllm import VllmLayout, vllm_predict
+
+    section, kv = plan.vllm, plan.kv_cache
+    assert section is not None
+    kv_dtype = "fp8" if section.kv_cache_dtype == "fp8" else compute_dtype(plan.dtype, model, hardware)
+    layout = VllmLayout(block_size=kv.block_size if kv else 16, blocks=kv.blocks if kv else 0, bytes_per_block=0,
+                        pool_bytes=0, max_num_seqs=section.max_num_seqs, max_model_len=section.max_model_len,
+                        max_num_batched_tokens=section.max_num_batched_tokens,
+                        gpu_memory_utilization=section.gpu_memory_utilization,
+                        cpu_kvcache_space_gib=section.cpu_kvcache_space_gib,
+                        data_parallel_size=section.data_parallel_size, kv_dtype=kv_dtype)
+    timing = vllm_predict(model, hardware, engine, plan.dtype, plan.tensor_parallel_degree, plan.replicas, layout,
+                          input_tokens, output_tokens, concurrency)
+    e2e = timing.ttft_ms + (output_tokens - 1) * timing.tpot_ms
+    return {"batch": batch, "ttft_ms": timing.ttft_ms, "tpot_ms": timing.tpot_ms, "e2e_ms": e2e,
+            "output_tokens_per_s": timing.throughput_tokens_per_s,
+            "peak_worker_memory_bytes": plan.memory_per_device.total}
 
 
 def _measured(level: dict[str, Any], key: str) -> float | None:
@@ -78,6 +106,7 @@ def compare(plan: Plan, model: ModelFacts, hardware: HardwareFacts, engine: Engi
                          "flagged": ratio is not None and abs(ratio - 1) > FLAG_PAST})
     same_plan = report.get("plan_sha256") in (None, plan.plan_sha256)
     return {"plan_sha256": plan.plan_sha256, "bench_plan_sha256": report.get("plan_sha256"), "same_plan": same_plan,
+            "step_times": plan.predicted.step_times,
             "workload": workload, "flag_past": FLAG_PAST, "rows": rows,
             "flagged": sum(row["flagged"] for row in rows)}
 
@@ -94,6 +123,8 @@ def render_comparison(result: dict[str, Any], spec_path: str, bench_path: str) -
     workload = result["workload"]
     lines = [f"predicted ({spec_path}) vs measured ({bench_path}): {workload['input_tokens']} prompt tokens, "
              f"{workload['output_tokens']} output tokens; flagged past ±{result['flag_past']:.0%}"]
+    if result.get("step_times"):
+        lines.append(f"step times: {result['step_times']}")
     if not result["same_plan"]:
         lines.append(f"warning: the bench ran plan {str(result['bench_plan_sha256'])[:12]}, "
                      f"the spec plans {result['plan_sha256'][:12]}: figures may not be comparable")

@@ -49,6 +49,13 @@ class Timing:
     cost_per_hour: float | None
     cost_per_million_tokens: float | None
     instances_used: int
+    step_times: str = ""  # the step-time model behind these figures (planner/steps.py)
+    slot_ttft_ms: float | None = None  # TTFT of a request that finds a free slot (ttft_ms adds the queue, if any)
+
+    @property
+    def own_ttft_ms(self) -> float:
+        """TTFT once a request runs, without waiting for a slot (goals.py adds its own queueing to it)."""
+        return self.ttft_ms if self.slot_ttft_ms is None else self.slot_ttft_ms
 
 
 def efficiency_for(engine: EngineFacts, model: ModelFacts, hardware: HardwareFacts,
@@ -99,8 +106,41 @@ def allreduce_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int,
     (`allreduce_us` at the engine's achieved bandwidth) plus the engine's own per-call overhead."""
     if tp <= 1:
         return 0.0
+    custom = custom_allreduce_us(hardware.interconnect, efficiency, tp, message_bytes)
+    if custom is not None:
+        return (custom + efficiency.allreduce_overhead_us) * 1e-3
     link = allreduce_us(hardware.interconnect, tp, message_bytes, efficiency.allreduce_efficiency)
     return (link + efficiency.allreduce_overhead_us) * 1e-3
+
+
+# vLLM's custom all-reduce (vllm/distributed/device_communicators/custom_all_reduce.py): 2, 4, 6 or 8 ranks,
+# messages up to 8 MiB (max_size); on PCIe only for 2 ranks. Its kernels (csrc/custom_all_reduce.cuh): one
+# stage (every rank reads the whole message from each peer and reduces) for 2 ranks, or on NVLink below
+# 512 KiB at ≤ 4 ranks and 256 KiB at ≤ 8; otherwise two (reduce-scatter, then all-gather, each reading
+# (p − 1)/p of it). Larger messages, other degrees: NCCL.
+CUSTOM_ALLREDUCE_RANKS = (2, 4, 6, 8)
+CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 2**20
+
+
+def custom_allreduce_us(link: InterconnectFacts, efficiency: EngineEfficiency, ranks: int,
+                        message_bytes: float) -> float | None:
+    """One all-reduce by the engine's own kernels (vLLM's custom all-reduce), microseconds; None where the
+    engine has none or hands this one to NCCL. Each stage pays the kernel's fixed cost
+    (`custom_allreduce_base_us`: launch inside the CUDA graph and the cross-GPU flag barrier) and one link
+    latency, and moves its bytes at the link's achieved bandwidth."""
+    base = efficiency.custom_allreduce_base_us
+    if base is None or ranks not in CUSTOM_ALLREDUCE_RANKS or message_bytes > CUSTOM_ALLREDUCE_MAX_BYTES:
+        return None
+    nvlink = "nvlink" in link.name.lower()
+    if not nvlink and ranks > 2:
+        return None
+    small = 512 * 1024 if ranks <= 4 else 256 * 1024
+    if ranks == 2 or message_bytes < small:
+        stages, volume = 1, (ranks - 1) * message_bytes
+    else:
+        stages, volume = 2, 2 * (ranks - 1) / ranks * message_bytes
+    transfer = volume / (link.bandwidth_bytes_per_s * efficiency.allreduce_efficiency) * 1e6
+    return stages * (base + link.latency_us) + transfer
 
 
 def allreduces_per_step(model: ModelFacts) -> int:
@@ -223,10 +263,11 @@ def _dp_comm_ms(model: ModelFacts, hardware: HardwareFacts, efficiency: EngineEf
 
 
 def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int, batch: int,
-            input_tokens: int, output_tokens: int, dp: int = 1) -> float:
+            input_tokens: int, output_tokens: int, dp: int = 1, kv_dtype: str | None = None) -> float:
     """Time per output token at `batch` sequences, context averaged over the generation. `dp` > 1: an
     MoE model with data-parallel attention and expert parallelism (vLLM --data-parallel-size with
-    --enable-expert-parallel): `batch` is one DP group's, and every group steps together."""
+    --enable-expert-parallel): `batch` is one DP group's, and every group steps together. `kv_dtype`: the
+    KV cache's dtype where it is not the compute dtype (an fp8 KV cache)."""
     efficiency = efficiency_for(engine, model, hardware, dtype)
     act = compute_dtype(dtype, model, hardware)
     weights = dp_weight_bytes(decode_weight_bytes(model, engine, dtype, tp, hardware), model, dp, batch * dp)
@@ -235,7 +276,7 @@ def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     else:
         context = input_tokens + output_tokens / 2
     # Sliding-window layers read at most their window of each sequence.
-    kv = batch * kv_sequence_bytes(model, tp, act, math.ceil(context))
+    kv = batch * kv_sequence_bytes(model, tp, kv_dtype or act, math.ceil(context))
     memory_ms = (weights + kv) / effective_bandwidth(hardware, efficiency, tp, dp) * 1e3
     flops = 2 * active_decode_parameters(model) / tp * batch
     flops += 4 * batch * context * model.attention_heads * model.head_dim * model.layers / tp
@@ -337,6 +378,7 @@ def cost_figures(hardware: HardwareFacts, instances: int, throughput: float) -> 
 
 __all__ = [
     "Timing", "WEIGHT_ONLY", "active_decode_parameters", "allgather_ms", "allreduce_ms", "allreduce_us",
+    "custom_allreduce_us",
     "cost_figures", "copy_instances", "dp_weight_bytes", "efficiency_for", "load_seconds", "moe_layer_count", "predict", "send_us",
     "tpot_ms", "ttft_ms",
 ]

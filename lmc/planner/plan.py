@@ -73,6 +73,7 @@ class Predicted(_Frozen):
     load_seconds: float
     cost_per_hour: float | None
     cost_per_million_tokens: float | None
+    step_times: str | None = Field(default=None, description="The model that produced the step times behind these figures: aiconfigurator-core's measured data (GPU, engine version) or lmc's roofline, and why (planner/steps.py).")
 
 
 class KvCache(_Frozen):
@@ -91,6 +92,7 @@ class VllmConfig(_Frozen):
     max_num_batched_tokens: int = Field(ge=0, description="Tokens per scheduler step; longer prefills are chunked.")
     gpu_memory_utilization: float = Field(ge=0, le=1, description="Share of device memory vLLM may use.")
     cpu_kvcache_space_gib: int | None = Field(default=None, ge=1, description="CPU plans: VLLM_CPU_KVCACHE_SPACE, the KV pool per rank in whole GiB (None on GPUs).")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(default="auto", description="vLLM --kv-cache-dtype: auto (the compute dtype) or fp8 (e4m3, half the bytes per token: twice the sequences in the pool), planned where the GPU has fp8 and the pool limits the concurrency.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(default="bfloat16", description="vLLM --dtype: the compute dtype (activations, KV cache, unquantized weights).")
     quantization: Literal["fp8"] | None = Field(default=None, description="vLLM --quantization: fp8 is its online quantization of 16-bit weights; None for unquantized weights and for a quantized checkpoint (vLLM reads its quantization_config).")
     enable_expert_parallel: bool = Field(default=False, description="vLLM --enable-expert-parallel: whole experts on each rank instead of every expert split across them (MoE models: pin.expert_parallel, or data-parallel attention).")

@@ -88,6 +88,8 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
     lines.append(f"  TTFT        {p.ttft_ms:10.2f} ms{_mark(p.ttft_ms, goal.ttft_ms)}")
     lines.append(f"  throughput  {p.throughput_tokens_per_s:10.1f} tokens/s")
     lines.append(f"  load        {p.load_seconds:10.1f} s")
+    if p.step_times:
+        lines.append(f"  step times  {p.step_times}")
     if p.cost_per_hour is not None and p.cost_per_million_tokens is not None:
         cap = spec.budget.max_cost_per_hour
         mark = f"  {'✓' if p.cost_per_hour <= cap else '✗'} max ${cap:g}/h" if cap is not None else ""

@@ -53,8 +53,10 @@ from lmc.planner.plan import (
     Predicted,
 )
 from lmc.planner.scheduling import choose_scheduling, schedules_continuously
+from lmc.planner.steps import RooflineSteps, StepLayout, step_times
 from lmc.planner.vllm import (
     VllmLayout,
+    fp8_kv_cache,
     kv_cache_section,
     vllm_decisions,
     vllm_memory,
@@ -355,6 +357,13 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             names = " / ".join(sorted(usable))
             fine = sorted({d for e in usable.values() for d in engine_dtypes(e, model)})
             raise SpecValueError("pin.dtype", pin.dtype, f"{names} cannot serve {pin.dtype}; use one of {', '.join(fine)}")
+    if pin.kv_cache_dtype == "fp8":
+        if hardware.kind != "gpu" or "fp8" not in hardware.dtypes:
+            raise SpecValueError("pin.kv_cache_dtype", "fp8", f"{hardware.accelerator} has no fp8: vLLM's fp8 KV cache "
+                                 "needs a GPU with fp8 (Hopper, Ada, Blackwell); use auto")
+        if "vllm" not in usable:
+            raise SpecValueError("pin.kv_cache_dtype", "fp8", "an fp8 KV cache is vLLM's (--kv-cache-dtype fp8); "
+                                 f"the engines here ({', '.join(sorted(usable))}) keep the compute dtype; use auto")
     if pin.tensor_parallel_degree is not None:
         tp = pin.tensor_parallel_degree
         if tp > hardware.devices and hardware.kind != "cpu":
@@ -599,8 +608,16 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
         return []
     staged = stage_model(model, pp)
     out = []
-    sizes = (vllm_batch_sizes(spec, staged, hardware, engine, efficiency, dtype, tp, dp) if engine.name == "vllm"
-             else batch_sizes(load.concurrency))
+    kv_fp8, auto_kv = False, 0  # vLLM: an fp8 KV cache, and the sequences a compute-dtype pool would hold
+    if engine.name == "vllm":
+        kv_fp8, auto_kv = fp8_kv_cache(staged, hardware, engine, efficiency, dtype, tp, dp, load.max_input_tokens,
+                                       load.max_output_tokens, budget.memory_fraction, budget.memory_per_device,
+                                       -(-load.concurrency // (max_replicas * dp)), pin.kv_cache_dtype)
+    elif pin.kv_cache_dtype == "fp8":
+        rejections.append(Rejection(engine.name, dtype, tp, 0, "pin.kv_cache_dtype = fp8 is vLLM's", (3,)))
+        return []
+    sizes = (vllm_batch_sizes(spec, staged, hardware, engine, efficiency, dtype, tp, dp, kv_fp8)
+             if engine.name == "vllm" else batch_sizes(load.concurrency))
     continuous = engine.name == "vllm" or schedules_continuously(engine, tp, model, hardware, load.concurrency, pp)
     output_tokens = output_tokens_per_request(load)
     for batch in sizes:
@@ -608,12 +625,15 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
         layout = None
         if engine.name == "vllm":  # vLLM's own memory model: the KV pool is what the budget leaves
             memory, layout = vllm_memory(staged, hardware, engine, efficiency, dtype, tp, batch, load.max_input_tokens,
-                                         load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp)
+                                         load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp,
+                                         kv_fp8=kv_fp8)
+            layout = replace(layout, auto_kv_sequences=auto_kv)
         else:
             memory = memory_per_device(staged, hardware, engine, efficiency, dtype, tp, batch,
                                        load.max_input_tokens, load.max_output_tokens,
                                        budget.memory_fraction, budget.memory_per_device)
-        scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout)
+        fits = memory.headroom >= 0
+        scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout, fits=fits)
         # Requests one replica runs at once: its batch in each data-parallel group (and, vLLM across
         # instances, in each stage's micro-batch).
         running = batch * dp * (pp if layout is not None else 1)
@@ -625,10 +645,10 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
                 # The rate keeps more requests in flight than the stated concurrency: every replica's batch.
                 replicas = needed
                 scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout,
-                                 max(load.concurrency, replicas * running))
+                                 max(load.concurrency, replicas * running), fits=fits)
             over_rate = over_rate or scaled.peak_instances > spec.target.instances
         timing = scaled.timing
-        admitted = admission(goal.ttft_ms, timing.ttft_ms, timing.tpot_ms, output_tokens, running,
+        admitted = admission(goal.ttft_ms, timing.own_ttft_ms, timing.tpot_ms, output_tokens, running,
                              math.ceil(load.concurrency / replicas), continuous)
         checked = goal_check(goal.tpot_ms, goal.ttft_ms, timing.tpot_ms, load.concurrency, replicas, admitted)
         over_cost = (budget.max_cost_per_hour is not None and timing.cost_per_hour is not None
@@ -640,8 +660,10 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
 
 
 def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout: VllmLayout | None = None,
-            concurrency: int | None = None):
-    """The figures of `replicas` replicas at `concurrency` requests in flight (default: the workload's)."""
+            concurrency: int | None = None, fits: bool = True):
+    """The figures of `replicas` replicas at `concurrency` requests in flight (default: the workload's).
+    `fits` False: a configuration the memory rejects, whose figures only rank it among the rejected: lmc's
+    own step times, so measured data are looked up only for configurations a plan can choose."""
     load = spec.workload
     concurrency = concurrency or load.concurrency
     if layout is not None and pp > 1:  # vLLM's pipeline: micro-batches in flight, hand-overs inside
@@ -651,23 +673,27 @@ def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layou
                             load.max_output_tokens, load.peak_requests_per_second, staged=True)
     dp = layout.data_parallel_size if layout is not None else 1  # a replica: dp groups of tp ranks, `batch` each
     if layout is not None:
+        steps = None if fits else RooflineSteps(model, hardware, engine, StepLayout(engine.name, dtype, layout.kv_dtype,
+                                                                                   tp, dp), "does not fit")
         base = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, load.max_input_tokens,
-                            load.max_output_tokens, concurrency)
+                            load.max_output_tokens, concurrency, steps)
     else:
         base = predict(model, hardware, engine, dtype, tp, replicas, batch, load.max_input_tokens,
                        load.max_output_tokens)
+        act = compute_dtype(dtype, model, hardware)
+        base = replace(base, step_times=step_times(model, hardware, engine, StepLayout(engine.name, dtype, act, tp)).source)
     return scale_timing(base, model, hardware, engine, dtype, tp * dp, pp, replicas, batch * dp,
                         load.max_input_tokens, load.max_output_tokens, load.peak_requests_per_second)
 
 
 def vllm_batch_sizes(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
-                     tp: int, dp: int = 1) -> list[int]:
+                     tp: int, dp: int = 1, kv_fp8: bool = False) -> list[int]:
     """max_num_seqs candidates: the powers of two, and the sequences the KV pool holds when that is fewer
     than the concurrency (so a pool of 15 is planned at 15, not 8)."""
     sizes = batch_sizes(spec.workload.concurrency)
     load, budget = spec.workload, spec.budget
     _, layout = vllm_memory(model, hardware, engine, efficiency, dtype, tp, 1, load.max_input_tokens,
-                            load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp)
+                            load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp, kv_fp8)
     holds = layout.max_concurrent_sequences
     if 1 <= holds < load.concurrency and holds not in sizes:
         sizes = sorted(sizes + [holds])
@@ -801,7 +827,7 @@ def predicted(t: Timing) -> Predicted:
                      throughput_tokens_per_s=round(t.throughput_tokens_per_s, 2), load_seconds=round(t.load_seconds, 1),
                      cost_per_hour=None if t.cost_per_hour is None else round(t.cost_per_hour, 4),
                      cost_per_million_tokens=None if t.cost_per_million_tokens is None
-                     else round(t.cost_per_million_tokens, 4))
+                     else round(t.cost_per_million_tokens, 4), step_times=t.step_times or None)
 
 
 def _layout(tp: int, dp: int) -> str:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from lmc.planner.facts import DTYPE_BYTES, EngineEfficiency, EngineFacts, HardwareFacts, ModelFacts
 from lmc.planner.goals import Admission
-from lmc.planner.latency import Timing, copy_instances, cost_figures, dp_weight_bytes, predict, tpot_ms, ttft_ms
+from lmc.planner.latency import Timing, copy_instances, cost_figures, dp_weight_bytes, predict
 from lmc.planner.memory import (
     capacity_bytes,
     compute_dtype,
@@ -40,6 +40,7 @@ from lmc.planner.memory import (
     weight_bytes,
 )
 from lmc.planner.plan import Decision, KvCache, MemoryPerDevice, VllmConfig
+from lmc.planner.steps import StepLayout, StepTimes, step_times
 
 GIB = 2**30
 # Tokens per KV block: vLLM's default on GPU (CacheConfig.DEFAULT_BLOCK_SIZE) and on CPU (the CPU
@@ -83,6 +84,8 @@ class VllmLayout:
 
     sequence_bytes: int = 0  # KV bytes one max_model_len sequence holds per rank (sliding layers: their window)
     data_parallel_size: int = 1  # DP attention groups of TP ranks, experts spread over all (MoE); max_num_seqs is per group
+    kv_dtype: str = "bf16"  # the KV cache's dtype: the compute dtype, or fp8 (vLLM --kv-cache-dtype fp8)
+    auto_kv_sequences: int = 0  # with an fp8 KV cache: the sequences a compute-dtype pool would hold
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -140,17 +143,19 @@ def runtime_bytes(efficiency: EngineEfficiency, hardware: HardwareFacts, tp: int
 
 def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency: EngineEfficiency,
                 dtype: str, tp: int, max_num_seqs: int, input_tokens: int, output_tokens: int,
-                memory_fraction: float, memory_cap: int | None, dp: int = 1) -> tuple[MemoryPerDevice, VllmLayout]:
+                memory_fraction: float, memory_cap: int | None, dp: int = 1,
+                kv_fp8: bool = False) -> tuple[MemoryPerDevice, VllmLayout]:
     """Per-device memory and the KV pool for `max_num_seqs` sequences of input + output tokens.
     `dp` > 1 (an MoE model, data-parallel attention with expert parallelism): each rank holds its TP
     share of everything but the routed experts, and 1/(tp·dp) of those; each DP group's pool serves its
-    own `max_num_seqs`.
+    own `max_num_seqs`. `kv_fp8`: vLLM --kv-cache-dtype fp8, one byte per cached element.
 
     When the pool holds them, `kv_cache` is the whole pool (vLLM takes what is left) and the headroom
     is what rounding leaves; when it does not, `kv_cache` is what they need and the headroom is the
     (negative) shortfall, so `headroom >= 0` means "fits" for vLLM as for the other engines.
     """
     act_dtype = compute_dtype(dtype, model, hardware)
+    kv_dtype = "fp8" if kv_fp8 else act_dtype
     max_model_len = input_tokens + output_tokens
     batched = max_num_batched_tokens(hardware, tp, max_num_seqs)
     weights = weight_bytes(model, engine, dtype, tp, hardware)
@@ -160,8 +165,8 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     runtime = runtime_bytes(efficiency, hardware, tp)
     utilization = gpu_memory_utilization(hardware, memory_fraction, memory_cap)
     block_size = block_size_for(model, hardware)
-    bytes_per_block = block_size * kv_bytes_per_token(model, tp, act_dtype)
-    sequence = kv_sequence_bytes(model, tp, act_dtype, max_model_len, block_size, in_flight_tokens(hardware, batched))
+    bytes_per_block = block_size * kv_bytes_per_token(model, tp, kv_dtype)
+    sequence = kv_sequence_bytes(model, tp, kv_dtype, max_model_len, block_size, in_flight_tokens(hardware, batched))
     needed = max_num_seqs * -(-sequence // bytes_per_block) * bytes_per_block
     space_gib = None
     if hardware.kind == "cpu":  # each rank allocates VLLM_CPU_KVCACHE_SPACE whole GiB
@@ -176,11 +181,30 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     layout = VllmLayout(block_size=block_size, blocks=blocks, bytes_per_block=bytes_per_block, pool_bytes=pool,
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=batched,
                         gpu_memory_utilization=utilization, cpu_kvcache_space_gib=space_gib,
-                        sequence_bytes=sequence, data_parallel_size=dp)
+                        sequence_bytes=sequence, data_parallel_size=dp, kv_dtype=kv_dtype)
     kv = pool if layout.max_concurrent_sequences >= max_num_seqs else needed
     total = weights + activations + runtime + kv
     return (MemoryPerDevice(weights=weights, kv_cache=kv, activations=activations, runtime_overhead=runtime,
                             total=total, capacity=capacity, headroom=capacity - total), layout)
+
+
+def fp8_kv_cache(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency: EngineEfficiency,
+                 dtype: str, tp: int, dp: int, input_tokens: int, output_tokens: int, memory_fraction: float,
+                 memory_cap: int | None, sequences: int, pinned: str | None = None) -> tuple[bool, int]:
+    """Whether the KV cache is fp8 (vLLM --kv-cache-dtype fp8: e4m3, one byte per element), and the sequences
+    a compute-dtype pool would hold. Unpinned, fp8 where the GPU has it (Hopper, Ada, Blackwell) and that pool
+    holds fewer than the `sequences` each data-parallel group must run: then the pool decides the concurrency
+    and fp8 holds twice as many, for a rounding of K and V that vLLM's documentation ("Quantized KV Cache")
+    reports as a small accuracy change. Not unpinned for MLA models, whose fp8 cache vLLM supports with some
+    attention backends only."""
+    if pinned == "auto" or hardware.kind != "gpu" or "fp8" not in hardware.dtypes:
+        return False, 0
+    _, layout = vllm_memory(model, hardware, engine, efficiency, dtype, tp, 1, input_tokens, output_tokens,
+                            memory_fraction, memory_cap, dp)
+    holds = layout.max_concurrent_sequences
+    if pinned == "fp8":
+        return True, holds
+    return (True, holds) if 0 < holds < sequences and not model.kv_lora_rank else (False, 0)
 
 
 def running_sequences(max_num_seqs: int, replicas: int, concurrency: int) -> int:
@@ -190,42 +214,74 @@ def running_sequences(max_num_seqs: int, replicas: int, concurrency: int) -> int
 
 def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
                  replicas: int, layout: VllmLayout, input_tokens: int, output_tokens: int,
-                 concurrency: int) -> Timing:
-    """TTFT, TPOT and throughput of continuous batching at the workload's concurrency (module docstring).
+                 concurrency: int, steps: StepTimes | None = None) -> Timing:
+    """TTFT, TPOT and throughput of continuous batching at the workload's concurrency (module docstring),
+    from the layout's step times (`steps`; by default planner/steps.py's choice: aiconfigurator's measured
+    data or lmc's roofline).
     With data-parallel attention (layout.data_parallel_size > 1) `running` is one DP group's, each of a
     replica's groups runs as many, and (MoE models) they step together: a prefill in one group delays every
     group's step."""
     dp = layout.data_parallel_size
-    running = running_sequences(layout.max_num_seqs, replicas * dp, concurrency)
-    # Instances, load and price per hour as for any engine; the rest is continuous batching's (its
-    # TPOT is one decode step of `running`, its TTFT one whole prompt: the terms below start from them).
+    groups = replicas * dp
+    running = running_sequences(layout.max_num_seqs, groups, concurrency)
+    if steps is None:
+        steps = step_times(model, hardware, engine, StepLayout(engine.name, dtype, layout.kv_dtype, tp, dp))
+    # Instances, load and price per hour as for any engine; the step times are the layout's.
     base = predict(model, hardware, engine, dtype, tp, replicas, running, input_tokens, output_tokens, dp)
-    decode = base.tpot_ms
-    riding = max(decode - tpot_ms(model, hardware, engine, dtype, tp, 1, input_tokens, output_tokens, dp), 0.0)
+    context = input_tokens + output_tokens // 2  # a running sequence's context, averaged over its generation
+    decode = steps.decode_ms(running, context)
 
-    chunk = max(layout.max_num_batched_tokens - (running - 1), 1)
-    full, rest = divmod(input_tokens, chunk)
-    chunks = full + (1 if rest else 0)
-    ttft = full * ttft_ms(model, hardware, engine, dtype, tp, chunk, dp) + chunks * riding
-    if rest:
-        ttft += ttft_ms(model, hardware, engine, dtype, tp, rest, dp)
+    # Chunked prefill: the scheduler fills a step's token budget with the running decodes first, then
+    # prompt tokens. In steady state each running sequence brings its prompt once per output_tokens steps; an
+    # MoE model's data-parallel groups step in lockstep (each MoE block gathers every group's tokens), so a
+    # prompt joining any group holds up all of them.
+    budget = max(layout.max_num_batched_tokens - running, 1)
+    chunk = min(input_tokens, budget)
+    joins = running * (dp if model.num_experts > 1 else 1) / output_tokens  # prompts per step
+    per_prompt_token = max(steps.mixed_ms(chunk, running, input_tokens, context) - decode, 0.0) / chunk
+    # Every step pays its share of the prompts: vLLM's TPOT, (end-to-end − TTFT) / (output − 1) per
+    # request, averages over exactly these steps, and throughput is the running sequences over them.
+    step = decode + joins * input_tokens * per_prompt_token
 
-    # Prefills ride in decode steps: running / output_tokens prompts join per step, each costing its
-    # prefill beyond a one-token pass. The mean step (throughput) pays them all; the median step
-    # (the p50 TPOT the goal names) pays one chunk only when most steps carry one.
-    prefill_extra = max(base.ttft_ms - ttft_ms(model, hardware, engine, dtype, tp, 1, dp), 0.0)
-    # An MoE model's data-parallel groups step in lockstep (each MoE block's all-gather waits for every
-    # group): a prompt joining any group holds up all of them, so every group's joins count against each
-    # step. A dense model's groups are independent engines (vLLM runs them as DP 1 each).
-    joins = running * (dp if model.num_experts > 1 else 1) / output_tokens
-    mean_step = decode + joins * prefill_extra
-    tpot = decode + (prefill_extra / chunks if joins * chunks >= 0.5 else 0.0)
-
-    throughput = replicas * dp * running / mean_step * 1e3
+    ttft = first_token_ms(steps, engine.efficiency[hardware.kind], running, step, budget, input_tokens,
+                          context, joins)
+    # A slot serves one request per TTFT + (output − 1) steps: its output over that is the throughput (what a
+    # benchmark measures: completed tokens over the run), so requests/s = throughput / output tokens.
+    cycle = ttft + (output_tokens - 1) * step
+    throughput = groups * running * output_tokens / cycle * 1e3
+    slot_ttft = ttft
+    waiting = -(-concurrency // groups) - running  # requests per group beyond its running slots
+    if waiting > 0:
+        ttft = queued_ttft_ms(ttft, step, running, running + waiting, output_tokens)
     _, cost_million = cost_figures(hardware, base.instances_used, throughput)
-    return replace(base, ttft_ms=ttft, tpot_ms=tpot, throughput_tokens_per_s=throughput,
+    return replace(base, ttft_ms=ttft, slot_ttft_ms=slot_ttft, tpot_ms=step, throughput_tokens_per_s=throughput,
                    load_seconds=base.load_seconds + engine.efficiency[hardware.kind].start_seconds,
-                   cost_per_million_tokens=cost_million)
+                   cost_per_million_tokens=cost_million, step_times=steps.source)
+
+
+def first_token_ms(steps: StepTimes, efficiency: EngineEfficiency, running: int, step: float, budget: int,
+                   input_tokens: int, context: int, joins: float) -> float:
+    """A prompt's time to first token with a free slot: the server's own work (HTTP, tokenizing, the hop to
+    the engine core), half a step's wait for the running step to end (none when nothing runs), then the
+    prompt's chunks, each a step that also carries the other running decodes and the other prompts joining
+    (`joins` · input tokens a step, steady state) within the step's token budget."""
+    server = efficiency.request_overhead_ms + efficiency.tokenize_us_per_token * input_tokens * 1e-3
+    others = running - 1
+    if others == 0:
+        return server + steps.prefill_ms(input_tokens)
+    tokens = input_tokens * (1 + joins)  # this prompt and the share of others' that lands beside it
+    chunks = max(math.ceil(tokens / budget), 1)
+    per_chunk = steps.mixed_ms(min(math.ceil(tokens / chunks), budget), others, input_tokens, context)
+    return server + step / 2 + chunks * per_chunk
+
+
+def queued_ttft_ms(ttft: float, step: float, running: int, clients: int, output_tokens: int) -> float:
+    """TTFT when more requests are in flight than run at once (`clients` per group of `running` slots, a
+    closed loop as benchmarks drive it): a slot serves a request every TTFT + (output − 1) steps, so by
+    Little's law each client's round trip is clients / running of that, and what is not decoding is
+    waiting for its first token."""
+    decoding = (output_tokens - 1) * step
+    return clients / running * (ttft + decoding) - decoding
 
 
 def vllm_pipeline_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
@@ -251,7 +307,7 @@ def vllm_pipeline_predict(model: ModelFacts, hardware: HardwareFacts, engine: En
                         output_tokens, micro).load_seconds
     instances = instances_for(replicas, max(hardware.devices // tp, 1), pp)
     cost_hour, cost_million = cost_figures(hardware, instances, throughput)
-    return replace(whole, ttft_ms=ttft, tpot_ms=whole.tpot_ms + hops, throughput_tokens_per_s=throughput,
+    return replace(whole, ttft_ms=ttft, slot_ttft_ms=None, tpot_ms=whole.tpot_ms + hops, throughput_tokens_per_s=throughput,
                    load_seconds=load, instances_used=instances, cost_per_hour=cost_hour,
                    cost_per_million_tokens=cost_million)
 
@@ -288,6 +344,7 @@ def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts,
                       max_num_batched_tokens=layout.max_num_batched_tokens,
                       gpu_memory_utilization=layout.gpu_memory_utilization,
                       cpu_kvcache_space_gib=layout.cpu_kvcache_space_gib,
+                      kv_cache_dtype="fp8" if layout.kv_dtype == "fp8" else "auto",
                       dtype=VLLM_DTYPES[compute_dtype(dtype, model, hardware)],
                       quantization="fp8" if online_fp8 else None,
                       enable_expert_parallel=bool(spec.pin.expert_parallel) or (layout.data_parallel_size > 1
@@ -315,6 +372,27 @@ def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str
     return ("sharded_state", "vLLM's sharded_state files per rank, written by vLLM at build time so loading never "
                              "re-partitions; a build machine without CUDA GPUs for the TP degree cannot run vLLM and "
                              "packs the checkpoint in the planned dtype instead (the build says so)")
+
+
+def kv_dtype_decision(layout: VllmLayout, hardware: HardwareFacts, spec, running: int) -> Decision:
+    """What the KV cache's dtype buys: with fp8, the sequences the pool holds against a compute-dtype pool's."""
+    holds, length = layout.max_concurrent_sequences, layout.max_model_len
+    if layout.kv_dtype == "fp8":
+        why = ("pinned by the spec" if spec.pin.kv_cache_dtype == "fp8" else
+               f"a {hardware.accelerator} computes in fp8 and a 16-bit pool would hold only "
+               f"{layout.auto_kv_sequences} sequences of {length} tokens, fewer than the concurrency asks")
+        return Decision(key="kv_cache_dtype", value="fp8", reason=(
+            f"{why}: an fp8 cache (vLLM --kv-cache-dtype fp8, e4m3) stores one byte per element, so the pool holds "
+            f"{holds} sequences instead of {layout.auto_kv_sequences} and {running} run at once; K and V are "
+            "rounded to fp8 as they are stored, a small accuracy cost (vLLM docs, \"Quantized KV Cache\")"))
+    if spec.pin.kv_cache_dtype == "auto":
+        return Decision(key="kv_cache_dtype", value="auto", reason="pinned by the spec: the compute dtype")
+    if hardware.kind != "gpu" or "fp8" not in hardware.dtypes:
+        return Decision(key="kv_cache_dtype", value="auto",
+                        reason=f"the compute dtype: {hardware.accelerator} has no fp8 for an fp8 KV cache")
+    return Decision(key="kv_cache_dtype", value="auto", reason=(
+        f"the compute dtype: the pool holds {holds} sequences of {length} tokens, enough for the {running} that run "
+        "at once; an fp8 cache (pin.kv_cache_dtype = \"fp8\") would hold about twice as many"))
 
 
 def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: HardwareFacts, layout: VllmLayout,
@@ -361,6 +439,7 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
         Decision(key="gpu_memory_utilization", value=layout.gpu_memory_utilization,
                  reason="the budget as a share of device memory" if hardware.kind != "cpu" else
                  "the budget's share (vLLM on CPU sizes its KV pool from VLLM_CPU_KVCACHE_SPACE instead)"),
+        kv_dtype_decision(layout, hardware, spec, running),
         Decision(key="weights", value=fmt, reason=why),
         Decision(key="admission", value=admitted.bound, reason=admitted.reason),
     ]

@@ -71,6 +71,8 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         args["max_num_batched_tokens"] = int(section["max_num_batched_tokens"])
     if kv_cache.get("block_size"):
         args["block_size"] = int(kv_cache["block_size"])
+    if section.get("kv_cache_dtype") == "fp8":  # the planned fp8 KV cache: half the bytes, twice the sequences
+        args["kv_cache_dtype"] = "fp8"
     if section.get("enable_expert_parallel"):
         args["enable_expert_parallel"] = True
     if int(section.get("data_parallel_size") or 1) > 1:  # data-parallel groups (MoE: attention), here or across nodes

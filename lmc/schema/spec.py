@@ -152,6 +152,7 @@ class PinSpec(_Strict):
     pipeline_parallel_degree: int | None = Field(default=None, ge=1, le=64, examples=[2],
                                                  description="Pipeline stages per model copy, one instance each (vLLM across instances); without it, stages are tried only when a copy does not fit one instance.")
     expert_parallel: bool | None = Field(default=None, examples=[True], description="vLLM, mixture-of-experts models: whole experts on each tensor-parallel rank (vLLM's enable_expert_parallel) instead of every expert split across the ranks.")
+    kv_cache_dtype: Literal["auto", "fp8"] | None = Field(default=None, examples=["fp8"], description="vLLM --kv-cache-dtype: auto (the compute dtype) or fp8 (one byte per cached element: twice the sequences in the pool; GPUs with fp8: Hopper, Ada, Blackwell). Unset: fp8 where the GPU has it and a compute-dtype pool would hold fewer sequences than the concurrency asks.")
     data_parallel_degree: int | None = Field(default=None, ge=1, le=1024, examples=[2], description="vLLM --data-parallel-size: groups of tensor_parallel_degree ranks per model copy, each with its own attention, KV pool and max_num_seqs, behind one endpoint; mixture-of-experts models spread their experts over all the groups' ranks (expert parallel). On GPUs the groups may span instances. 1: none.")
 
 

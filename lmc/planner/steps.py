@@ -1,0 +1,413 @@
+"""Step times: what one engine iteration costs, for one layout. The serving model (planner/vllm.py) turns
+them into TTFT, TPOT and throughput; this module only answers three questions, in milliseconds:
+
+    prefill_ms(tokens)                       a prefill of `tokens` prompt tokens (one sequence)
+    decode_ms(batch, context)                a decode step of `batch` sequences at `context` tokens each
+    mixed_ms(chunk, batch, prompt, context)  a chunked-prefill step: `chunk` tokens of a `prompt`-token
+                                             prompt beside `batch` decodes at `context` tokens
+
+Two implementations, chosen in one place (`step_times`):
+
+- `MeasuredSteps`: aiconfigurator-core's per-operation silicon data (GEMMs, attention, all-reduce, MoE,
+  measured per GPU and engine version by NVIDIA; Apache-2.0, github.com/ai-dynamo/aiconfigurator), for the
+  GPUs, engines and architectures it has data for. Its answers are cached on disk beside lmc's Hub
+  summaries ($HF_HOME/lmc/step_times/), per GPU, engine version, model and layout, so a second plan of the
+  same deployment never loads its tables.
+- `RooflineSteps`: lmc's own model (latency.py: bytes over bandwidth, FLOPs over TFLOPS, collectives over
+  the interconnect, corrected by a `lmc calibrate` profile where the target names one) everywhere else:
+  GPUs aiconfigurator has no data for (A10G, T4, V100), CPU, Neuron, and lmc's own engines (hf,
+  deepspeed, neuronx).
+
+Every plan names the implementation that produced its figures (`predicted.step_times`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from lmc.planner.facts import EngineFacts, HardwareFacts, ModelFacts
+from lmc.planner.latency import tpot_ms, ttft_ms
+
+# The aiconfigurator-core release lmc reads (pyproject pins it); part of every cache key.
+AIC_VERSION = "0.12.0"
+# lmc's accelerator names → aiconfigurator's system names, where it has measured data.
+AIC_SYSTEMS = {"a100-40gb": "a100_sxm", "a100-80gb": "a100_sxm", "h100-80gb": "h100_sxm", "h200": "h200_sxm",
+               "l40s": "l40s", "b200": "b200_sxm"}
+# lmc's engines aiconfigurator measured (lmc's vllm engine; SGLang and TensorRT-LLM are not lmc engines).
+AIC_BACKENDS = {"vllm": "vllm"}
+# Set LMC_STEP_TIMES=lmc to plan with lmc's own model everywhere (comparisons, calibration).
+FORCE_ENV = "LMC_STEP_TIMES"
+
+
+class StepTimes(Protocol):
+    """One layout's step times (module docstring)."""
+
+    source: str
+
+    def prefill_ms(self, tokens: int) -> float: ...
+
+    def decode_ms(self, batch: int, context: int) -> float: ...
+
+    def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What a step time depends on besides the model and the hardware."""
+
+    engine: str
+    dtype: str  # lmc's weight dtype (bf16, fp8, ...)
+    kv_dtype: str  # the KV cache's dtype (the compute dtype, or fp8)
+    tp: int
+    dp: int = 1  # data-parallel attention groups (MoE models: experts spread over tp × dp ranks)
+
+
+@dataclass(frozen=True)
+class RooflineSteps:
+    """lmc's own model (latency.py) as step times."""
+
+    model: ModelFacts
+    hardware: HardwareFacts
+    engine: EngineFacts
+    layout: StepLayout
+    why: str = ""  # why measured data does not answer here
+
+    @property
+    def source(self) -> str:
+        calibrated = " corrected by a lmc calibrate profile" if self.engine.name in self.hardware.measured else ""
+        return f"lmc roofline (latency.py{calibrated})" + (f"; {self.why}" if self.why else "")
+
+    def prefill_ms(self, tokens: int) -> float:
+        lay = self.layout
+        return ttft_ms(self.model, self.hardware, self.engine, lay.dtype, lay.tp, max(tokens, 1), lay.dp)
+
+    def decode_ms(self, batch: int, context: int) -> float:
+        lay = self.layout
+        return tpot_ms(self.model, self.hardware, self.engine, lay.dtype, lay.tp, batch, context, 0, lay.dp,
+                       kv_dtype=lay.kv_dtype)
+
+    def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float:
+        # The chunk's prefill beyond a one-token pass (the weights are read once for the whole step).
+        extra = max(self.prefill_ms(chunk) - self.prefill_ms(1), 0.0)
+        return self.decode_ms(max(batch, 1), context) + extra
+
+
+@dataclass
+class MeasuredSteps:
+    """aiconfigurator-core's step times for one (GPU, engine version, model, layout), cached on disk."""
+
+    system: str
+    backend: str
+    model_ref: str  # a folder holding the model's config.json
+    compile_args: dict
+    cache_file: Path | None
+    _answers: dict = field(default_factory=dict)  # query key → ms; "error" → why it cannot answer
+    _handle: object | None = None
+    _loaded: bool = False
+    _dirty: bool = False
+
+    @property
+    def source(self) -> str:
+        return (f"aiconfigurator-core {AIC_VERSION} measured data ({self.system}, {self.backend} "
+                f"{self.compile_args['backend_version']})")
+
+    def prefill_ms(self, tokens: int) -> float:
+        return self._ask(f"p{max(tokens, 1)}", lambda h: h.predict_prefill_latency(1, max(tokens, 1)))
+
+    def decode_ms(self, batch: int, context: int) -> float:
+        # aiconfigurator's decode step reads the KV cache at isl + osl // 2 + 1 tokens: osl 1 → context + 1.
+        ctx = max(context - 1, 1)
+        return self._ask(f"d{batch},{ctx}", lambda h: h.decode_step_latency(max(batch, 1), ctx, 1))
+
+    def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float:
+        if batch <= 0:
+            return self.prefill_ms(chunk)
+        # Its mixed step: the chunk of an `isl`-token prompt beside decodes at isl + osl/2 tokens.
+        osl = max(2 * (context - prompt), 2)
+        key = f"m{chunk},{batch},{prompt},{osl}"
+        return self._ask(key, lambda h: h.mixed_step_latency(max(chunk, 1), batch, max(prompt, 1), osl))
+
+    def unavailable(self) -> str | None:
+        """Why aiconfigurator cannot model this layout (it raised on a one-sequence decode step), remembered
+        in the cache like its answers; None when it can."""
+        try:
+            self.decode_ms(1, 2)
+        except Exception as exc:  # its own errors: unsupported quantization, missing tables, ...
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            # Its messages name files on this machine: the plan keeps what is true anywhere.
+            first = re.sub(r" at /[^\s;]+", "", first).split("; available")[0]
+            self._answers["error"] = first[:200]
+            _write_cache(self.cache_file, self._answers)
+        error = self._answers.get("error")
+        return None if error is None else f"aiconfigurator could not model this layout: {error}"
+
+    def _ask(self, key: str, query) -> float:
+        if not self._loaded:
+            self._answers.update(_read_cache(self.cache_file))
+            self._loaded = True
+        if "error" in self._answers:
+            raise RuntimeError(self._answers["error"])
+        if key not in self._answers:
+            self._answers[key] = float(query(self.handle()))
+            self._dirty = True
+        return self._answers[key]
+
+    def save(self) -> None:
+        """Write this layout's answers to the disk cache if any are new."""
+        if self._dirty:
+            _write_cache(self.cache_file, self._answers)
+            self._dirty = False
+
+    def handle(self):
+        if self._handle is None:
+            self._handle = _compile(self.model_ref, self.system, self.backend, self.compile_args)
+        return self._handle
+
+
+def step_times(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, layout: StepLayout) -> StepTimes:
+    """The step-time source for this (hardware, engine, model): aiconfigurator's measured data where it has
+    them, lmc's own model elsewhere (and why, in its `source`). The one place the choice is made."""
+    why = measured_unavailable(model, hardware, engine)
+    if why is None:
+        measured = _measured(model, hardware, engine, layout)
+        why = measured if isinstance(measured, str) else measured.unavailable()
+        if why is None:
+            return measured
+    return RooflineSteps(model, hardware, engine, layout, why)
+
+
+def measured_unavailable(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts) -> str | None:
+    """Why aiconfigurator's data cannot answer for this target (None when it can)."""
+    if os.environ.get(FORCE_ENV) == "lmc":
+        return f"{FORCE_ENV}=lmc"
+    if engine.name not in AIC_BACKENDS:
+        return f"aiconfigurator has no data for lmc's {engine.name} engine"
+    if hardware.kind != "gpu" or hardware.accelerator not in AIC_SYSTEMS:
+        return f"aiconfigurator has no data for {hardware.accelerator}"
+    if engine.name in hardware.measured:
+        return f"the target's lmc calibrate profile measured {engine.name} on this machine"
+    if _aic_architectures() is None:
+        return "aiconfigurator-core is not installed"
+    if model.architecture not in _aic_architectures() and _bundled_config(model.id) is None:
+        return f"aiconfigurator has no model of {model.architecture}"
+    return None
+
+
+# --- aiconfigurator: model, layout and quantization -------------------------------------------------
+
+def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
+              layout: StepLayout) -> MeasuredSteps | str:
+    system, backend = AIC_SYSTEMS[hardware.accelerator], AIC_BACKENDS[engine.name]
+    bundled = _bundled_config(model.id)
+    config = bundled if bundled is not None else aic_config(model)
+    if config is None:
+        return f"aiconfigurator has no model of {model.architecture}"
+    quant = aic_quant_modes(model, hardware, layout, bundled is not None)
+    if isinstance(quant, str):
+        return quant
+    args = {"tp_size": layout.tp, "attention_dp_size": layout.dp, "backend_version": _backend_version(system, backend),
+            **quant}
+    if model.num_experts > 1:  # vLLM: experts split over the TP ranks, or whole over tp × dp with DP attention
+        args.update({"moe_tp_size": 1, "moe_ep_size": layout.tp * layout.dp} if layout.dp > 1
+                    else {"moe_tp_size": layout.tp, "moe_ep_size": 1})
+    key = json.dumps({"aic": AIC_VERSION, "system": system, "backend": backend, "config": config, "args": args},
+                     sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    folder = _cache_root()
+    # Always a folder of lmc's own: aiconfigurator reads any other model path from the Hub.
+    try:
+        ref = str(_config_folder(folder, config))
+    except OSError as exc:
+        return f"no writable folder for the model's config under HF_HOME ({exc.strerror})"
+    if digest not in _MEASURED:  # one per layout per process: its answers and compiled engine are reused
+        cache_file = folder / f"{system}--{backend}" / f"{digest}.json"
+        _MEASURED[digest] = MeasuredSteps(system, backend, ref, args, cache_file)
+    return _MEASURED[digest]
+
+
+_MEASURED: dict[str, MeasuredSteps] = {}
+
+
+def save_step_times() -> None:
+    """Write the measured step times this process looked up to the disk cache ($HF_HOME/lmc/step_times): the
+    CLI's edge calls it after planning (pipeline.plan_from_spec), and it runs at exit for other callers."""
+    for measured in _MEASURED.values():
+        measured.save()
+
+
+atexit.register(save_step_times)
+
+
+# A quantized checkpoint whose config aiconfigurator does not bundle, by how lmc's facts name its weights:
+# what vLLM runs it with on a GPU that has the kernels (fp8: w8a8 fp8 GEMMs on Hopper/Ada/Blackwell; 4-bit
+# AWQ/GPTQ: weight-only int4 GEMMs with 16-bit activations; MXFP4 experts: weight-only, 16-bit activations).
+CHECKPOINT_MODES = {
+    "fp8": {"gemm_quant_mode": "fp8", "moe_quant_mode": "fp8"},
+    "int4": {"gemm_quant_mode": "int4_wo", "moe_quant_mode": "int4_wo"},
+    "mxfp4": {"gemm_quant_mode": "bfloat16", "moe_quant_mode": "w4a16_mxfp4"},
+}
+
+
+def aic_quant_modes(model: ModelFacts, hardware: HardwareFacts, layout: StepLayout,
+                    bundled: bool) -> dict | str:
+    """aiconfigurator's quantization modes for lmc's dtype: fp8 is vLLM's online fp8 (fp8 weights, dynamic
+    fp8 activations where the GPU computes in fp8); a quantized checkpoint keeps its own (aiconfigurator
+    reads it from the bundled config, else from CHECKPOINT_MODES); an fp8 KV cache is its fp8 KV mode."""
+    modes: dict[str, str] = {}
+    if layout.kv_dtype == "fp8":
+        modes["kvcache_quant_mode"] = "fp8"
+    quantized = model.checkpoint_quantization
+    if quantized is not None:
+        if bundled:
+            return modes
+        if quantized not in CHECKPOINT_MODES or (quantized == "fp8" and "fp8" not in hardware.dtypes):
+            return f"aiconfigurator has no data for vLLM's kernels of a {quantized} checkpoint on {hardware.accelerator}"
+        return {**modes, **CHECKPOINT_MODES[quantized]}
+    if layout.dtype == "fp8":
+        if "fp8" not in hardware.dtypes:
+            return f"aiconfigurator has no weight-only fp8 kernels for {hardware.accelerator}"
+        modes.update(gemm_quant_mode="fp8", moe_quant_mode="fp8")
+    elif layout.dtype in ("bf16", "fp16"):
+        modes.update(gemm_quant_mode="bfloat16", moe_quant_mode="bfloat16")
+    else:
+        return f"aiconfigurator has no {layout.dtype} data for vLLM"
+    return modes
+
+
+def aic_config(model: ModelFacts) -> dict | None:
+    """A config.json aiconfigurator reads, from lmc's facts (dense and MoE decoders of the Llama and Qwen
+    layouts: the architectures whose every figure the facts hold)."""
+    archs = _aic_architectures() or {}
+    family = archs.get(model.architecture)
+    if family not in ("LLAMA", "MOE") or model.kv_lora_rank or model.sliding_window_layers:
+        return None
+    config = {
+        "architectures": [model.architecture], "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.layers, "num_attention_heads": model.attention_heads,
+        "num_key_value_heads": model.kv_heads, "head_dim": model.head_dim,
+        "intermediate_size": model.intermediate_size, "vocab_size": model.vocab_size,
+        "max_position_embeddings": model.max_position_embeddings or 131072,
+        "tie_word_embeddings": model.tie_word_embeddings,
+        "torch_dtype": {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(model.torch_dtype, "bfloat16"),
+    }
+    if model.num_experts > 1:
+        if family != "MOE":
+            return None
+        config.update(num_experts=model.num_experts, num_experts_per_tok=model.experts_per_token,
+                      moe_intermediate_size=model.intermediate_size)
+    return config
+
+
+@functools.cache
+def _backend_version(system: str, backend: str) -> str:
+    """The engine version whose data aiconfigurator answers with by default for `system` (its 'current'
+    slot, systems/query_versions.yaml): part of the cache key and of the figures' name."""
+    import yaml
+
+    spec = importlib.util.find_spec("aiconfigurator_core")
+    assert spec is not None and spec.origin is not None  # measured_unavailable checked
+    slots = yaml.safe_load((Path(spec.origin).parent / "systems" / "query_versions.yaml").read_text())
+    chosen = (slots.get("overrides") or {}).get(system, {}).get(backend) or slots["defaults"][backend]
+    return str(chosen["current"])
+
+
+def _aic_architectures() -> dict[str, str] | None:
+    if importlib.util.find_spec("aiconfigurator_core") is None:
+        return None
+    from aiconfigurator_core.sdk.common import ARCHITECTURE_TO_MODEL_FAMILY
+
+    return ARCHITECTURE_TO_MODEL_FAMILY
+
+
+@functools.cache
+def _bundled_config_text(model_id: str) -> str | None:
+    """The published config.json aiconfigurator ships for `model_id` (case-insensitive), if any."""
+    spec = importlib.util.find_spec("aiconfigurator_core")
+    if spec is None or spec.origin is None:
+        return None
+    folder = Path(spec.origin).parent / "model_configs"
+    wanted = model_id.replace("/", "--").lower() + "_config.json"
+    for path in folder.glob("*_config.json"):
+        if path.name.lower() == wanted and not path.name.endswith("hf_quant_config.json"):
+            return path.read_text()
+    return None
+
+
+def _bundled_config(model_id: str) -> dict | None:
+    text = _bundled_config_text(model_id)
+    return None if text is None else json.loads(text)
+
+
+def _compile(model_ref: str, system: str, backend: str, args: dict):
+    import logging
+
+    from aiconfigurator_core.sdk.engine import EngineHandle
+
+    # Its table loader logs a warning per low-fidelity fallback table: not lmc's user's concern.
+    logging.getLogger("aiconfigurator_core").setLevel(logging.ERROR)
+    return EngineHandle.compile(model_ref, system, backend, **args)
+
+
+# --- the disk cache ---------------------------------------------------------------------------------
+
+def _cache_root() -> Path:
+    """Beside lmc's Hub summaries (lmc/hub.py): $HF_HOME/lmc/step_times."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # the planner alone: huggingface_hub's default, ~/.cache/huggingface
+        home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+        return Path(home) / "lmc" / "step_times"
+    return Path(constants.HF_HOME) / "lmc" / "step_times"
+
+
+def _config_folder(root: Path, config: dict) -> Path:
+    text = json.dumps(config, sort_keys=True, indent=1)
+    folder = root / "configs" / hashlib.sha256(text.encode()).hexdigest()[:20]
+    path = folder / "config.json"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, text)
+    return folder
+
+
+def _read_cache(path: Path | None) -> dict:
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # a damaged cache costs one recomputation, never a wrong figure
+    answers: dict = {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    if isinstance(data.get("error"), str):
+        answers["error"] = data["error"]
+    return answers
+
+
+def _write_cache(path: Path | None, answers: dict) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, json.dumps(answers, sort_keys=True))
+    except OSError:
+        pass  # a read-only HF_HOME only costs the next plan the queries
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+__all__ = ["AIC_SYSTEMS", "MeasuredSteps", "RooflineSteps", "StepLayout", "StepTimes", "aic_config",
+           "aic_quant_modes", "measured_unavailable", "step_times"]

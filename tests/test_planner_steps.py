@@ -1,0 +1,169 @@
+"""Step times (lmc/planner/steps.py): one interface, two implementations, one place that chooses; the serving
+model on top (planner/vllm.py); the fp8 KV cache as a planned choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmc.errors import SpecValueError
+from lmc.planner import catalog, plan_deployment, steps
+from lmc.planner.engines import engine_facts
+from lmc.planner.latency import tpot_ms, ttft_ms
+from lmc.planner.steps import MeasuredSteps, RooflineSteps, StepLayout, step_times
+from lmc.planner.vllm import queued_ttft_ms, vllm_memory, vllm_predict
+from lmc.schema.spec import Spec
+
+ENGINES = engine_facts()
+VLLM = ENGINES["vllm"]
+QWEN8 = catalog.model_facts("Qwen/Qwen3-8B")
+LLAMA70 = catalog.model_facts("meta-llama/Llama-3.1-70B")
+H100 = catalog.hardware_facts("ml.p5.48xlarge")
+A10G = catalog.hardware_facts("ml.g5.12xlarge")
+BF16 = StepLayout("vllm", "bf16", "bf16", 1)
+
+
+def plan(body: dict, model, hardware):
+    return plan_deployment(Spec.model_validate({"model": {"id": model.id}, **body}), model, hardware,
+                           spec_sha256="0" * 64, lmc_version="test")
+
+
+def test_the_roofline_answers_with_latency_py_and_a_mixed_step_adds_the_chunk_beyond_a_one_token_pass():
+    s = RooflineSteps(QWEN8, A10G, VLLM, BF16)
+    assert s.decode_ms(8, 1500) == tpot_ms(QWEN8, A10G, VLLM, "bf16", 1, 8, 1500, 0)
+    assert s.prefill_ms(1000) == ttft_ms(QWEN8, A10G, VLLM, "bf16", 1, 1000)
+    assert s.mixed_ms(512, 8, 1000, 1500) == pytest.approx(s.decode_ms(8, 1500) + s.prefill_ms(512) - s.prefill_ms(1))
+    # An fp8 KV cache halves the bytes a decode step reads from the cache: the step shrinks by half the KV term.
+    fp8 = RooflineSteps(QWEN8, A10G, VLLM, StepLayout("vllm", "bf16", "fp8", 1))
+    kv_bf16 = 8 * 1500 * 2 * QWEN8.layers * QWEN8.kv_heads * QWEN8.head_dim * 2  # bytes: batch · context · 2·L·kv·hd·b
+    efficiency = VLLM.efficiency["gpu"]
+    bandwidth = A10G.memory_bandwidth_bytes_per_s * efficiency.decode_bandwidth
+    assert s.decode_ms(8, 1500) - fp8.decode_ms(8, 1500) == pytest.approx(kv_bf16 / 2 / bandwidth * 1e3, rel=1e-6)
+
+
+def test_measured_steps_are_aiconfigurators_own_numbers():
+    pytest.importorskip("aiconfigurator_core")
+    from aiconfigurator_core.sdk.engine import EngineHandle
+
+    s = step_times(QWEN8, H100, VLLM, BF16)
+    assert isinstance(s, MeasuredSteps)
+    assert s.source == "aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0)"
+    sdk = EngineHandle.compile("Qwen/Qwen3-8B", "h100_sxm", "vllm", backend_version="0.24.0", tp_size=1,
+                               gemm_quant_mode="bfloat16", moe_quant_mode="bfloat16")
+    assert s.prefill_ms(2048) == pytest.approx(sdk.predict_prefill_latency(1, 2048), rel=1e-9)
+    assert s.decode_ms(32, 1500) == pytest.approx(sdk.decode_step_latency(32, 1499, 1), rel=1e-9)
+    assert s.mixed_ms(1024, 31, 1024, 1280) == pytest.approx(sdk.mixed_step_latency(1024, 31, 1024, 512), rel=1e-9)
+    # Its data, not a datasheet: a bigger batch costs more, a longer prompt more still.
+    assert s.decode_ms(64, 1500) > s.decode_ms(1, 1500) and s.prefill_ms(4096) > 1.8 * s.prefill_ms(2048)
+
+
+def test_a_second_plan_reads_the_step_times_from_disk_without_aiconfigurator(tmp_path, monkeypatch):
+    pytest.importorskip("aiconfigurator_core")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HOME", str(tmp_path))
+    monkeypatch.setattr(steps, "_MEASURED", {})
+    first = step_times(QWEN8, H100, VLLM, StepLayout("vllm", "bf16", "bf16", 2))
+    answer = first.decode_ms(16, 3000)
+    steps.save_step_times()  # what pipeline.plan_from_spec does after planning
+    cached = list((tmp_path / "lmc" / "step_times" / "h100_sxm--vllm").glob("*.json"))
+    assert len(cached) == 1 and '"d16,2999"' in cached[0].read_text()
+    monkeypatch.setattr(steps, "_MEASURED", {})  # a new process
+    monkeypatch.setattr(steps, "_compile", lambda *args: pytest.fail("compiled although the answer was cached"))
+    second = step_times(QWEN8, H100, VLLM, StepLayout("vllm", "bf16", "bf16", 2))
+    assert second is not first and second.decode_ms(16, 3000) == answer
+
+
+@pytest.mark.parametrize(("instance", "engine", "why"), [
+    ("ml.g5.12xlarge", "vllm", "aiconfigurator has no data for a10g"),
+    ("local", "vllm", "aiconfigurator has no data for cpu"),
+    ("ml.inf2.24xlarge", "neuronx", "aiconfigurator has no data for lmc's neuronx engine"),
+    ("ml.p5.48xlarge", "hf", "aiconfigurator has no data for lmc's hf engine"),
+])
+def test_where_aiconfigurator_has_no_data_lmcs_model_answers_and_says_why(instance, engine, why):
+    hardware = catalog.hardware_facts(instance)
+    s = step_times(QWEN8, hardware, ENGINES[engine], StepLayout(engine, "bf16", "bf16", 1))
+    assert isinstance(s, RooflineSteps)
+    assert s.source == f"lmc roofline (latency.py); {why}"
+
+
+def test_the_plan_names_the_model_behind_its_figures(monkeypatch):
+    body = {"target": {"instance": "ml.g5.12xlarge"}, "pin": {"engine": "vllm"}}
+    assert plan(body, QWEN8, A10G).predicted.step_times == "lmc roofline (latency.py); aiconfigurator has no data for a10g"
+    measured = plan({"target": {"instance": "ml.p5.48xlarge"}}, QWEN8, H100).predicted.step_times
+    assert measured == "aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0)"
+    monkeypatch.setenv("LMC_STEP_TIMES", "lmc")
+    assert plan({"target": {"instance": "ml.p5.48xlarge"}}, QWEN8, H100).predicted.step_times == (
+        "lmc roofline (latency.py); LMC_STEP_TIMES=lmc")
+
+
+def test_queueing_past_the_running_slots_follows_littles_law():
+    # 8 clients on 4 slots: each round trip is 8/4 of a slot's (TTFT 100 + 10 more tokens at 10 ms = 200 ms),
+    # 400 ms, of which 100 ms decode: 300 ms to the first token.
+    assert queued_ttft_ms(100.0, 10.0, 4, 8, 11) == pytest.approx(300.0)
+    assert queued_ttft_ms(100.0, 10.0, 4, 4, 11) == pytest.approx(100.0)
+
+
+def test_past_the_pool_a_plan_is_a_saturated_system_with_queueing_not_a_refusal():
+    body = {"target": {"instance": "ml.p5.48xlarge"}, "pin": {"engine": "vllm", "tensor_parallel_degree": 8,
+                                                              "kv_cache_dtype": "auto", "replicas": 1, "dtype": "bf16"},
+            "workload": {"max_input_tokens": 16000, "max_output_tokens": 2000, "concurrency": 400}}
+    p = plan(body, LLAMA70, H100)
+    held = p.kv_cache.max_concurrent_sequences
+    assert p.batch_size == held < 400
+    assert p.vllm.max_num_queued_reqs is None or p.vllm.max_num_queued_reqs >= held
+    # The serving model at the pool's batch: the same steps for the held sequences as for 400 clients, the
+    # rest of whom wait their turn.
+    _, layout = vllm_memory(LLAMA70, H100, VLLM, VLLM.efficiency["gpu"], "bf16", 8, held, 16000, 2000, 0.9, None)
+    within = vllm_predict(LLAMA70, H100, VLLM, "bf16", 8, 1, layout, 16000, 2000, held)
+    past = vllm_predict(LLAMA70, H100, VLLM, "bf16", 8, 1, layout, 16000, 2000, 400)
+    assert past.tpot_ms == within.tpot_ms and past.throughput_tokens_per_s == within.throughput_tokens_per_s
+    cycle = within.ttft_ms + 1999 * within.tpot_ms
+    assert past.ttft_ms == pytest.approx(400 / held * cycle - 1999 * within.tpot_ms)
+    assert p.predicted.ttft_ms == pytest.approx(past.ttft_ms, rel=1e-4)
+
+
+def test_fp8_kv_cache_is_planned_where_the_pool_decides_the_concurrency():
+    from lmc.emitters.render import render_text_files
+    from lmc.runtime.vllm_backend import engine_arguments
+
+    body = {"target": {"instance": "ml.p5.48xlarge"}, "pin": {"engine": "vllm", "tensor_parallel_degree": 8},
+            "workload": {"max_input_tokens": 16000, "max_output_tokens": 2000, "concurrency": 256}}
+    p = plan(body, LLAMA70, H100)
+    auto = plan({**body, "pin": {**body["pin"], "kv_cache_dtype": "auto"}}, LLAMA70, H100)
+    assert auto.vllm.kv_cache_dtype == "auto" and auto.kv_cache.max_concurrent_sequences < 256
+    assert p.vllm.kv_cache_dtype == "fp8"
+    assert p.kv_cache.max_concurrent_sequences >= 2 * auto.kv_cache.max_concurrent_sequences - 1
+    reason = p.decision("kv_cache_dtype").reason
+    assert f"holds {p.kv_cache.max_concurrent_sequences} sequences instead of {auto.kv_cache.max_concurrent_sequences}" in reason
+    assert engine_arguments(p.to_dict(), __import__("pathlib").Path("/m"))["kv_cache_dtype"] == "fp8"
+    assert "kv_cache_dtype" not in engine_arguments(auto.to_dict(), __import__("pathlib").Path("/m"))
+    assert "option.kv_cache_dtype=fp8" in render_text_files(p, Spec.model_validate({"model": {"id": LLAMA70.id},
+                                                                                       **body}))[
+        "serving.properties"].decode()
+    # Where the pool holds the concurrency the cache keeps the compute dtype, and says what fp8 would buy.
+    small = plan({**body, "workload": {**body["workload"], "concurrency": 8}}, LLAMA70, H100)
+    assert small.vllm.kv_cache_dtype == "auto" and "would hold about twice as many" in small.decision(
+        "kv_cache_dtype").reason
+
+
+def test_an_fp8_kv_pin_on_a_gpu_without_fp8_is_refused_with_the_fix():
+    with pytest.raises(SpecValueError) as err:
+        plan({"target": {"instance": "ml.g5.12xlarge"}, "pin": {"kv_cache_dtype": "fp8"}}, QWEN8, A10G)
+    assert str(err.value) == ("pin.kv_cache_dtype = 'fp8': a10g has no fp8: vLLM's fp8 KV cache needs a GPU with "
+                              "fp8 (Hopper, Ada, Blackwell); use auto")
+
+
+def test_a_quantized_checkpoint_aiconfigurator_does_not_bundle_runs_on_its_kernels_data_or_says_why_not():
+    pytest.importorskip("aiconfigurator_core")
+    llama = catalog.model_facts("meta-llama/Llama-3.3-70B-Instruct")
+    layout = StepLayout("vllm", "bf16", "bf16", 4)
+    fp8 = step_times(llama.model_copy(update={"checkpoint_quantization": "fp8"}), H100, VLLM, layout)
+    bf16 = step_times(llama, H100, VLLM, layout)
+    assert isinstance(fp8, MeasuredSteps) and fp8.compile_args["gemm_quant_mode"] == "fp8"
+    assert fp8.decode_ms(8, 2000) < bf16.decode_ms(8, 2000)  # half the weight bytes a step reads
+    # No int4 GEMM data for vLLM on H100: lmc's model, and the reason without this machine's paths.
+    int4 = step_times(llama.model_copy(update={"checkpoint_quantization": "int4"}), H100, VLLM, layout)
+    assert int4.source == ("lmc roofline (latency.py); aiconfigurator could not model this layout: perf database "
+                           "error: GEMM perf data missing for quant 'int4_wo'")
+    a100 = catalog.hardware_facts("ml.p4d.24xlarge")  # no fp8 compute: vLLM runs an fp8 checkpoint weight-only
+    assert step_times(llama.model_copy(update={"checkpoint_quantization": "fp8"}), a100, VLLM, layout).source == (
+        "lmc roofline (latency.py); aiconfigurator has no data for vLLM's kernels of a fp8 checkpoint on a100-40gb")
