@@ -71,10 +71,13 @@ SPECS = sorted((ROOT / "specs").glob("*.toml"))
 
 
 def _expected_exit(spec: Path) -> int:
-    """3 where the spec is infeasible by design (its golden is the refusal, plan.txt, not a plan.json), else 0."""
+    """3 where the spec is infeasible by design (its golden is the refusal, plan.txt, not a plan.json), 4 where
+    its golden plan misses the goal, else 0."""
     golden = ROOT / "golden" / spec.stem
     assert (golden / "plan.json").is_file() != (golden / "plan.txt").is_file(), golden
-    return 0 if (golden / "plan.json").is_file() else 3
+    if not (golden / "plan.json").is_file():
+        return 3
+    return 0 if json.loads((golden / "plan.json").read_text())["goal_met"] else 4
 
 
 def test_planning_every_spec_leaves_torch_unimported(cpu_checkpoint):

@@ -17,13 +17,13 @@ from lmc.pipeline import plan_from_spec
 from lmc.planner.goals import admission, goal_check
 from lmc.planner.report import render_plan
 from lmc.schema import load_spec
-from test_golden import SPECS, cpu_checkpoint  # noqa: F401  (the fixture the CPU specs need)
+from test_golden import SPECS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def planned(cpu_checkpoint):  # noqa: F811
+def planned(cpu_checkpoint):
     """spec stem -> (plan, spec) for every feasible spec in specs/."""
     out = {}
     for path in SPECS:
@@ -171,7 +171,7 @@ def _tiny(tmp_path, checkpoint, engine: str, concurrency: int, ttft: float) -> P
 
 
 @pytest.mark.parametrize("ttft", [100, 400, 2000])
-def test_the_tiny_hf_example_admits_what_its_ttft_goal_allows(tmp_path, cpu_checkpoint, ttft):  # noqa: F811
+def test_the_tiny_hf_example_admits_what_its_ttft_goal_allows(tmp_path, cpu_checkpoint, ttft):
     # Issue 32: batch 8 and a fixed queue of 32: 24 of 64 concurrent requests got 503 whatever the TTFT goal.
     plan, spec = _plan(_tiny(tmp_path, ROOT / "specs" / "models" / "tiny-llama", "hf", 64, ttft))
     assert plan.engine == "hf"
@@ -185,7 +185,7 @@ def test_the_tiny_hf_example_admits_what_its_ttft_goal_allows(tmp_path, cpu_chec
     assert f"within the {ttft:g} ms TTFT goal" in queue
 
 
-def test_a_tighter_ttft_goal_holds_fewer_waiting_for_lmcs_engines(tmp_path, cpu_checkpoint):  # noqa: F811
+def test_a_tighter_ttft_goal_holds_fewer_waiting_for_lmcs_engines(tmp_path, cpu_checkpoint):
     path = ROOT / "specs" / "models" / "tiny-llama"
     loose, _ = _plan(_tiny(tmp_path, path, "hf", 8, 2000))
     tight, _ = _plan(_tiny(tmp_path, path, "hf", 8, 60))
