@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 581fc0dc6715dc0750d7a1fb14ba574a95a12100005b2a5f962f47fe4619f4e2
-plan sha256 59383e8ceb356ac4166a41608a522f4a4c64d7f8c0a1aebd99e0330e4a6f7f77
+spec sha256 23ef785c63b1096b7110b021aefcb08b792838c27af3330fbacaf2267303042f
+plan sha256 f8124de300f8c2e4d3427a6056240e614424bb6ec6a2f505a1ea82b3e7901cbe
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

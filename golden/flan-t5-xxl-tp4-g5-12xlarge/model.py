@@ -4,8 +4,8 @@ Serves google/flan-t5-xxl (t5, text2text-generation) with the deepspeed engine i
 tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
-spec sha256 7c192495d885cad6e855afcf0e605517175721af258a0ed55033876c1e112550
-plan sha256 2cc6d124e7ae9ef0a3b741f885e35b784632482b038d5154272bc4edc0924477
+spec sha256 ecd0e55ed16cae7b728febeb94a4359f1f5d4838c84a3ebf352367bbef6128bf
+plan sha256 a3b5c5a92f2160bfd1bfbee267685a4eb061a002abde8a56dc66e4370ff525d0
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 50 ms),
 sequences of up to 640 tokens, on cuda.
 
-spec sha256 885f1b25c3fa1a2bd2dd1aff46d734697edb1ed6c270583a40d7339dae80bcd0
-plan sha256 d50e73866eccefc18682c94b02be2b87fbfc4e524c3d98cd1e254c84ea61b0ea
+spec sha256 33bcef52db413c28709a8b6808796ac7171a91ad89cca6f8fd857aa55a53ee13
+plan sha256 fc5521aaec5c7fe1cfb31b8ec58a71574769c51a322a59bf322da52ed4233dd2
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 32 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waiting at most 50 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 55f581b4a130b3c143feeb72d1a8f3e30dab1358e3dd45a3f124015b6e312f6d
-plan sha256 6e69b35a9145c3ef24fc2ea2530d9ef8e18b38f52be33085e202dd1e7f1d0d4a
+spec sha256 4b3a2ef50c24219f7a12e959b1c3098b8d3399397b1af24eafab87d81167a1fc
+plan sha256 52f5c8038d1980c2199999fae927cde3de726ba6697b7283e0112212ee8f1c7a
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 1, continuous batching of up to 4 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 4 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 fc322f184d73208ab57194d9447d207b839aa0a5d75662327c480704d86adc30
-plan sha256 31066be7761b0488db7c68da8c09aee3bb9e7e1a58a245f14593d4d67cbdf8bf
+spec sha256 eedd1a690b694a74623583364b703edbf30f0149f1769e0044d4b0735602188e
+plan sha256 bfe5cc4e9c4f5df5dd649efabbf18c76eddeb4ab0c638f9789264626e28c6f6d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

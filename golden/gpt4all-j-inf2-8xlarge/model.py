@@ -6,8 +6,8 @@ tensor parallel degree 2, dynamic batches of up to 4 requests
 No compiled Neuron graphs are packed: transformers-neuronx cannot serialize compiled GPTJForSampling graphs, so they are compiled when the container starts
 (predicted load time including the compile: 378.9 s).
 
-spec sha256 c0c372b16b1f59e6748a1a88cc8353bb2b022ea16f57398ea019fed17fc5f633
-plan sha256 2f700dd30fd6447e251c8a8b1ebc7e3b22cd002aba8c9ffe71ae2fd11b40bf55
+spec sha256 b98e509b8cb113faacd75d33a4d6642ae57ce3b58a1eaad362a032410cd4dc54
+plan sha256 05888d4f9ea2ab2765f35e7035d3f8784cc9e6b9a9aa3e99f78e2ff936e1826d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 2048 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 5a59a1e9600c65576a6cb902c9207e8f87b296ef9ee91119583e955e6d77710a
-plan sha256 1890c1745fcd147279e7df9b0236f3501d3c6d45587e36a7c06b34f1a402fc67
+spec sha256 1af173b0fb35f47d25106403e109897c42c5181e0d94250537699789dc73917e
+plan sha256 3a1bad548ba266a4f533e0767dbd5bf05fceba3d8b0b1ed32a80c5559197f591
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

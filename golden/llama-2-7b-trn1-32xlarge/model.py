@@ -5,8 +5,8 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 1536 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 511602b121dd722ebf25114ec13ba45cdde8ffcc2a06f5ce6b83489111e10edb
-plan sha256 015c7920d4054c20170b399b3ab5a512f7082647b5c084af7b8c0492df9b3d2b
+spec sha256 cec452515928aac1b0f4d560a1d9148b6e9fa9f374bdec547a5adeee46c9418d
+plan sha256 dbcd9ee963ca77a1908eab7c6c126222cd2a0482790a70a7bb73b294af311287
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

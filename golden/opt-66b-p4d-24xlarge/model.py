@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 16 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 7672fcff04d7fa9c4be1f54dc03e3e6cee852136e67319c5764956a29bf03414
-plan sha256 d089460db22e22214fdc550f28efdb717afe6e781b7b9aa36fbfae6d129888f0
+spec sha256 dc9360cc8f6e71e7b7bf5ab9e7034f64c99f924165c1250a7e8285596fff1724
+plan sha256 dc0341866e04b3438434ff3e99a8f499f46caab35f7528d84321ce9e2721b8fb
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

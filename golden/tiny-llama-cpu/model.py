@@ -5,8 +5,8 @@ tensor parallel degree 2, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 96 tokens, on cpu.
 
-spec sha256 fb8c73f430dadfc92a09407b1ff79c97c240ce754add7683653bbe35a289508d
-plan sha256 5b7ffcd4e5272fef847bd1e053e836536bae8e77650f767bae3dde75d1eb93b3
+spec sha256 3bf3514b8e0075e3486a06aae658a021f14704291ddba3371103a42773905a89
+plan sha256 51743f2a7cd7252f5be0c22059010f0ad1565105a99bc96ca7f16d88911381ee
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.
