@@ -9,8 +9,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-# Plan sections present only where they apply: kv_cache for continuous plans, vllm for vLLM plans.
-OPTIONAL_SECTIONS = ("kv_cache", "vllm")
+# Plan sections present only where they apply: kv_cache for continuous plans, vllm for vLLM plans, lora and
+# speculative where the spec serves adapters or speculates (lmc.planner.lora, .speculative).
+OPTIONAL_SECTIONS = ("kv_cache", "vllm", "lora", "speculative")
 
 
 class _Frozen(BaseModel):
@@ -145,6 +146,8 @@ class Plan(_Frozen):
     scheduling: Literal["dynamic", "continuous"] = "dynamic"
     kv_cache: KvCache | None = None
     vllm: VllmConfig | None = None
+    lora: dict | None = Field(default=None, description="LoRA adapters: vLLM's slots (max_loras, max_lora_rank, max_cpu_loras), their bytes, the adapters.")
+    speculative: dict | None = Field(default=None, description="Speculative decoding: method, tokens, acceptance and its source, enabled or turned off, the figures.")
     deployment: Deployment
     memory_per_device: MemoryPerDevice
     predicted: Predicted

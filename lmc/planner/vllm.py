@@ -38,7 +38,9 @@ from lmc.planner.memory import (
     overhead_bytes,
     weight_bytes,
 )
+from lmc.planner.lora import lora_step_ms, slot_bytes
 from lmc.planner.plan import Decision, KvCache, MemoryPerDevice, VllmConfig
+from lmc.planner.speculative import decode_ms as speculative_decode_ms, draft_bytes
 
 GIB = 2**30
 # Tokens per KV block: vLLM's default on GPU (CacheConfig.DEFAULT_BLOCK_SIZE) and on CPU (the CPU
@@ -155,6 +157,8 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     weights = weight_bytes(model, engine, dtype, tp, hardware)
     if dp > 1:
         weights = int(dp_weight_bytes(weights, model, dp))
+    # LoRA slots and the speculative proposer are weights to vLLM's profiler: they come out of the KV pool.
+    weights += slot_bytes(model, act_dtype, tp, max_num_seqs) + draft_bytes(model, engine, dtype, tp, hardware)
     activations = activation_bytes(model, engine, tp, act_dtype, batched, max_num_seqs)
     runtime = runtime_bytes(efficiency, hardware, tp)
     utilization = gpu_memory_utilization(hardware, memory_fraction, memory_cap)
@@ -199,7 +203,8 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     # Instances, load and price per hour as for any engine; the rest is continuous batching's (its
     # TPOT is one decode step of `running`, its TTFT one whole prompt: the terms below start from them).
     base = predict(model, hardware, engine, dtype, tp, replicas, running, input_tokens, output_tokens, dp)
-    decode = base.tpot_ms
+    decode = base.tpot_ms + lora_step_ms(model, hardware, engine, dtype, tp, running, layout.max_num_seqs, dp)
+    decode = speculative_decode_ms(model, hardware, engine, dtype, tp, running, input_tokens, output_tokens, dp, decode)
     riding = max(decode - tpot_ms(model, hardware, engine, dtype, tp, 1, input_tokens, output_tokens, dp), 0.0)
 
     chunk = max(layout.max_num_batched_tokens - (running - 1), 1)
