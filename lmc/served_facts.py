@@ -80,7 +80,7 @@ def adapter_facts(loaded: LoadedSpec, index: int, model: ModelFacts) -> AdapterF
 
         widths = module_widths(model)
         weight_bytes = sum(rank * sum(widths.get(m, (0, 0))) for m in named_modules(tuple(modules))) * 2 * model.layers
-    source = str(folder) if commit is None else f"{adapter.id}@{commit}"
+    source = adapter.path if commit is None else f"{adapter.id}@{commit}"
     return AdapterFacts(name=adapter.name, source=source, revision=commit, rank=rank,
                         alpha=float(config.get("lora_alpha") or 0), target_modules=tuple(sorted(modules)),
                         base_model=config.get("base_model_name_or_path") or None, weight_bytes=weight_bytes)
@@ -171,14 +171,22 @@ def _read_json(path: Path, key: str, shown: str) -> dict[str, Any]:
 
 def _hub_file(key: str, repo: str, revision: str | None, filename: str) -> Path:
     """`filename` of a Hub repo through the HF cache (HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE honoured)."""
-    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub import constants, errors, hf_hub_download
 
     try:
         return Path(hf_hub_download(repo, filename, revision=revision))
-    except Exception as exc:  # huggingface_hub's many errors, one line each
+    except errors.RevisionNotFoundError:
+        raise SpecValueError(key, repo, f"no revision {revision!r} of it on the Hub ({constants.ENDPOINT})") from None
+    except errors.RepositoryNotFoundError:
+        raise SpecValueError(key, repo, f"no such repo on the Hub ({constants.ENDPOINT}), or it is private: check "
+                                        "the id, or set HF_TOKEN") from None
+    except errors.RemoteEntryNotFoundError:
+        raise SpecValueError(key, repo, f"the repo has no {filename}: not a PEFT adapter") from None
+    except Exception as exc:  # no network, offline without the file cached, ...: one line
         from lmc.hub import _one_line
 
-        raise SpecValueError(key, repo, f"cannot read {filename} from the Hub at {constants.ENDPOINT} "
+        offline = " (HF_HUB_OFFLINE: not in the HF cache)" if constants.HF_HUB_OFFLINE else ""
+        raise SpecValueError(key, repo, f"cannot read {filename} from the Hub at {constants.ENDPOINT}{offline} "
                                         f"({_one_line(exc)})") from None
 
 

@@ -141,6 +141,7 @@ def speculative_section(model: ModelFacts, hardware: HardwareFacts, engine: Engi
         "acceptance_rate": spec.acceptance_rate, "acceptance_source": spec.acceptance_source,
         "tokens_per_step": round(tokens_per_step(spec), 3),
         "draft_bytes_per_device": draft_bytes(model, engine, dtype, tp, hardware),
+        "revision": None if spec.draft is None else spec.draft.revision,
         "batch": running, "tpot_ms_without": round(plain, 3), "tpot_ms_with": round(with_spec, 3),
         "stops_paying_at_batch": break_even_batch(model, hardware, engine, dtype, tp, input_tokens, output_tokens,
                                                   dp, BREAK_EVEN_SCAN),
