@@ -84,7 +84,7 @@ def test_slots_come_out_of_the_kv_pool_and_the_kernels_cost_time():
     p0 = plan(spec(pin={"engine": "vllm"}, workload={"concurrency": 16}), LLAMA8)
     p1 = plan(spec(pin={"engine": "vllm"}, workload={"concurrency": 16}), model)
     assert p1.predicted.tpot_ms > p0.predicted.tpot_ms
-    assert p1.lora["max_loras"] == 8 and p1.lora["max_lora_rank"] == 16 and len(p1.lora["adapters"]) == 8
+    assert p1.lora.max_loras == 8 and p1.lora.max_lora_rank == 16 and len(p1.lora.adapters) == 8
     assert "lora" not in p0.to_dict() and "speculative" not in p0.to_dict()
     reason = p1.decision("lora").reason
     assert "--max-loras 8" in reason and "arXiv:2310.18547" in reason
@@ -129,14 +129,14 @@ def test_speculation_pays_at_a_small_batch_and_is_turned_off_past_break_even():
     model = speculating(LLAMA8, "ngram", k=4, rate=0.3)  # 1.42 tokens a step
     small = plan(spec(pin={"engine": "vllm"}, workload={"concurrency": 1}), model)
     plain_small = plan(spec(pin={"engine": "vllm"}, workload={"concurrency": 1}), LLAMA8)
-    assert small.speculative["enabled"] and small.decision("speculative").value == "ngram"
+    assert small.speculative.enabled and small.decision("speculative").value == "ngram"
     assert small.predicted.tpot_ms < 0.75 * plain_small.predicted.tpot_ms
-    stops = small.speculative["stops_paying_at_batch"]
+    stops = small.speculative.stops_paying_at_batch
     assert stops is not None and stops > 1
     busy = plan(spec(pin={"engine": "vllm", "replicas": 1}, workload={"concurrency": 256}), model)
     plain_busy = plan(spec(pin={"engine": "vllm", "replicas": 1}, workload={"concurrency": 256}), LLAMA8)
-    assert busy.speculative["batch"] >= stops
-    assert not busy.speculative["enabled"] and busy.decision("speculative").value == "off"
+    assert busy.speculative.batch >= stops
+    assert not busy.speculative.enabled and busy.decision("speculative").value == "off"
     assert "turned off" in busy.decision("speculative").reason
     assert busy.predicted.tpot_ms == plain_busy.predicted.tpot_ms  # planned without it
 
@@ -150,10 +150,10 @@ def test_mtp_needs_the_checkpoints_mtp_layers_and_costs_their_weights():
     check_speculative(model)
     p = plan(spec(instance="ml.p5en.48xlarge", workload={"concurrency": 8, "max_input_tokens": 4096,
                                                          "max_output_tokens": 1024}), model, P5EN)
-    assert p.speculative["enabled"] and p.speculative["vllm_method"] == "mtp"
+    assert p.speculative.enabled and p.speculative.vllm_method == "mtp"
     # one of 61 layers' weights per device beside the model's
-    assert p.speculative["draft_bytes_per_device"] == pytest.approx(p.memory_per_device.weights / 62, rel=0.02)
-    assert p.speculative["tpot_ms_with"] == pytest.approx(p.speculative["tpot_ms_without"] * (1 + 1 / 61) / 1.85,
+    assert p.speculative.draft_bytes_per_device == pytest.approx(p.memory_per_device.weights / 62, rel=0.02)
+    assert p.speculative.tpot_ms_with == pytest.approx(p.speculative.tpot_ms_without * (1 + 1 / 61) / 1.85,
                                                           rel=0.02)
 
 
@@ -168,7 +168,7 @@ def test_a_draft_with_another_vocabulary_is_refused_and_a_draft_costs_its_steps(
     step = tpot_ms(LLAMA8, G6E, VLLM, p.dtype, 1, 1, 1024, 256)
     draft_step = tpot_ms(tiny_draft, G6E, VLLM, p.dtype, 1, 1, 1024, 256)
     # at batch 1 the verify step is the plain step and a few extra tokens' FLOPs
-    assert p.speculative["tpot_ms_with"] == pytest.approx((step + 3 * draft_step) / (1 + .6 + .36 + .216), rel=0.02)
+    assert p.speculative.tpot_ms_with == pytest.approx((step + 3 * draft_step) / (1 + .6 + .36 + .216), rel=0.02)
 
 
 def test_the_plan_cli_reads_adapter_configs_and_words_a_bad_base(tmp_path, capsys):

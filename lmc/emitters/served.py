@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from lmc.errors import SpecValueError
-from lmc.planner.plan import Plan
+from lmc.planner.plan import LoraAdapter, Plan, SpeculativeSection
 from lmc.schema import LoadedSpec
 from lmc.served_artifact import ADAPTER_FILES, ADAPTERS_DIR, DRAFT_DIR
 
@@ -21,18 +21,18 @@ DRAFT_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "mod
 
 def stage_served(loaded: LoadedSpec, plan: Plan, staging: Path, say: Callable[[str], None]) -> None:
     """Copy the plan's adapters and draft into `staging`. Raises SpecValueError on the spec's key."""
-    for index, adapter in enumerate((plan.lora or {}).get("adapters", [])):
+    for index, adapter in enumerate(plan.lora.adapters if plan.lora else []):
         source = _adapter_source(loaded, index, adapter)
-        say(f"packing adapter {adapter['name']} from {source}")
+        say(f"packing adapter {adapter.name} from {source}")
         _check_adapter_weights(source, adapter, _key(loaded, index))
-        target = staging / ADAPTERS_DIR / adapter["name"]
+        target = staging / ADAPTERS_DIR / adapter.name
         target.mkdir(parents=True)
         for name in ADAPTER_FILES:
             shutil.copyfile(source / name, target / name)
-    speculative = plan.speculative or {}
-    if speculative.get("enabled") and speculative.get("model") is not None:
+    speculative = plan.speculative
+    if speculative is not None and speculative.enabled and speculative.model is not None:
         source = _draft_source(loaded, speculative)
-        say(f"packing the {speculative['method']} proposer from {source}")
+        say(f"packing the {speculative.method} proposer from {source}")
         target = staging / DRAFT_DIR
         target.mkdir()
         for file in sorted({f for pattern in DRAFT_PATTERNS for f in source.glob(pattern) if f.is_file()}):
@@ -45,16 +45,16 @@ def _key(loaded: LoadedSpec, index: int) -> str:
     return adapter_key(loaded.spec, index)
 
 
-def _adapter_source(loaded: LoadedSpec, index: int, adapter: dict) -> Path:
+def _adapter_source(loaded: LoadedSpec, index: int, adapter: LoraAdapter) -> Path:
     spec_adapter = loaded.spec.adapters[index]
     if spec_adapter.path is not None:
         return loaded.source.resolve(spec_adapter.path)
     from lmc.served_facts import download_adapter
 
-    return download_adapter(spec_adapter.id, adapter["revision"])
+    return download_adapter(spec_adapter.id, adapter.revision)
 
 
-def _check_adapter_weights(folder: Path, adapter: dict, key: str) -> None:
+def _check_adapter_weights(folder: Path, adapter: LoraAdapter, key: str) -> None:
     """The weights vLLM loads are there, and their LoRA matrices have the rank the plan read."""
     from lmc.safetensors_header import HeaderError, read_header
 
@@ -67,21 +67,21 @@ def _check_adapter_weights(folder: Path, adapter: dict, key: str) -> None:
     except (HeaderError, OSError) as exc:
         raise SpecValueError(key, str(folder), f"{weights}: not a readable safetensors file ({exc})") from None
     ranks = {entry.shape[0] for name, entry in tensors.items() if "lora_A" in name and entry.shape}
-    if not ranks or ranks != {adapter["rank"]}:
+    if not ranks or ranks != {adapter.rank}:
         raise SpecValueError(key, str(folder), f"{weights.name}: lora_A ranks {sorted(ranks)} do not match "
-                                               f"adapter_config.json's r = {adapter['rank']}")
+                                               f"adapter_config.json's r = {adapter.rank}")
 
 
-def _draft_source(loaded: LoadedSpec, speculative: dict) -> Path:
+def _draft_source(loaded: LoadedSpec, speculative: SpeculativeSection) -> Path:
     from lmc.served_facts import draft_dir
 
     local = draft_dir(loaded)
     if local is not None:
         return local
-    if speculative.get("revision") is None:
-        raise SpecValueError("speculative.model", speculative["model"], "its facts came from lmc's catalog, which "
+    if speculative.revision is None:
+        raise SpecValueError("speculative.model", speculative.model, "its facts came from lmc's catalog, which "
                                                                         "holds no weights: give a path, or let lmc "
                                                                         "download it from the Hub")
     from lmc.hub import download_checkpoint
 
-    return download_checkpoint(speculative["model"], speculative["revision"])
+    return download_checkpoint(speculative.model, speculative.revision)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from lmc.planner.facts import EngineFacts, HardwareFacts, ModelFacts
 from lmc.planner.lora import lora_reason, lora_section, lora_step_ms
 from lmc.planner.memory import compute_dtype
-from lmc.planner.plan import Decision, Plan
+from lmc.planner.plan import Decision, LoraSection, Plan, SpeculativeSection
 from lmc.planner.speculative import speculative_reason, speculative_section
 from lmc.planner.vllm import VllmLayout, running_sequences
 
@@ -38,13 +38,13 @@ def with_served_extras(plan: Plan, model: ModelFacts, hardware: HardwareFacts, e
     lora = lora_section(model, layout.max_num_seqs, act, tp)
     if lora is not None:
         step = lora_step_ms(model, hardware, engine, plan.dtype, tp, running, layout.max_num_seqs, dp)
-        update["lora"] = lora
+        update["lora"] = LoraSection(**lora)
         decisions.append(Decision(key="lora", value=f"{len(model.adapters)} adapter(s)",
                                   reason=lora_reason(model, lora, step, running)))
     speculative = speculative_section(model, hardware, engine, plan.dtype, tp, running, layout.max_num_seqs,
                                       input_tokens, output_tokens, dp)
     if speculative is not None:
-        update["speculative"] = speculative
+        update["speculative"] = SpeculativeSection(**speculative)
         decisions.append(Decision(key="speculative",
                                   value=speculative["method"] if speculative["enabled"] else "off",
                                   reason=speculative_reason(speculative)))
