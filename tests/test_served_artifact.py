@@ -63,3 +63,38 @@ def test_lmi_selects_the_adapter_as_djl_does(body, headers, adapter):
 def test_a_bad_adapter_selection_is_a_value_error(body, headers, message):
     with pytest.raises(ValueError, match=message):
         lmi_adapter(body, headers, ("sql", "chat"))
+
+
+def test_a_draft_the_plan_keeps_is_packed_and_one_it_turned_off_is_not(tmp_path):
+    """A tiny draft beside a tiny base on this CPU does not pay (each step's fixed cost dominates): the plan
+    turns it off, the build packs no draft/ and serving.properties says why; a plan that keeps it gets the
+    draft's config, weights and tokenizer in draft/, byte for byte."""
+    from lmc.cli.main import main
+    from lmc.emitters.served import stage_served
+    from lmc.pipeline import plan_from_spec
+    from lmc.schema import load_spec
+    from lmc.testing.checkpoints import make_checkpoint
+
+    base = make_checkpoint("llama", tmp_path / "base", hidden_size=128, intermediate_size=256)
+    draft = make_checkpoint("llama", tmp_path / "drafter", seed=1, hidden_size=128, intermediate_size=256,
+                            num_hidden_layers=1)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(f'[model]\nid = "lmc/tiny-llama"\npath = "{base.as_posix()}"\n[target]\ninstance = "local"\n'
+                    '[budget]\nmemory_per_device = "4GiB"\n[workload]\nmax_input_tokens = 64\n'
+                    'max_output_tokens = 32\nconcurrency = 1\n[pin]\nengine = "vllm"\n'
+                    '[speculative]\nmethod = "draft"\nnum_tokens = 2\nmodel = "drafter"\n')
+    out = tmp_path / "artifact"
+    assert main(["build", str(spec), "--format", "dir", "-o", str(out)]) == 0
+    properties = (out / "serving.properties").read_text()
+    assert not (out / "draft").exists() and "option.speculative_config" not in properties
+    assert "# Speculative decoding (draft) is off: at the planned batch of 1 it would not pay" in properties
+    loaded = load_spec(spec)
+    plan = plan_from_spec(loaded).plan
+    kept = plan.model_copy(update={"speculative": plan.speculative.model_copy(update={"enabled": True})})
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    stage_served(loaded, kept, staging, lambda message: None)
+    packed = sorted(p.name for p in (staging / "draft").iterdir())
+    assert packed == sorted(p.name for p in draft.iterdir())
+    for name in packed:
+        assert (staging / "draft" / name).read_bytes() == (draft / name).read_bytes()
