@@ -191,3 +191,14 @@ def test_the_plan_cli_reads_adapter_configs_and_words_a_bad_base(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith(f'lmc: error: {path}:7: adapters.0.path = "adapters/sql": adapter \'sql\' was trained') and "trained on Qwen/Qwen3-8B" in err
     assert err.count("\n") == 1
+
+
+def test_the_report_shows_the_slots_and_whether_speculation_runs():
+    from lmc.planner.report import render_plan
+
+    s = spec(pin={"engine": "vllm"}, workload={"concurrency": 16})
+    lora = render_plan(plan(s, with_adapters(count=8)), s)
+    assert "  lora 8 adapter(s) · max_loras 8 · max_lora_rank 16 · max_cpu_loras 8 · slots 0.62 GiB" in lora
+    busy = spec(pin={"engine": "vllm", "replicas": 1}, workload={"concurrency": 256})
+    off = render_plan(plan(busy, speculating(LLAMA8, "ngram", k=4, rate=0.3)), busy)
+    assert "speculative ngram · 4 token(s) a step · acceptance 0.3 · off: it does not pay at batch" in off
