@@ -22,7 +22,7 @@ from lmc.manifest import verify_artifact
 from lmc.errors import ArtifactError
 from lmc.testing.adapters import make_lora_adapter
 
-from test_runtime_vllm_served import ROOT, SPEC, VLLM_WIDTH, serving, stop
+from test_runtime_vllm_served import SPEC, VLLM_WIDTH, serving, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import importlib.util as u; exit(u.find_spec('vllm') is None)"]).returncode,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmc.errors import SpecValueError
-from lmc.planner.facts import DTYPE_BYTES, AdapterFacts, EngineFacts, HardwareFacts, ModelFacts
+from lmc.planner.facts import DTYPE_BYTES, EngineFacts, HardwareFacts, ModelFacts
 
 # vLLM's allowed --max-lora-rank values (vllm/config/lora.py MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
