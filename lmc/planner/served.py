@@ -16,12 +16,13 @@ def refusal(engine: str, model: ModelFacts) -> str | None:
     """Why `engine` cannot serve the spec's adapters or speculation (only vLLM can), else None."""
     if engine == "vllm":
         return None
-    asked = [what for what, present in (("LoRA adapters ([[adapters]])", model.adapters),
-                                        ("speculative decoding ([speculative])", model.speculative)) if present]
+    asked = [(what, flag) for what, flag, present in (
+        ("LoRA adapters ([[adapters]])", "--enable-lora", model.adapters),
+        ("speculative decoding ([speculative])", "--speculative-config", model.speculative)) if present]
     if not asked:
         return None
-    return (f"{engine}: {' and '.join(asked)} are vLLM's (--enable-lora, --speculative-config); lmc's "
-            f"{engine} engine serves the base model alone")
+    return (f"{engine}: {' and '.join(what for what, _ in asked)} need vLLM "
+            f"({', '.join(flag for _, flag in asked)}); lmc's {engine} engine serves the base model alone")
 
 
 def with_served_extras(plan: Plan, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
