@@ -112,7 +112,7 @@ def test_other_engines_refuse_adapters_and_speculation_with_the_reason():
     assert "hf: LoRA adapters ([[adapters]]) need vLLM (--enable-lora); lmc's hf engine" in str(exc.value)
     with pytest.raises(NoFeasiblePlanError) as exc:
         plan(spec(pin={"engine": "deepspeed"}), speculating(LLAMA8))
-    assert "deepspeed: speculative decoding ([speculative]) need vLLM (--speculative-config)" in str(exc.value)
+    assert "deepspeed: speculative decoding ([speculative]) needs vLLM (--speculative-config)" in str(exc.value)
     assert plan(spec(), with_adapters(count=1)).engine == "vllm"  # unpinned: the engine that can
 
 

@@ -21,7 +21,8 @@ def refusal(engine: str, model: ModelFacts) -> str | None:
         ("speculative decoding ([speculative])", "--speculative-config", model.speculative)) if present]
     if not asked:
         return None
-    return (f"{engine}: {' and '.join(what for what, _ in asked)} need vLLM "
+    verb = "needs" if [what for what, _ in asked] == ["speculative decoding ([speculative])"] else "need"
+    return (f"{engine}: {' and '.join(what for what, _ in asked)} {verb} vLLM "
             f"({', '.join(flag for _, flag in asked)}); lmc's {engine} engine serves the base model alone")
 
 
