@@ -202,3 +202,21 @@ def test_the_report_shows_the_slots_and_whether_speculation_runs():
     busy = spec(pin={"engine": "vllm", "replicas": 1}, workload={"concurrency": 256})
     off = render_plan(plan(busy, speculating(LLAMA8, "ngram", k=4, rate=0.3)), busy)
     assert "speculative ngram · 4 token(s) a step · acceptance 0.3 · off: it does not pay at batch" in off
+
+
+def test_the_proposers_attention_caches_in_the_same_pool():
+    """vLLM gives the MTP layer's (and a draft's) attention blocks in the target's pool: a block holds the
+    target's and the proposer's KV of its tokens."""
+    from lmc.planner.memory import kv_bytes_per_token
+
+    args = (P5EN, VLLM, VLLM.efficiency["gpu"], "fp8", 8, 8, 4096, 1024, 0.9, None)
+    _, plain = vllm_memory(DSV3, *args)
+    _, mtp = vllm_memory(speculating(DSV3, "mtp", k=1, rate=0.85), *args)
+    assert plain.bytes_per_block == 16 * kv_bytes_per_token(DSV3, 8, "bf16")
+    assert mtp.bytes_per_block == int(plain.bytes_per_block * (1 + 1 / 61))
+    assert mtp.blocks < plain.blocks
+    tiny_draft = LLAMA8.model_copy(update={"layers": 4, "id": "draft"})
+    _, llama = vllm_memory(LLAMA8, G6E, VLLM, VLLM.efficiency["gpu"], "bf16", 1, 8, 1024, 256, 0.9, None)
+    _, drafted = vllm_memory(speculating(LLAMA8, "draft", draft=tiny_draft), G6E, VLLM, VLLM.efficiency["gpu"],
+                             "bf16", 1, 8, 1024, 256, 0.9, None)
+    assert drafted.bytes_per_block == llama.bytes_per_block * 36 // 32  # 32 layers + the draft's 4

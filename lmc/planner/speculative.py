@@ -9,6 +9,7 @@ pass. With a per-position acceptance rate α, a step yields E = (1 − α^(k+1))
              draft model or the EAGLE-3 head (their own decode step, lmc's latency model), k passes of the
              checkpoint's MTP layers (their share of the target's step)
     TPOT   = (verify + draft) / E
+Memory: the proposer's weights, and its attention layers' KV in the same pool (proposer_kv_share).
 At small batches the step is memory-bound and verify ≈ tpot(B): TPOT falls by about E. As the batch grows
 the k·B extra tokens make the step compute-bound and the gain shrinks; past the break-even batch
 speculation costs time, and the planner turns it off there (the plan says so).
@@ -76,6 +77,20 @@ def draft_bytes(model: ModelFacts, engine: EngineFacts, dtype: str, tp: int, har
         return weight_bytes(model, engine, dtype, tp, hardware) * model.mtp_layers // model.layers
     assert spec.draft is not None  # the schema requires `model` for draft and eagle3
     return weight_bytes(spec.draft, engine, dtype, tp, hardware)
+
+
+def proposer_kv_share(model: ModelFacts, tp: int, kv_dtype: str) -> float:
+    """The proposer's KV bytes per token over the model's: vLLM gives the draft's, head's or MTP layers'
+    attention their blocks in the same pool (0 for ngram, which has no layers)."""
+    from lmc.planner.memory import kv_bytes_per_token
+
+    spec = model.speculative
+    if spec is None or spec.method == "ngram":
+        return 0.0
+    if spec.method == "mtp":
+        return model.mtp_layers / model.layers
+    assert spec.draft is not None
+    return kv_bytes_per_token(spec.draft, tp, kv_dtype) / kv_bytes_per_token(model, tp, kv_dtype)
 
 
 def speculative_tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,

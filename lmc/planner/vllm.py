@@ -40,7 +40,7 @@ from lmc.planner.memory import (
 )
 from lmc.planner.lora import lora_step_ms, slot_bytes
 from lmc.planner.plan import Decision, KvCache, MemoryPerDevice, VllmConfig
-from lmc.planner.speculative import decode_ms as speculative_decode_ms, draft_bytes
+from lmc.planner.speculative import decode_ms as speculative_decode_ms, draft_bytes, proposer_kv_share
 
 GIB = 2**30
 # Tokens per KV block: vLLM's default on GPU (CacheConfig.DEFAULT_BLOCK_SIZE) and on CPU (the CPU
@@ -163,8 +163,11 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     runtime = runtime_bytes(efficiency, hardware, tp)
     utilization = gpu_memory_utilization(hardware, memory_fraction, memory_cap)
     block_size = block_size_for(model, hardware)
-    bytes_per_block = block_size * kv_bytes_per_token(model, tp, act_dtype)
-    sequence = kv_sequence_bytes(model, tp, act_dtype, max_model_len, block_size, in_flight_tokens(hardware, batched))
+    # A speculative proposer's attention layers (a draft, an EAGLE-3 head, MTP layers) cache in the same pool.
+    kv_scale = 1 + proposer_kv_share(model, tp, act_dtype)
+    bytes_per_block = int(block_size * kv_bytes_per_token(model, tp, act_dtype) * kv_scale)
+    sequence = int(kv_sequence_bytes(model, tp, act_dtype, max_model_len, block_size,
+                                     in_flight_tokens(hardware, batched)) * kv_scale)
     needed = max_num_seqs * -(-sequence // bytes_per_block) * bytes_per_block
     space_gib = None
     if hardware.kind == "cpu":  # each rank allocates VLLM_CPU_KVCACHE_SPACE whole GiB
