@@ -30,6 +30,9 @@ def plan_from_spec(loaded: LoadedSpec) -> PlanResult:
     try:
         checkpoint = _checkpoint_dir(loaded)
         model = _model_facts(loaded, checkpoint)
+        from lmc.served_facts import with_served_facts
+
+        model = with_served_facts(loaded, model, checkpoint)
         hardware = _hardware_facts(loaded)
         from lmc.planner import plan_deployment
 

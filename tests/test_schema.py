@@ -159,3 +159,26 @@ def test_the_reference_walks_any_section_shape():
     assert "## `[speculative]`\n\n*optional*" in text
     assert '```toml\n[speculative]\nmethod = "ngram"\n```' in text  # built: the first allowed value
     assert '- **`method`** (one of `"ngram"`, `"draft"`, required): How tokens are proposed.' in text
+
+
+def test_adapters_and_speculative_parse_with_entry_lines(tmp_path):
+    text = ('[model]\nid = "meta-llama/Llama-3.1-8B"\n[target]\ninstance = "ml.g5.2xlarge"\n'
+            '[[adapters]]\nname = "sql"\npath = "adapters/sql"\n'
+            '[[adapters]]\nname = "chat"\nid = "org/chat-lora"\nrevision = "v1"\n'
+            '[speculative]\nmethod = "eagle3"\nnum_tokens = 3\nmodel = "org/eagle3"\n')
+    loaded = parse_spec(text, tmp_path / "s.toml")
+    assert [a.name for a in loaded.spec.adapters] == ["sql", "chat"]
+    assert loaded.spec.adapters[1].revision == "v1" and loaded.spec.adapters[0].id is None
+    assert loaded.spec.speculative.method == "eagle3" and loaded.spec.speculative.acceptance_rate is None
+    assert loaded.source.line_of("adapters.1.id") == 10
+    assert loaded.source.line_of("adapters.0") == 5
+    assert loaded.source.line_of("speculative.model") == 15
+
+
+def test_adapter_name_may_not_be_the_base_id(tmp_path):
+    text = ('[model]\nid = "base-model"\n[target]\ninstance = "ml.g5.2xlarge"\n'
+            '[[adapters]]\nname = "base-model"\npath = "a"\n')
+    with pytest.raises(SpecError) as exc:
+        parse_spec(text, tmp_path / "s.toml")
+    assert str(exc.value) == (f'{tmp_path / "s.toml"}:6: adapters.0.name = "base-model": is the base model\'s id; '
+                              "clients could not tell the two apart")

@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 b6eb354f1ed6a86a83d4d4908963b1f773e0a143feefe3cbe15192d0561723a1
-plan sha256 6339eec3519240ba1435666926a1c3601c8fe872b5c4595bae5b15d66ec2664b
+spec sha256 5914b205c2ef41e9cff30d387397b27829bb8e1b247dc83da6dcafd62f58552a
+plan sha256 2b193bfa3767819802198d038a55469526e314fcbe679acfda8ec206acbbee8f
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

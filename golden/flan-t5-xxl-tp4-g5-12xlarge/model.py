@@ -4,8 +4,8 @@ Serves google/flan-t5-xxl (t5, text2text-generation) with the deepspeed engine i
 tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
-spec sha256 ef59d13578bd6fd333e8064c2ef60b6ed4823f5c16adec1809648e5c40ab7312
-plan sha256 786f08fbf581af7f0d36727218ebeb945b86c93db6dbb94f90d11bdf50d2e39d
+spec sha256 018278a074e4a6bf0219ceea3cdb4fecba36ad443c0ae738c1164a003fbb01b4
+plan sha256 19c9f83bddfbaf87718a0fae707487681c9889748902e5495faf35da0521945f
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 4, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 50 ms),
 sequences of up to 640 tokens, on cuda.
 
-spec sha256 c7d5add66dd979f373d95448cb2576951696b85cbeed35baf8caa975e11697d6
-plan sha256 bbb5c92526970cd60e50ef7cad021009e738ea800bd494d7d582d05ce28ed251
+spec sha256 5bd4a02c51b5dbffe58bd0a689396704b8b7ce58454301db4c60f76325ee9a0b
+plan sha256 6a015faab2c09aae65c4a12f844344f4010ed8e7b9ec48e2df26ac63130676ce
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

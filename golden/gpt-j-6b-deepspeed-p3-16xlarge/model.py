@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 32 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waiting at most 50 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 da3823c1a084adc8dabf09ec7b769697171900edad8386da7b700977e6e6f2eb
-plan sha256 c53bc85def30d7375bfbf6a6b987b39974489cb2c7f9a23206edab752509ca2f
+spec sha256 acc80320a42a40dae9208e6d89131405fd98fb8c0ce86148adb41959f9aa2740
+plan sha256 bca9084de373c5ee27aa4d4a5d52f2ad8f94a026872bad06691662dbe0dfe9f6
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

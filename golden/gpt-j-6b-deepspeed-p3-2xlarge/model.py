@@ -5,8 +5,8 @@ tensor parallel degree 1, continuous batching of up to 2 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 2 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 d38782cadbd7c67afd01fdf60e59e527794ae953a12a4b0b1070b3d9eba1316a
-plan sha256 49c04c16b56ed9af015c5e831cf1943279fbf99e753ae0ab4977e5122be6afd8
+spec sha256 fbc3062f057d163150428e0b0908f5a0146ed33f8bc4d713345c357df84b9cc4
+plan sha256 ec7f44daec7a7c60b702d68b72753b68ec2cd9fb119c0b1a06c50dd3a3007e2a
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

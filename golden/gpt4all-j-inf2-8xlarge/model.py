@@ -6,8 +6,8 @@ tensor parallel degree 2, dynamic batches of up to 4 requests
 No compiled Neuron graphs are packed: transformers-neuronx cannot serialize compiled GPTJForSampling graphs, so they are compiled when the container starts
 (predicted load time including the compile: 378.9 s).
 
-spec sha256 807e60cf22f792b729b00d9f7bf73f48910066be1378a61e6d2667b4e1e291bc
-plan sha256 5d69541904f460e24ce68a548b683d5b333294c84772176b41b340819da2f620
+spec sha256 e40d889a1c529b3c6390120e5bd15e40e4163793568f446a93572fdce50f2788
+plan sha256 90074f852de1a842eab0c76d5f88a8ae5686405f87e2ff5cb3a1eb87aaab7bf5
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

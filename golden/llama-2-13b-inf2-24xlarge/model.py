@@ -5,8 +5,8 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 2048 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 150014d85af5a5200e5ddb19045d849d308cb5c6507992c489740f029fff0164
-plan sha256 6c58fbbe253ea49ad91c7aba791ba08e179b4e795c65048dd524433dc03c7757
+spec sha256 6609a1e8ef0c88c63b617a2530a29ac85e7e1e3e25392954ff3549803e79fee1
+plan sha256 12b26e75bfc034e425d2bbe362aa8370553edfc090597b65f0bfe5beb9f67e05
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 (waiting at most 50 ms), sequences of up to 1536 tokens, on neuron.
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
-spec sha256 7363bec532b1e40b5998886689870254af558d25b78fa1bc1ecc77ac404625a0
-plan sha256 32bfcbb470881c2c8505df3c18be55aa6399a8be66d4b8c678cc694f95b2cd3a
+spec sha256 f3446da5653964c5ad3d5b0c0ec8dffa399cf9c93ddacaed04919ad9f46a77ed
+plan sha256 951dd31dddc760a05386ca1f31bca86a63ca6f358128000e7d6532767c7ccd4d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 8, continuous batching of up to 16 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waiting at most 10 ms),
 sequences of up to 1280 tokens, on cuda.
 
-spec sha256 be4bc154fcc52ba75cf02d8f00ea4cd35ca33005a06cb56fface6e26d4cc4e19
-plan sha256 f24658675261e9f3ff4bb491ce7600e9d90e0966dc8bda2c7c7926c2bcc1bb51
+spec sha256 87a07523eb97a624a3e378b595439804bd0d333d5a8753e60d9ceddf07302a91
+plan sha256 b4742068634f91883d39b32fc33adef43d4c4fab7c4998c54b88c1422bed4233
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,8 +5,8 @@ tensor parallel degree 2, continuous batching of up to 8 sequences
 in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting at most 10 ms),
 sequences of up to 96 tokens, on cpu.
 
-spec sha256 cfd56e677a0f1ec418168226706c70f7839b705403c0ca1849017be1714c93cd
-plan sha256 b089984ffe5d61208510a4521f39b441f8bddbafff3f4b918368d16d28bc9e33
+spec sha256 c25d18e9d329b4d8a0e27c05e41178b17e0bdc45bf5f8773c975e1b6a0cdf299
+plan sha256 3f69f7f2f6bc54404b4a3036dd60c0292abd5c3341cf4048658eb6ee8462feaf
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

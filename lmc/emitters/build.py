@@ -11,7 +11,8 @@ checkpoint's config.json / generation_config.json / tokenizer files, then
   neuronx:        model.safetensors (cast, whole) and neuron/ (see lmc.emitters.neuron);
   vllm:           no model.py; vLLM's model-rank-{r}-part-{p}.safetensors (load_format=sharded_state)
                   when the build machine can run vLLM for the plan, else model.safetensors (cast, whole)
-                  (see lmc.emitters.vllm_weights).
+                  (see lmc.emitters.vllm_weights); adapters/<name>/ and draft/ when the plan serves
+                  LoRA adapters or a speculative proposer (lmc.emitters.served).
 With model.uri set, no weights and no checkpoint files are packed: the container loads them.
 """
 
@@ -27,6 +28,7 @@ from typing import Any, Callable, Literal
 from lmc import __version__
 from lmc.emitters import neuron
 from lmc.emitters.render import render_neuron_readme, render_text_files
+from lmc.emitters.served import stage_served
 from lmc.errors import ArtifactError, InternalError, SpecValueError
 from lmc.manifest import MANIFEST_NAME, build_manifest, manifest_bytes, sha256_file, verify_artifact
 from lmc.planner.plan import Plan
@@ -130,6 +132,10 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
                     neuron.write_compile_record(staging, neuron.deferred_compile_record(plan, weights_remote))
                 _write(staging / neuron.README, render_neuron_readme(plan, spec))
 
+            try:  # adapters/<name>/ and draft/ (lmc.served_artifact)
+                stage_served(loaded, plan, staging, say)
+            except SpecValueError as exc:
+                raise loaded.source.error(exc.key_path, exc.detail, exc.value) from None
             for name, data in render_text_files(plan, spec, vllm_format).items():
                 _write(staging / name, data)
             files = _write_manifest(staging, loaded, plan)

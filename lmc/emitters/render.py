@@ -8,6 +8,7 @@ variable a template names but the context lacks fails the render instead of prin
 
 from __future__ import annotations
 
+import json
 import math
 from functools import lru_cache
 from pathlib import Path
@@ -20,8 +21,11 @@ from lmc.errors import InternalError, SpecError
 from lmc.layouts import VLLM_ALL2ALL_BACKEND
 from lmc.planner.plan import Plan
 from lmc.schema import Spec
+from lmc.served_artifact import ADAPTERS_DIR, speculative_config
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
+# Where LMI serves the model from on SageMaker (option.model_dir): the packed draft's path in serving.properties.
+LMI_MODEL_DIR = "/opt/ml/model"
 
 # One template per emitted file.
 TEXT_FILES: dict[str, str] = {
@@ -161,7 +165,19 @@ def context(plan: Plan, spec: Spec, vllm_weights: str | None = None) -> dict[str
         "vllm_all2all_backend": VLLM_ALL2ALL_BACKEND,
         "checkpoint_quantization": plan.model.checkpoint_quantization,
         "vllm_dtype": LMI_DTYPES[LMC_DTYPES[plan.vllm.dtype]] if plan.vllm else None,
+        "lora": plan.lora,
+        "adapters_dir": ADAPTERS_DIR,
+        "speculative": plan.speculative,
+        "speculative_config": _speculative_property(plan),
+        "lmi_model_dir": LMI_MODEL_DIR,
     }
+
+
+def _speculative_property(plan: Plan) -> str | None:
+    """LMI's passthrough of vLLM's speculative_config (vllm_rb_properties hands unknown options to vLLM's
+    parser by name): the JSON the runtime gives vLLM, the draft under LMI's model directory."""
+    config = speculative_config(plan.to_dict(), LMI_MODEL_DIR)
+    return None if config is None else json.dumps(config, separators=(",", ":"))
 
 
 def lmi_dtype(plan: Plan) -> str:

@@ -165,7 +165,8 @@ def facts_from_config(config: dict[str, Any], model_id: str, *, source: str,
         total, experts, embedding = counts.total, counts.experts, counts.embedding
     vision = architecture.vision_parameters(config, facts.hidden_size) if text is not config else 0
     active = total - experts + experts * facts.experts_per_token // max(facts.num_experts, 1) if experts else 0
-    update: dict[str, Any] = {"parameters": total + vision, "expert_parameters": experts,
+    update: dict[str, Any] = {"mtp_layers": int(text.get("num_nextn_predict_layers") or 0),
+                              "parameters": total + vision, "expert_parameters": experts,
                               "active_parameters": active + vision if experts else 0, "vision_parameters": vision}
     if q is not None:
         plain = architecture.checkpoint_weight_bytes(total + vision, experts, embedding or facts.vocab_size * facts.hidden_size,

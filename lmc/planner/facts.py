@@ -66,6 +66,11 @@ class ModelFacts(_Facts):
     checkpoint_weight_bytes: int | None = Field(default=None, gt=0, description="Bytes of the checkpoint's weights (exact from safetensors metadata, else from the config); None = parameters × dtype.")
     torch_dtype: DtypeName = Field(default="fp16", description="The dtype the unquantized weights are stored in.")
     source: str = Field(description="Where these facts came from: a catalog file and its citation, or a checkpoint path.")
+    mtp_layers: int = Field(default=0, ge=0, description="Multi-token-prediction layers the checkpoint carries beyond `layers` (DeepSeek-V3's num_nextn_predict_layers); what speculative method mtp runs.")
+    # What is served beside the base weights (spec [[adapters]] and [speculative]): they change its memory and
+    # its decode step, so the memory and latency math reads them with the model (lmc.planner.lora, .speculative).
+    adapters: tuple["AdapterFacts", ...] = Field(default=(), description="LoRA adapters served beside the base (spec order).")
+    speculative: "SpeculativeFacts | None" = Field(default=None, description="Speculative decoding as the spec asks for it.")
 
     @property
     def attention(self) -> str:
@@ -91,6 +96,30 @@ class ModelFacts(_Facts):
             return self.active_parameters or self.parameters
         experts = self.routed_experts
         return self.parameters - experts + experts * self.experts_per_token // self.num_experts
+
+
+class AdapterFacts(_Facts):
+    """One LoRA adapter, read from its adapter_config.json (and its safetensors header where present)."""
+
+    name: str = Field(description="The name clients select it by.")
+    source: str = Field(description="Where it was read: a directory, or Hub id@commit.")
+    revision: str | None = Field(default=None, description="The Hub commit read, for Hub adapters.")
+    rank: int = Field(ge=1, description="LoRA rank r (adapter_config.json `r`).")
+    alpha: float = Field(default=0, ge=0, description="lora_alpha, as given.")
+    target_modules: tuple[str, ...] = Field(description="Module names the adapter adapts (adapter_config.json target_modules).")
+    base_model: str | None = Field(default=None, description="base_model_name_or_path, as given.")
+    weight_bytes: int = Field(ge=0, description="Bytes of its weights: the safetensors file's tensors, else rank × the adapted modules' widths at 16 bits.")
+
+
+class SpeculativeFacts(_Facts):
+    """Speculative decoding: the method, how many tokens it proposes, its expected acceptance and its draft."""
+
+    method: Literal["ngram", "draft", "eagle3", "mtp"]
+    num_tokens: int = Field(ge=1)
+    acceptance_rate: float = Field(gt=0, lt=1, description="Expected share of proposed tokens accepted, per position.")
+    acceptance_source: str = Field(description="Where the acceptance rate comes from (the spec, or a published figure).")
+    draft: "ModelFacts | None" = Field(default=None, description="draft and eagle3: the proposer's own facts.")
+    draft_source: str | None = Field(default=None, description="draft and eagle3: the spec's `model` as given.")
 
 
 class InterconnectFacts(_Facts):
@@ -229,3 +258,7 @@ class EngineFacts(_Facts):
     def fused(self, family: str) -> bool:
         """Whether this engine serves `family` with fused kernels (DeepSpeed kernel injection) in lmc's runtime."""
         return self.kernel_injection and family in self.kernel_injection_families
+
+
+ModelFacts.model_rebuild()
+SpeculativeFacts.model_rebuild()

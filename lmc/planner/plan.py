@@ -9,8 +9,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-# Plan sections present only where they apply: kv_cache for continuous plans, vllm for vLLM plans.
-OPTIONAL_SECTIONS = ("kv_cache", "vllm")
+# Plan sections present only where they apply: kv_cache for continuous plans, vllm for vLLM plans, lora and
+# speculative where the spec serves adapters or speculates (lmc.planner.lora, .speculative).
+OPTIONAL_SECTIONS = ("kv_cache", "vllm", "lora", "speculative")
 
 
 class _Frozen(BaseModel):
@@ -103,6 +104,46 @@ class VllmConfig(_Frozen):
     reasoning_parser: str | None = Field(default=None, description="vLLM --reasoning-parser (serving.reasoning_parser).")
 
 
+class LoraAdapter(_Frozen):
+    """One adapter the plan serves, as read."""
+
+    name: str
+    source: str = Field(description="The spec's path, or Hub id@commit.")
+    revision: str | None = Field(default=None, description="The Hub commit read (Hub adapters).")
+    rank: int = Field(ge=1)
+    target_modules: list[str]
+    weight_bytes: int = Field(ge=0, description="Its safetensors tensors' bytes, else rank × the adapted modules' widths at 16 bits.")
+
+
+class LoraSection(_Frozen):
+    """vLLM's LoRA settings (plans with [[adapters]]; lmc.planner.lora)."""
+
+    max_loras: int = Field(ge=1, description="vLLM --max-loras: adapters in one batch (every adapter, at most max_num_seqs).")
+    max_lora_rank: int = Field(ge=1, description="vLLM --max-lora-rank: the smallest vLLM allows at or above every adapter's rank.")
+    max_cpu_loras: int = Field(ge=1, description="vLLM --max-cpu-loras: adapters held in host memory (all of them).")
+    slot_bytes_per_device: int = Field(ge=0, description="The slots' bytes per device, inside memory_per_device.weights (out of the KV pool).")
+    adapters: list[LoraAdapter]
+
+
+class SpeculativeSection(_Frozen):
+    """Speculative decoding as planned (plans with [speculative]; lmc.planner.speculative)."""
+
+    method: Literal["ngram", "draft", "eagle3", "mtp"]
+    vllm_method: str = Field(description="vLLM's speculative_config method.")
+    num_tokens: int = Field(ge=1, description="Tokens proposed per step (num_speculative_tokens).")
+    model: str | None = Field(default=None, description="The draft model or EAGLE-3 head, as the spec names it.")
+    enabled: bool = Field(description="Whether the plan runs it: off where it does not shorten a step at the planned batch.")
+    acceptance_rate: float = Field(gt=0, lt=1)
+    acceptance_source: str = Field(description="The spec, or the published figure it comes from.")
+    tokens_per_step: float = Field(description="(1 − α^(k+1)) / (1 − α): tokens a target step yields.")
+    draft_bytes_per_device: int = Field(ge=0, description="The proposer's weights per device, inside memory_per_device.weights.")
+    revision: str | None = Field(default=None, description="The Hub commit of the draft or head read.")
+    batch: int = Field(ge=1, description="The planned batch per replica the figures are at.")
+    tpot_ms_without: float
+    tpot_ms_with: float
+    stops_paying_at_batch: int | None = Field(default=None, description="The smallest batch at which it no longer shortens a step (None: not up to 512).")
+
+
 class Deployment(_Frozen):
     """How the plan spreads over instances."""
 
@@ -148,6 +189,8 @@ class Plan(_Frozen):
     scheduling: Literal["dynamic", "continuous"] = "dynamic"
     kv_cache: KvCache | None = None
     vllm: VllmConfig | None = None
+    lora: LoraSection | None = None
+    speculative: SpeculativeSection | None = None
     deployment: Deployment
     memory_per_device: MemoryPerDevice
     predicted: Predicted

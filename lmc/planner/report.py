@@ -39,6 +39,23 @@ def _mark(predicted: float, goal: float | None) -> str:
     return f"  {'✓' if predicted <= goal else '✗'} goal {goal:g} ms"
 
 
+def _served_lines(plan: Plan) -> list[str]:
+    """The LoRA slots and speculative decoding, when the plan serves them (`--explain` has the reasons)."""
+    lines: list[str] = []
+    if plan.lora is not None:
+        lora = plan.lora
+        lines += _wrap(f"lora {len(lora.adapters)} adapter(s) · max_loras {lora.max_loras} · max_lora_rank "
+                       f"{lora.max_lora_rank} · max_cpu_loras {lora.max_cpu_loras} · slots "
+                       f"{lora.slot_bytes_per_device / GIB:.2f} GiB per device (in weights)", "  ")
+    if plan.speculative is not None:
+        spec = plan.speculative
+        state = (f"on: {spec.tpot_ms_with:g} ms a token, {spec.tpot_ms_without:g} without" if spec.enabled
+                 else f"off: it does not pay at batch {spec.batch}")
+        lines += _wrap(f"speculative {spec.method} · {spec.num_tokens} token(s) a step · acceptance "
+                       f"{spec.acceptance_rate:g} · {state}", "  ")
+    return lines
+
+
 def render_plan(plan: Plan, spec, explain: bool = False) -> str:
     t, m, p = plan.target, plan.memory_per_device, plan.predicted
     lines = [f"lmc plan: {plan.model.id} on {t.instance}"]
@@ -74,6 +91,7 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
         lines.append(f"  vllm max_num_seqs {v.max_num_seqs} · max_model_len {v.max_model_len} · "
                      f"max_num_batched_tokens {v.max_num_batched_tokens}")
         lines.append(f"       gpu_memory_utilization {v.gpu_memory_utilization:g}{space}")
+    lines += _served_lines(plan)
     lines.append("")
     lines.append("memory per device")
     for name, value in (("weights", m.weights), ("kv cache", m.kv_cache), ("activations", m.activations),

@@ -72,6 +72,7 @@ from lmc.planner.scale import (
     stage_layers,
     stage_model,
 )
+from lmc.planner.served import refusal as served_refusal, with_served_extras
 
 ENGINE_ORDER = ("neuronx", "deepspeed", "hf")  # ties go to the engine built for the hardware
 MAX_BATCH = 256
@@ -180,6 +181,9 @@ def plan_deployment(spec, model: ModelFacts, hardware: HardwareFacts, engines: d
                    *([Decision(key="scheduling", value=scheduling, reason=scheduling_reason)] if scheduling_reason else [])],
         alternatives=alternatives(spec, model, hardware, chosen, configs, rejections),
     )
+    plan = with_served_extras(plan, model, hardware, engines[chosen.engine], chosen.vllm, chosen.replicas,
+                              spec.workload.max_input_tokens, spec.workload.max_output_tokens,
+                              spec.workload.concurrency)
     return plan.with_digest()
 
 
@@ -490,6 +494,10 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
         if served and name != "vllm":
             rejections.append(Rejection(name, model.torch_dtype, 1, 0,
                                         f"{name}: serving's tool and reasoning parsers are vLLM's server's", (3,)))
+            continue
+        why = served_refusal(name, model)
+        if why:
+            rejections.append(Rejection(name, model.torch_dtype, 1, 0, why, (3,)))
             continue
         engine = engines[name]
         why = engine_unsupported(engine, model, hardware)

@@ -39,7 +39,9 @@ from lmc.planner.memory import (
     overhead_bytes,
     weight_bytes,
 )
+from lmc.planner.lora import lora_step_ms, slot_bytes
 from lmc.planner.plan import Decision, KvCache, MemoryPerDevice, VllmConfig
+from lmc.planner.speculative import decode_ms as speculative_decode_ms, draft_bytes, proposer_kv_share
 from lmc.planner.steps import StepLayout, StepTimes, step_times
 
 GIB = 2**30
@@ -161,12 +163,17 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     weights = weight_bytes(model, engine, dtype, tp, hardware)
     if dp > 1:
         weights = int(dp_weight_bytes(weights, model, dp))
+    # LoRA slots and the speculative proposer are weights to vLLM's profiler: they come out of the KV pool.
+    weights += slot_bytes(model, act_dtype, tp, max_num_seqs) + draft_bytes(model, engine, dtype, tp, hardware)
     activations = activation_bytes(model, engine, tp, act_dtype, batched, max_num_seqs)
     runtime = runtime_bytes(efficiency, hardware, tp)
     utilization = gpu_memory_utilization(hardware, memory_fraction, memory_cap)
     block_size = block_size_for(model, hardware)
-    bytes_per_block = block_size * kv_bytes_per_token(model, tp, kv_dtype)
-    sequence = kv_sequence_bytes(model, tp, kv_dtype, max_model_len, block_size, in_flight_tokens(hardware, batched))
+    # A speculative proposer's attention layers (a draft, an EAGLE-3 head, MTP layers) cache in the same pool.
+    kv_scale = 1 + proposer_kv_share(model, tp, kv_dtype)
+    bytes_per_block = int(block_size * kv_bytes_per_token(model, tp, kv_dtype) * kv_scale)
+    sequence = int(kv_sequence_bytes(model, tp, kv_dtype, max_model_len, block_size,
+                                     in_flight_tokens(hardware, batched)) * kv_scale)
     needed = max_num_seqs * -(-sequence // bytes_per_block) * bytes_per_block
     space_gib = None
     if hardware.kind == "cpu":  # each rank allocates VLLM_CPU_KVCACHE_SPACE whole GiB
@@ -230,6 +237,8 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     base = predict(model, hardware, engine, dtype, tp, replicas, running, input_tokens, output_tokens, dp)
     context = input_tokens + output_tokens // 2  # a running sequence's context, averaged over its generation
     decode = steps.decode_ms(running, context)
+    decode += lora_step_ms(model, hardware, engine, dtype, tp, running, layout.max_num_seqs, dp)
+    decode = speculative_decode_ms(model, hardware, engine, dtype, tp, running, input_tokens, output_tokens, dp, decode)
 
     # Chunked prefill: the scheduler fills a step's token budget with the running decodes first, then
     # prompt tokens. In steady state each running sequence brings its prompt once per output_tokens steps; an

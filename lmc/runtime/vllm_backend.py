@@ -4,10 +4,10 @@ lmc serves a vLLM plan with vLLM's own OpenAI server (lmc/runtime/vllm_server.py
 turns the plan into that server's settings, with nothing left to vLLM's defaults that the plan decided:
 
 - `engine_arguments`: AsyncEngineArgs keywords (sizes, dtype or quantization, parallel degrees, the KV
-  pool on CPU, sharded_state when the build packed it);
+  pool on CPU, sharded_state when the build packed it, the LoRA slots, the speculative config);
 - `engine_environment`: what vLLM reads from the environment at engine start (the CPU KV pool);
 - `serve_arguments`: the whole `vllm serve` command line (engine arguments as flags, the served model
-  name, the tool-call and reasoning parsers, the admission bound), parsed by vLLM's own argument parser,
+  name, the tool-call and reasoning parsers, the admission bound, the packed adapters), parsed by vLLM's own argument parser,
   so `lmc runtime` and `vllm serve $(...)` configure the same server.
 
 Nothing here imports vLLM; `check_cpu_head_size` does, at start.
@@ -24,6 +24,7 @@ from typing import Any
 from lmc.errors import LmcError
 from lmc.layouts import VLLM_ALL2ALL_BACKEND
 from lmc.runtime.workers import device_kind
+from lmc.served_artifact import lora_engine_arguments, lora_modules, speculative_config
 
 GIB = 2**30
 VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -96,6 +97,10 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         args["gpu_memory_utilization"] = float(section["gpu_memory_utilization"])
     if _has_sharded_state(Path(model_dir)):
         args["load_format"] = "sharded_state"
+    args.update(lora_engine_arguments(plan))  # the packed adapters' slots (lmc.served_artifact)
+    speculative = speculative_config(plan, model_dir)
+    if speculative is not None:
+        args["speculative_config"] = speculative
     return args
 
 
@@ -139,6 +144,8 @@ def serve_arguments(plan: dict[str, Any], model_dir: Path, *, host: str | None =
         args["tool_call_parser"] = str(section["tool_call_parser"])
     if section.get("reasoning_parser"):
         args["reasoning_parser"] = str(section["reasoning_parser"])
+    if plan.get("lora"):  # each packed adapter served under its name
+        args["lora_modules"] = lora_modules(plan, model_dir)
     if host is not None:
         args["host"] = host
     if port is not None:

@@ -17,7 +17,9 @@ bodies). `LmcFront` sits outermost and adds only what lmc's contract has and vLL
   exits 0.
 - **A lost node** (across instances): 503 everywhere, then the server stops (the runtime exits 1).
 - **lmc's series on /metrics** beside vLLM's: `lmc_info` (lmc version, plan sha256), requests in
-  flight, refusals by reason.
+  flight, refusals by reason, and with LoRA adapters the requests that selected each (an `adapter` label).
+- **LMI's adapter selection** on /invocations: `"adapters": "<name>"` in the body, or SageMaker's adapter
+  headers, becomes the `model` of vLLM's request (lmi_adapter).
 
 The middleware finds its settings (`FrontState`) on vLLM's parsed arguments (`app.state.args.lmc_front`),
 which vLLM keeps on the app.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import signal
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -67,6 +70,8 @@ class FrontState:
     lmc_version: str = ""
     plan_sha256: str = ""
     text: Any = None  # lmc.runtime.startup.TextTools: token texts for LMI's details
+    adapters: tuple[str, ...] = ()  # the LoRA adapters served (plan.lora), selectable by name
+    adapter_requests: dict[str, int] = field(default_factory=dict)  # requests that selected each adapter
     in_flight: int = 0
     refusing: str | None = None  # why everything is refused (shutting down, a lost node, a dead engine)
     refusing_as: str = ""  # its label in lmc_requests_refused_total
@@ -91,6 +96,11 @@ class FrontState:
 
     def refuse(self, reason: str) -> None:
         self.refused[reason] = self.refused.get(reason, 0) + 1
+
+    def selected(self, model: object) -> None:
+        """Count a request that names one of the adapters (lmc_adapter_requests_total)."""
+        if model in self.adapters:
+            self.adapter_requests[model] = self.adapter_requests.get(model, 0) + 1
 
     # -- lifecycle
 
@@ -171,7 +181,9 @@ class LmcFront:
             declared = Request(scope).headers.get("content-length")
             # Read here (core.read_body: the limit, a 413 after a lingering close) to look at an LMI body, to
             # count one of unknown length, or to refuse one declared too large; otherwise vLLM reads it.
-            if lmi or declared is None or not declared.isdigit() or int(declared) > state.max_body_bytes:
+            # With adapters served, every body is read too: the `model` it names feeds lmc_adapter_requests_total.
+            if (lmi or declared is None or not declared.isdigit() or int(declared) > state.max_body_bytes
+                    or state.adapters):
                 try:
                     body = await read_body(Request(scope, receive), state.max_body_bytes)
                 except RequestFailed as exc:
@@ -181,6 +193,8 @@ class LmcFront:
                     return await _send(send, _error(exc.status, exc.message, lmi))
                 if lmi and await self._lmi(scope, body, receive, send):
                     return
+                if state.adapters:
+                    state.selected(_named_model(body))
                 receive = _replay(body, receive)
             await self.app(scope, receive, send)
         finally:
@@ -197,14 +211,16 @@ class LmcFront:
         if not (isinstance(decoded, dict) and "inputs" in decoded):
             return False  # OpenAI's shapes: vLLM's SageMaker route picks the handler
         try:
+            adapter, decoded = lmi_adapter(decoded, Request(scope).headers, state.adapters)
             prompts, params, stream, details = parse_invocation(decoded, state.max_sequence_length)
             if stream and len(prompts) != 1:
                 raise ValueError("stream = true takes a single string in inputs, not a list")
         except ValueError as exc:
             await _send(send, _error(400, str(exc), True))
             return True
+        state.selected(adapter)
         request = completion_request(prompts if isinstance(decoded["inputs"], list) else prompts[0], params,
-                                     stream, details, state.model_name)
+                                     stream, details, adapter or state.model_name)
         data = json.dumps(request).encode()
         headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"content-type")]
         inner = dict(scope, path="/v1/completions", raw_path=b"/v1/completions",
@@ -225,6 +241,46 @@ class LmcFront:
 
 
 # ---------------------------------------------------------------- LMI <-> OpenAI completions (pure)
+
+ADAPTER_HEADER = "x-amzn-sagemaker-adapter-identifier"  # SageMaker inference components' adapter
+CUSTOM_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"  # DJL Serving: "adapter=<name>"
+
+
+def lmi_adapter(body: dict[str, Any], headers: Any, known: tuple[str, ...]) -> tuple[str | None, dict[str, Any]]:
+    """The adapter an LMI request selects, and the body without LMI's `adapters` key. As DJL Serving reads it:
+    `"adapters": "<name>"` (or one name per input, "" for the base model) in the body, else the SageMaker
+    headers X-Amzn-SageMaker-Adapter-Identifier or X-Amzn-SageMaker-Custom-Attributes `adapter=<name>`.
+    vLLM runs one request's prompts with one model, so the inputs of a request share their adapter."""
+    names: list[str] = []
+    if "adapters" in body:
+        value = body["adapters"]
+        body = {key: item for key, item in body.items() if key != "adapters"}
+        values = value if isinstance(value, list) else [value]
+        if not values or not all(isinstance(item, str) for item in values):
+            raise ValueError("adapters must be an adapter's name or a list of names (one per input)")
+        names = sorted(set(values))
+        if len(names) > 1:
+            raise ValueError(f"adapters: one adapter per request (got {', '.join(map(repr, names))}); send the "
+                             "inputs of each adapter in their own request")
+    elif headers.get(ADAPTER_HEADER):
+        names = [headers[ADAPTER_HEADER].strip()]
+    elif headers.get(CUSTOM_ATTRIBUTES):
+        pairs = (part.strip().split("=", 1) for part in re.split(r"[;,]", headers[CUSTOM_ATTRIBUTES]))
+        names = [value.strip() for key, *rest in pairs if key.strip() == "adapter" for value in rest]
+    name = names[0] if names else ""
+    if name and name not in known:
+        served = ", ".join(known) if known else "none"
+        raise ValueError(f"unknown adapter {name!r}; this model serves: {served}")
+    return name or None, body
+
+
+def _named_model(body: bytes) -> object:
+    """The `model` an OpenAI body names (None if it is not a JSON object)."""
+    try:
+        decoded = json.loads(body)
+    except ValueError:
+        return None
+    return decoded.get("model") if isinstance(decoded, dict) else None
 
 def completion_request(prompt: str | list[str], params: GenerationParams, stream: bool, details: bool,
                        model: str) -> dict[str, Any]:
@@ -468,3 +524,9 @@ class FrontCollector:
         for reason in ("queue_full", "body_too_large", "shutting_down", "node_lost", "engine_dead"):
             refused.add_metric([reason], state.refused.get(reason, 0))
         yield refused
+        if state.adapters:
+            requests = CounterMetricFamily("lmc_adapter_requests", "Requests that selected each LoRA adapter (by "
+                                           "`model`, or LMI's `adapters`)", labels=["adapter"])
+            for name in state.adapters:
+                requests.add_metric([name], state.adapter_requests.get(name, 0))
+            yield requests

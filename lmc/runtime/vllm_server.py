@@ -112,6 +112,7 @@ def serve(artifact, *, host: str, port: int, request_timeout_s: float, max_body_
 
 def front_state(artifact, request_timeout_s: float, max_body_bytes: int) -> FrontState:
     from lmc import __version__
+    from lmc.served_artifact import adapter_names
     from lmc.runtime.startup import TextTools
 
     plan = artifact.plan
@@ -120,7 +121,7 @@ def front_state(artifact, request_timeout_s: float, max_body_bytes: int) -> Fron
                       max_body_bytes=int(max_body_bytes), retry_after_s=admission(plan)[1],
                       drain_timeout_s=float(request_timeout_s), eos_ids=eos_ids(artifact.model_dir),
                       lmc_version=__version__, plan_sha256=str(plan.get("plan_sha256") or ""),
-                      text=TextTools(artifact.model_dir))
+                      text=TextTools(artifact.model_dir), adapters=tuple(adapter_names(plan)))
 
 
 async def _serve(args, state: FrontState, node) -> None:

@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 _TABLE = re.compile(r"^\s*\[\s*([A-Za-z0-9_.\-\" ]+?)\s*\]\s*(?:#.*)?$")
+_ARRAY_TABLE = re.compile(r"^\s*\[\[\s*([A-Za-z0-9_\-\" ]+?)\s*\]\]\s*(?:#.*)?$")
 _KEY = re.compile(r"^\s*([A-Za-z0-9_\-]+|\"[^\"]*\")\s*=")
 
 
@@ -103,7 +105,21 @@ def parse_spec(text: str, path: Path) -> LoadedSpec:
         spec = Spec.model_validate(raw)
     except ValidationError as exc:
         raise _first_error(exc, raw, source) from None
+    _check_adapter_names(spec, source)
     return LoadedSpec(spec=spec, source=source)
+
+
+def _check_adapter_names(spec: Spec, source: SpecSource) -> None:
+    """Clients select an adapter by its name, so a name may serve one adapter only, and not the base."""
+    first: dict[str, int] = {}
+    for index, adapter in enumerate(spec.adapters):
+        key = f"adapters.{index}.name"
+        if adapter.name == spec.model.id:
+            raise source.error(key, "is the base model's id; clients could not tell the two apart", adapter.name)
+        if adapter.name in first:
+            raise source.error(key, f"repeats adapters.{first[adapter.name]}.name; each adapter needs its own name",
+                               adapter.name)
+        first[adapter.name] = index
 
 
 def _first_error(exc: ValidationError, raw: dict, source: SpecSource) -> SpecError:
@@ -143,13 +159,23 @@ def _lookup(raw: Any, loc: list[str]) -> Any:
 def _allowed_keys(loc: list[str]) -> list[str]:
     model: Any = Spec
     for part in loc:
+        if part.isdigit():  # an entry of an [[array]] table: its model is the list's
+            continue
         field_info = model.model_fields.get(part)
         if field_info is None:
             return []
-        model = field_info.annotation
-        if not (isinstance(model, type) and hasattr(model, "model_fields")):
+        model = _section_model(field_info.annotation)
+        if model is None:
             return []
     return list(model.model_fields)
+
+
+def _section_model(annotation: Any) -> Any:
+    """The spec model a field holds: itself, or inside `X | None` and `list[X]`."""
+    if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+        return annotation
+    return next((arg for arg in typing.get_args(annotation)
+                 if isinstance(arg, type) and hasattr(arg, "model_fields")), None)
 
 
 def _show(value: Any) -> str:
@@ -160,7 +186,16 @@ def _key_lines(text: str) -> dict[str, int]:
     """Map dotted key paths to 1-based lines, for `[table]` headers and `key =` lines."""
     lines: dict[str, int] = {}
     table: list[str] = []
+    entries: dict[str, int] = {}  # [[array]] tables seen so far: their keys are array.<index>.key
     for number, line in enumerate(text.splitlines(), start=1):
+        array = _ARRAY_TABLE.match(line)
+        if array:
+            name = array.group(1).strip().strip('"')
+            index = entries[name] = entries.get(name, -1) + 1
+            table = [name, str(index)]
+            lines.setdefault(name, number)
+            lines.setdefault(f"{name}.{index}", number)
+            continue
         header = _TABLE.match(line)
         if header and not line.lstrip().startswith("[["):
             table = [part.strip().strip('"') for part in header.group(1).split(".")]

@@ -12,6 +12,8 @@ Engine = Literal["deepspeed", "hf", "neuronx", "vllm"]
 Dtype = Literal["fp32", "fp16", "bf16", "int8", "fp8"]
 Task = Literal["text-generation", "text2text-generation"]
 Optimize = Literal["latency", "throughput", "cost"]
+SpeculativeMethod = Literal["ngram", "draft", "eagle3", "mtp"]
+_HUB_ID = r"^[A-Za-z0-9][A-Za-z0-9._/+-]*$"
 _SIZE_SCHEMA = {
     "anyOf": [
         {"type": "integer", "exclusiveMinimum": 0},
@@ -171,6 +173,43 @@ class ServingSpec(_Strict):
                                          description="Reasoning models: the parser that separates the reasoning from the answer (vLLM's --reasoning-parser: deepseek_r1, qwen3, gpt_oss, ...). Needs the vllm engine.")
 
 
+class AdapterSpec(_Strict):
+    """A LoRA adapter served beside the base model (vllm engine)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="The name clients select it by: `model` on the OpenAI routes, `adapters` or the X-Amzn-SageMaker-Adapter-Identifier header on /invocations.")
+    path: str | None = Field(default=None, min_length=1, description="A PEFT LoRA directory (adapter_config.json + adapter_model.safetensors), relative to the spec file.")
+    id: str | None = Field(default=None, min_length=1, max_length=200, pattern=_HUB_ID,
+                           description="Or a Hub id of a PEFT LoRA repo, resolved like model.id.")
+    revision: str | None = Field(default=None, min_length=1, description="With `id`: a branch, tag or commit; the plan records the commit it read.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "AdapterSpec":
+        if (self.path is None) == (self.id is None):
+            raise ValueError("give the adapter's files as either `path` (a PEFT directory) or `id` (a Hub repo), one of them")
+        if self.revision is not None and self.id is None:
+            raise ValueError("`revision` goes with `id` (a Hub repo); a `path` is read as it is")
+        return self
+
+
+class SpeculativeSpec(_Strict):
+    """Speculative decoding (vllm engine: vLLM's --speculative-config)."""
+
+    method: SpeculativeMethod = Field(description="ngram (prompt lookup), draft (a smaller model), eagle3 (an EAGLE-3 head) or mtp (the checkpoint's multi-token-prediction layers).")
+    num_tokens: int = Field(ge=1, le=16, description="Tokens proposed per step (vLLM's num_speculative_tokens).")
+    model: str | None = Field(default=None, min_length=1, description="draft and eagle3: the draft model or EAGLE-3 head, a Hub id or a path relative to the spec file.")
+    acceptance_rate: float | None = Field(default=None, gt=0, lt=1, description="Expected share of proposed tokens accepted (per token); the planner predicts TPOT from it, else from a published figure per method.")
+
+    @model_validator(mode="after")
+    def _model_where_needed(self) -> "SpeculativeSpec":
+        if self.method in ("draft", "eagle3") and self.model is None:
+            raise ValueError(f"method {self.method!r} needs `model` (the {'draft model' if self.method == 'draft' else 'EAGLE-3 head'}: a Hub id or a path)")
+        if self.method in ("ngram", "mtp") and self.model is not None:
+            what = "the prompt itself" if self.method == "ngram" else "the checkpoint's own MTP layers"
+            raise ValueError(f"method {self.method!r} proposes from {what}: remove `model` (or use method \"draft\" or \"eagle3\")")
+        return self
+
+
 class DeploySpec(_Strict):
     """Account-specific values for `lmc deploy` (docs/deploy.md). Where unset, the files carry
     REPLACE_ME placeholders that keep the value's shape, and `lmc deploy` names them; the flags
@@ -206,3 +245,6 @@ class Spec(_Strict):
     pin: PinSpec = PinSpec()
     serving: ServingSpec = ServingSpec()
     deploy: DeploySpec = DeploySpec()
+    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=256, description="LoRA adapters served beside the base model (vllm engine); names are unique and differ from model.id.")
+    speculative: SpeculativeSpec | None = None
+
