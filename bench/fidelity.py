@@ -171,17 +171,64 @@ def find_predictor(plan: dict) -> str | None:
     return None
 
 
+def row_prompts(row: dict) -> int | None:
+    """The number of requests the row's benchmark run sent: the CSV's `num_prompts` where it has the column, else
+    what its notes say (`--num-prompts N`, "N prompts", "N requests at concurrency"; an offline run that submits
+    the whole batch at once sent `concurrency`); None where the run is not a closed-loop serving run."""
+    if row.get("num_prompts"):
+        return int(float(row["num_prompts"]))
+    notes = row.get("notes") or ""
+    match = (re.search(r"--num-prompts\s+(\d+)", notes) or re.search(r"\b(\d+) prompts\b", notes)
+             or re.search(r"\b(\d+) requests at concurrency\b", notes))
+    if match:
+        return int(match.group(1))
+    if "whole batch submitted at once" in notes:
+        return row["concurrency"]
+    return None
+
+
 def lmc_predict(row: dict) -> dict:
-    """lmc's TPOT, TTFT and throughput for the row, from its pipeline in-process."""
+    """lmc's TPOT, TTFT and throughput for the row, from its pipeline in-process: the figures the row's benchmark
+    run reports (lmc.planner.benchmark_run: N prompts, the first `concurrency` sent together; means or medians as
+    the row's `statistic` says) where the row gives its number of prompts and this lmc has that model, else the
+    plan's steady-state figures."""
     from lmc.pipeline import plan_from_spec
     from lmc.schema import parse_spec
 
     loaded = parse_spec(spec_text(row), HERE / "data" / f"fidelity-{row['id']}.toml")
-    plan = plan_from_spec(loaded).plan.model_dump(mode="json")
+    result = plan_from_spec(loaded)
+    plan = result.plan.model_dump(mode="json")
     predicted = plan["predicted"]
-    return {"tpot_ms": predicted.get("tpot_ms"), "ttft_ms": predicted.get("ttft_ms"),
-            "output_throughput_tok_s": predicted.get("throughput_tokens_per_s"),
-            "predictor": find_predictor(plan) or "lmc-roofline"}
+    figures = {"tpot_ms": predicted.get("tpot_ms"), "ttft_ms": predicted.get("ttft_ms"),
+               "output_throughput_tok_s": predicted.get("throughput_tokens_per_s"),
+               "predictor": find_predictor(plan) or "lmc-roofline"}
+    prompts = row_prompts(row)
+    run = benchmark_run(result, row, prompts) if prompts else None
+    if run is not None:
+        statistic = row.get("statistic") or "mean"
+        median = statistic.startswith("median")
+        figures.update(ttft_ms=run.median_ttft_ms if median else run.mean_ttft_ms,
+                       tpot_ms=(run.median_itl_ms if "ITL" in statistic else run.median_tpot_ms) if median
+                       else run.mean_tpot_ms,
+                       output_throughput_tok_s=run.throughput_tokens_per_s, prompts=prompts)
+    return figures
+
+
+def benchmark_run(result, row: dict, prompts: int):
+    """The plan's serving model over the row's finite run, or None where this lmc has no such model."""
+    try:
+        from lmc.planner.benchmark_run import vllm_benchmark_run
+        from lmc.planner.engines import engine_facts
+        from lmc.planner.vllm import plan_layout
+    except ImportError:  # an lmc from before the benchmark-run model
+        return None
+    plan = result.plan
+    if plan.vllm is None:
+        return None
+    return vllm_benchmark_run(result.model, result.hardware, engine_facts()[plan.engine], plan.dtype,
+                              plan.tensor_parallel_degree, plan.replicas, plan_layout(plan, result.model,
+                                                                                      result.hardware),
+                              row["input_len"], row["output_len"], row["concurrency"] or 1, prompts)
 
 
 # --- aiconfigurator ---------------------------------------------------------------------------------

@@ -141,3 +141,25 @@ def test_each_gpu_maps_to_a_catalog_instance_of_that_gpu(gpu):
     facts = catalog.hardware_facts(fidelity.GPU_INSTANCE[gpu])
     assert facts.accelerator.startswith(gpu) and facts.devices == 8  # room for any TP x DP of a row
     assert gpu in fidelity.GPU_AIC_SYSTEM
+
+
+def test_the_number_of_prompts_comes_from_the_column_or_the_rows_notes():
+    row = {"concurrency": 16, "notes": "client: ... --num-prompts 80 --max-concurrency 16"}
+    assert fidelity.row_prompts(row) == 80
+    assert fidelity.row_prompts({**row, "num_prompts": "320"}) == 320
+    assert fidelity.row_prompts({"concurrency": 4, "notes": "500 prompts, random-range-ratio 1"}) == 500
+    assert fidelity.row_prompts({"concurrency": 8, "notes": "150 requests at concurrency 8"}) == 150
+    assert fidelity.row_prompts({"concurrency": 4, "notes": "offline: the whole batch submitted at once"}) == 4
+    assert fidelity.row_prompts({"concurrency": 1, "notes": "bench_one_batch_server --batch-size 1"}) is None
+
+
+def test_a_row_with_its_prompts_is_compared_with_the_run_its_client_measured():
+    rows = {row["id"]: row for row in fidelity.load_rows(fidelity.DEFAULT_CSV)}
+    row = next(r for r in rows.values() if r["statistic"].startswith("mean") and fidelity.row_prompts(r)
+               and r["concurrency"] > 1 and r["tpot_ms"])
+    figures = fidelity.lmc_predict(row)
+    assert figures["prompts"] == fidelity.row_prompts(row)
+    run_free = fidelity.lmc_predict({**row, "notes": "", "num_prompts": ""})
+    assert "prompts" not in run_free
+    # The burst at the start of the run: its first requests wait for each other's prompts.
+    assert figures["ttft_ms"] > run_free["ttft_ms"]
