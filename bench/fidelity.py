@@ -132,8 +132,9 @@ def spec_text(row: dict) -> str:
                      "concurrency": row["concurrency"] or 1},
         "pin": {"engine": "vllm", "tensor_parallel_degree": row["tp"], "replicas": 1},
     }
-    if row["dp"] > 1:
-        tables["pin"]["data_parallel_degree"] = row["dp"]
+    # Always pinned, 1 included: unpinned, lmc may add data-parallel groups of an MoE model on the instance's
+    # other GPUs, which the measured run did not have.
+    tables["pin"]["data_parallel_degree"] = row["dp"]
     if row["ep"] > 1:
         tables["pin"]["expert_parallel"] = True
     if row["weight_dtype"] in LMC_DTYPES:
@@ -178,7 +179,7 @@ def row_prompts(row: dict) -> int | None:
     if row.get("num_prompts"):
         return int(float(row["num_prompts"]))
     notes = row.get("notes") or ""
-    match = (re.search(r"--num-prompts\s+(\d+)", notes) or re.search(r"\b(\d+) prompts\b", notes)
+    match = (re.search(r"--num-prompts?\s+(\d+)", notes) or re.search(r"\b(\d+) prompts\b", notes)
              or re.search(r"\b(\d+) requests at concurrency\b", notes))
     if match:
         return int(match.group(1))
@@ -225,10 +226,11 @@ def benchmark_run(result, row: dict, prompts: int):
     plan = result.plan
     if plan.vllm is None:
         return None
+    cached = int(float(row.get("cached_prompts") or 0))  # an earlier run on the same server sent them (the notes)
     return vllm_benchmark_run(result.model, result.hardware, engine_facts()[plan.engine], plan.dtype,
                               plan.tensor_parallel_degree, plan.replicas, plan_layout(plan, result.model,
                                                                                       result.hardware),
-                              row["input_len"], row["output_len"], row["concurrency"] or 1, prompts)
+                              row["input_len"], row["output_len"], row["concurrency"] or 1, prompts, cached=cached)
 
 
 # --- aiconfigurator ---------------------------------------------------------------------------------
@@ -360,13 +362,17 @@ def row_group(row: dict) -> str:
     return row["id"].rsplit("-", 1)[0]
 
 
-def summary(results: list[RowResult], with_aic: bool) -> dict:
-    """Rows planned/answered and the median and worst absolute % errors, overall and per source group."""
+def summary(results: list[RowResult], with_aic: bool, since: str | None = None) -> dict:
+    """Rows planned/answered and the median and worst absolute % errors, overall, per source group and, with
+    `since` (an ISO date), over the rows whose source is that recent (today's engines)."""
     out = _summary_of(results, with_aic)
     groups = sorted({row_group(r.row) for r in results})
     if len(groups) > 1:
         out["groups"] = {group: _summary_of([r for r in results if row_group(r.row) == group], with_aic)
                          for group in groups}
+    if since:
+        recent = [r for r in results if (r.row.get("source_date") or "") >= since]
+        out.setdefault("groups", {})[f"since {since}"] = _summary_of(recent, with_aic)
     return out
 
 
@@ -541,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aic-cache", type=Path, default=DEFAULT_AIC_CACHE, help="aiconfigurator results cache")
     parser.add_argument("--json", type=Path, help="write the per-row results and the summary here")
     parser.add_argument("--markdown", type=Path, help="write the table and the summary as markdown here")
+    parser.add_argument("--since", help="also summarise the rows whose source_date is this ISO date or later")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # catalog configs: the Hub is not reachable from the bench
     rows = load_rows(args.csv)
@@ -551,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     results, cache = run(rows, args.aiconfigurator, args.aic_cache)
     if cache is not None:
         args.aic_cache.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    stats = summary(results, with_aic)
+    stats = summary(results, with_aic, args.since)
     import lmc
 
     stats["lmc_version"] = getattr(lmc, "__version__", "unknown")

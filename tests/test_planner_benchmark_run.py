@@ -80,3 +80,22 @@ def test_the_requests_after_the_burst_see_the_steady_state():
     assert run.duration_s == pytest.approx(one_wave.duration_s + 2 * cycle / 1e3)
     # 1 prompt in 11 steps per slot, one chunk each: 4/11 of the steps carry one, so the median gap is a decode.
     assert run.median_itl_ms == 20.0
+
+
+def test_prompts_already_in_the_prefix_cache_cost_one_token_each():
+    # Prompts 0 and 1 cached: the stream is 1 + 1 + 4096 + 4096 tokens; step 0 reads 8192 of them (prompts 0-2
+    # end at 1, 2 and 4098), step 1 the last 2 (three decodes go first).
+    wave = burst(ConstantSteps(), 4, 4096, 8192, cached=2)
+    assert wave.first_step == [0, 0, 0, 1]
+    assert wave.first_token_ms == [100.0, 100.0, 100.0, 200.0]
+    steps = ConstantSteps()
+    cold = vllm_benchmark_run(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 4, 12, steps)
+    warm = vllm_benchmark_run(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 4, 12, steps, cached=6)
+    steady = vllm_predict(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 4, steps)
+    efficiency = VLLM.efficiency["gpu"]
+    server = efficiency.request_overhead_ms + efficiency.tokenize_us_per_token * 4096 * 1e-3
+    # The burst (first tokens at 100, 100, 200, 300 cold; 100, 100, 100, 100 with all four cached: 4 tokens), then
+    # 2 cached requests at half a step's wait and one steady step, 6 at the steady TTFT.
+    assert warm.mean_ttft_ms == pytest.approx((4 * (server + 100) + 2 * (server + 1.5 * steady.tpot_ms)
+                                               + 6 * steady.ttft_ms) / 12)
+    assert warm.mean_ttft_ms < cold.mean_ttft_ms

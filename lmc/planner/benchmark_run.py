@@ -59,20 +59,24 @@ class Burst:
     step_ms: list[float]
 
 
-def burst(steps: StepTimes, prompts: int, input_tokens: int, budget: int) -> Burst:
+def burst(steps: StepTimes, prompts: int, input_tokens: int, budget: int, cached: int = 0) -> Burst:
     """`prompts` prompts of `input_tokens` each, arriving together into an idle engine: each step carries the
     decodes of the prompts already answered (one token each, scheduled first), then the next prompt tokens in
-    arrival order up to the step's token budget."""
+    arrival order up to the step's token budget. The first `cached` prompts are in the engine's prefix cache:
+    each costs the one token vLLM computes even on a full hit (the last, to sample from)."""
     first_step, first_token, durations = [], [], []
-    done, consumed, clock = 0, 0, 0.0  # prompts answered; prompt tokens read so far (all prompts in order)
-    total = prompts * input_tokens
+    ends, total = [], 0  # where each prompt's tokens end in the arrival-ordered stream
+    for k in range(prompts):
+        total += 1 if k < cached else input_tokens
+        ends.append(total)
+    done, consumed, clock = 0, 0, 0.0  # prompts answered; prompt tokens read so far
     while done < prompts:
         chunk = min(max(budget - done, 1), total - consumed)
         ms = steps.mixed_ms(chunk, done, input_tokens, input_tokens + 1) if done else steps.prefill_ms(chunk)
         consumed += chunk
         clock += ms
         durations.append(ms)
-        while done < prompts and (done + 1) * input_tokens <= consumed:
+        while done < prompts and ends[done] <= consumed:
             first_step.append(len(durations) - 1)
             first_token.append(clock)
             done += 1
@@ -81,9 +85,10 @@ def burst(steps: StepTimes, prompts: int, input_tokens: int, budget: int) -> Bur
 
 def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
                        replicas: int, layout: VllmLayout, input_tokens: int, output_tokens: int, concurrency: int,
-                       prompts: int, steps: StepTimes | None = None) -> BenchmarkRun:
+                       prompts: int, steps: StepTimes | None = None, cached: int = 0) -> BenchmarkRun:
     """`prompts` requests at most `concurrency` at a time, the first `concurrency` sent together (module
-    docstring), over `replicas` replicas of `layout`: the figures a benchmark client reports."""
+    docstring), over `replicas` replicas of `layout`: the figures a benchmark client reports. `cached`: how many
+    of the run's first prompts the engine has already seen (module docstring, "Prompts already cached")."""
     dp = layout.data_parallel_size
     groups = replicas * dp
     if steps is None:
@@ -98,7 +103,8 @@ def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: Engin
     context = input_tokens + output_tokens // 2
     gaps = output_tokens - 1
 
-    wave = burst(steps, running, input_tokens, layout.max_num_batched_tokens)
+    cached_per_group = cached / groups
+    wave = burst(steps, running, input_tokens, layout.max_num_batched_tokens, math.floor(cached_per_group))
     # After the burst: decodes of the whole burst until its first request leaves (step first_step[0] + gaps),
     # then the steady state's mean step.
     full = steps.decode_ms(running, context)
@@ -116,7 +122,8 @@ def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: Engin
         tpots.append((decode_ms / gaps if gaps else 0.0, 1))
         itls += [(ms, 1) for ms in in_burst] + [(full, decoding), (steady.tpot_ms, at_steady)]
     later = max(per_group - running, 0.0)  # the group's requests after the burst: the steady state's
-    ttfts.append((steady.ttft_ms, later))
+    hits = min(max(cached_per_group - running, 0.0), later)  # ... but cached: half a step's wait and one step
+    ttfts += [(steady.ttft_ms, later - hits), (server + 1.5 * steady.tpot_ms, hits)]
     tpots.append((steady.tpot_ms, later))
     itls.append((steady_itl_ms(steps, layout, running, input_tokens, output_tokens, context, steady.tpot_ms),
                  later * gaps))
