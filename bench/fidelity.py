@@ -10,6 +10,7 @@ and worst absolute % errors and the rows planned/answered. Exit 1 when any row f
 
 Usage:
     python bench/fidelity.py [--csv CSV] [--aiconfigurator /work/aic-venv/bin/aiconfigurator] [--json OUT]
+                             [--markdown OUT] [--since 2025-08-01]
     PYTHONPATH=/work/wt/h31model python bench/fidelity.py      # another lmc: imported from sys.path
 """
 
