@@ -10,6 +10,7 @@ and worst absolute % errors and the rows planned/answered. Exit 1 when any row f
 
 Usage:
     python bench/fidelity.py [--csv CSV] [--aiconfigurator /work/aic-venv/bin/aiconfigurator] [--json OUT]
+                             [--markdown OUT] [--since 2025-08-01]
     PYTHONPATH=/work/wt/h31model python bench/fidelity.py      # another lmc: imported from sys.path
 """
 
@@ -132,8 +133,9 @@ def spec_text(row: dict) -> str:
                      "concurrency": row["concurrency"] or 1},
         "pin": {"engine": "vllm", "tensor_parallel_degree": row["tp"], "replicas": 1},
     }
-    if row["dp"] > 1:
-        tables["pin"]["data_parallel_degree"] = row["dp"]
+    # Always pinned, 1 included: unpinned, lmc may add data-parallel groups of an MoE model on the instance's
+    # other GPUs, which the measured run did not have.
+    tables["pin"]["data_parallel_degree"] = row["dp"]
     if row["ep"] > 1:
         tables["pin"]["expert_parallel"] = True
     if row["weight_dtype"] in LMC_DTYPES:
@@ -171,17 +173,65 @@ def find_predictor(plan: dict) -> str | None:
     return None
 
 
+def row_prompts(row: dict) -> int | None:
+    """The number of requests the row's benchmark run sent: the CSV's `num_prompts` where it has the column, else
+    what its notes say (`--num-prompts N`, "N prompts", "N requests at concurrency"; an offline run that submits
+    the whole batch at once sent `concurrency`); None where the run is not a closed-loop serving run."""
+    if row.get("num_prompts"):
+        return int(float(row["num_prompts"]))
+    notes = row.get("notes") or ""
+    match = (re.search(r"--num-prompts?\s+(\d+)", notes) or re.search(r"\b(\d+) prompts\b", notes)
+             or re.search(r"\b(\d+) requests at concurrency\b", notes))
+    if match:
+        return int(match.group(1))
+    if "whole batch submitted at once" in notes:
+        return row["concurrency"]
+    return None
+
+
 def lmc_predict(row: dict) -> dict:
-    """lmc's TPOT, TTFT and throughput for the row, from its pipeline in-process."""
+    """lmc's TPOT, TTFT and throughput for the row, from its pipeline in-process: the figures the row's benchmark
+    run reports (lmc.planner.benchmark_run: N prompts, the first `concurrency` sent together; means or medians as
+    the row's `statistic` says) where the row gives its number of prompts and this lmc has that model, else the
+    plan's steady-state figures."""
     from lmc.pipeline import plan_from_spec
     from lmc.schema import parse_spec
 
     loaded = parse_spec(spec_text(row), HERE / "data" / f"fidelity-{row['id']}.toml")
-    plan = plan_from_spec(loaded).plan.model_dump(mode="json")
+    result = plan_from_spec(loaded)
+    plan = result.plan.model_dump(mode="json")
     predicted = plan["predicted"]
-    return {"tpot_ms": predicted.get("tpot_ms"), "ttft_ms": predicted.get("ttft_ms"),
-            "output_throughput_tok_s": predicted.get("throughput_tokens_per_s"),
-            "predictor": find_predictor(plan) or "lmc-roofline"}
+    figures = {"tpot_ms": predicted.get("tpot_ms"), "ttft_ms": predicted.get("ttft_ms"),
+               "output_throughput_tok_s": predicted.get("throughput_tokens_per_s"),
+               "predictor": find_predictor(plan) or "lmc-roofline"}
+    prompts = row_prompts(row)
+    run = benchmark_run(result, row, prompts) if prompts else None
+    if run is not None:
+        statistic = row.get("statistic") or "mean"
+        median = statistic.startswith("median")
+        figures.update(ttft_ms=run.median_ttft_ms if median else run.mean_ttft_ms,
+                       tpot_ms=(run.median_itl_ms if "ITL" in statistic else run.median_tpot_ms) if median
+                       else run.mean_tpot_ms,
+                       output_throughput_tok_s=run.throughput_tokens_per_s, prompts=prompts)
+    return figures
+
+
+def benchmark_run(result, row: dict, prompts: int):
+    """The plan's serving model over the row's finite run, or None where this lmc has no such model."""
+    try:
+        from lmc.planner.benchmark_run import vllm_benchmark_run
+        from lmc.planner.engines import engine_facts
+        from lmc.planner.vllm import plan_layout
+    except ImportError:  # an lmc from before the benchmark-run model
+        return None
+    plan = result.plan
+    if plan.vllm is None:
+        return None
+    cached = int(float(row.get("cached_prompts") or 0))  # an earlier run on the same server sent them (the notes)
+    return vllm_benchmark_run(result.model, result.hardware, engine_facts()[plan.engine], plan.dtype,
+                              plan.tensor_parallel_degree, plan.replicas, plan_layout(plan, result.model,
+                                                                                      result.hardware),
+                              row["input_len"], row["output_len"], row["concurrency"] or 1, prompts, cached=cached)
 
 
 # --- aiconfigurator ---------------------------------------------------------------------------------
@@ -313,13 +363,17 @@ def row_group(row: dict) -> str:
     return row["id"].rsplit("-", 1)[0]
 
 
-def summary(results: list[RowResult], with_aic: bool) -> dict:
-    """Rows planned/answered and the median and worst absolute % errors, overall and per source group."""
+def summary(results: list[RowResult], with_aic: bool, since: str | None = None) -> dict:
+    """Rows planned/answered and the median and worst absolute % errors, overall, per source group and, with
+    `since` (an ISO date), over the rows whose source is that recent (today's engines)."""
     out = _summary_of(results, with_aic)
     groups = sorted({row_group(r.row) for r in results})
     if len(groups) > 1:
         out["groups"] = {group: _summary_of([r for r in results if row_group(r.row) == group], with_aic)
                          for group in groups}
+    if since:
+        recent = [r for r in results if (r.row.get("source_date") or "") >= since]
+        out.setdefault("groups", {})[f"since {since}"] = _summary_of(recent, with_aic)
     return out
 
 
@@ -494,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aic-cache", type=Path, default=DEFAULT_AIC_CACHE, help="aiconfigurator results cache")
     parser.add_argument("--json", type=Path, help="write the per-row results and the summary here")
     parser.add_argument("--markdown", type=Path, help="write the table and the summary as markdown here")
+    parser.add_argument("--since", help="also summarise the rows whose source_date is this ISO date or later")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # catalog configs: the Hub is not reachable from the bench
     rows = load_rows(args.csv)
@@ -504,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     results, cache = run(rows, args.aiconfigurator, args.aic_cache)
     if cache is not None:
         args.aic_cache.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    stats = summary(results, with_aic)
+    stats = summary(results, with_aic, args.since)
     import lmc
 
     stats["lmc_version"] = getattr(lmc, "__version__", "unknown")

@@ -141,3 +141,43 @@ def test_each_gpu_maps_to_a_catalog_instance_of_that_gpu(gpu):
     facts = catalog.hardware_facts(fidelity.GPU_INSTANCE[gpu])
     assert facts.accelerator.startswith(gpu) and facts.devices == 8  # room for any TP x DP of a row
     assert gpu in fidelity.GPU_AIC_SYSTEM
+
+
+def test_the_number_of_prompts_comes_from_the_column_or_the_rows_notes():
+    row = {"concurrency": 16, "notes": "client: ... --num-prompts 80 --max-concurrency 16"}
+    assert fidelity.row_prompts(row) == 80
+    assert fidelity.row_prompts({"concurrency": 10, "notes": "--max-concurrency 10 --num-prompt 100"}) == 100
+    assert fidelity.row_prompts({**row, "num_prompts": "320"}) == 320
+    assert fidelity.row_prompts({"concurrency": 4, "notes": "500 prompts, random-range-ratio 1"}) == 500
+    assert fidelity.row_prompts({"concurrency": 8, "notes": "150 requests at concurrency 8"}) == 150
+    assert fidelity.row_prompts({"concurrency": 4, "notes": "offline: the whole batch submitted at once"}) == 4
+    assert fidelity.row_prompts({"concurrency": 1, "notes": "bench_one_batch_server --batch-size 1"}) is None
+
+
+def test_a_row_with_its_prompts_is_compared_with_the_run_its_client_measured():
+    rows = {row["id"]: row for row in fidelity.load_rows(fidelity.DEFAULT_CSV)}
+    row = next(r for r in rows.values() if r["statistic"].startswith("mean") and fidelity.row_prompts(r)
+               and r["concurrency"] > 1 and r["tpot_ms"])
+    figures = fidelity.lmc_predict(row)
+    assert figures["prompts"] == fidelity.row_prompts(row)
+    run_free = fidelity.lmc_predict({**row, "notes": "", "num_prompts": ""})
+    assert "prompts" not in run_free
+    # The burst at the start of the run: its first requests wait for each other's prompts.
+    assert figures["ttft_ms"] > run_free["ttft_ms"]
+
+
+def test_since_summarises_the_recent_rows_besides_all_rows():
+    def result(row_id, date, tpot):
+        row = {"id": row_id, "source_date": date, "tpot_ms": 10.0, "ttft_ms": None, "output_throughput_tok_s": None}
+        return fidelity.RowResult(row, lmc={"tpot_ms": tpot, "ttft_ms": None, "output_throughput_tok_s": None})
+
+    results = [result("old-1", "2024-12-05", 20.0), result("new-1", "2026-01-18", 11.0)]
+    stats = fidelity.summary(results, with_aic=False, since="2025-08-01")
+    assert stats["lmc_tpot_ms"]["median_abs_pct"] == 55.0  # (100 % + 10 %) / 2
+    assert stats["groups"]["since 2025-08-01"]["lmc_tpot_ms"] == {"median_abs_pct": 10.0, "worst_abs_pct": 10.0, "n": 1}
+
+
+def test_a_rows_data_parallel_degree_is_pinned_even_when_it_is_one():
+    row = next(r for r in ROWS if r["dp"] == 1 and r["num_gpus"] == r["tp"])
+    spec = parse_spec(fidelity.spec_text(row), REPO / "bench" / "data" / "x.toml").spec
+    assert spec.pin.data_parallel_degree == 1  # else lmc may add DP groups of an MoE model on the instance's other GPUs

@@ -61,18 +61,9 @@ def predict_level(plan: Plan, model: ModelFacts, hardware: HardwareFacts, engine
 def _vllm_level(plan: Plan, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, concurrency: int,
                 input_tokens: int, output_tokens: int, batch: int) -> dict[str, float]:
     """A vLLM plan's own serving model at one level (its layout as planned, the bench's lengths)."""
-    from lmc.planner.memory import compute_dtype
-    from lmc.planner.vllm import VllmLayout, vllm_predict
+    from lmc.planner.vllm import plan_layout, vllm_predict
 
-    section, kv = plan.vllm, plan.kv_cache
-    assert section is not None
-    kv_dtype = "fp8" if section.kv_cache_dtype == "fp8" else compute_dtype(plan.dtype, model, hardware)
-    layout = VllmLayout(block_size=kv.block_size if kv else 16, blocks=kv.blocks if kv else 0, bytes_per_block=0,
-                        pool_bytes=0, max_num_seqs=section.max_num_seqs, max_model_len=section.max_model_len,
-                        max_num_batched_tokens=section.max_num_batched_tokens,
-                        gpu_memory_utilization=section.gpu_memory_utilization,
-                        cpu_kvcache_space_gib=section.cpu_kvcache_space_gib,
-                        data_parallel_size=section.data_parallel_size, kv_dtype=kv_dtype)
+    layout = plan_layout(plan, model, hardware)
     timing = vllm_predict(model, hardware, engine, plan.dtype, plan.tensor_parallel_degree, plan.replicas, layout,
                           input_tokens, output_tokens, concurrency)
     e2e = timing.ttft_ms + (output_tokens - 1) * timing.tpot_ms

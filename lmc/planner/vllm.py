@@ -321,6 +321,20 @@ def vllm_pipeline_predict(model: ModelFacts, hardware: HardwareFacts, engine: En
                    cost_per_million_tokens=cost_million)
 
 
+def plan_layout(plan, model: ModelFacts, hardware: HardwareFacts) -> VllmLayout:
+    """A vLLM plan's layout as planned (its vllm and kv_cache sections), to evaluate its serving model again at
+    other lengths or concurrencies (lmc measure's comparison, bench/fidelity.py's benchmark runs)."""
+    section, kv = plan.vllm, plan.kv_cache
+    assert section is not None
+    kv_dtype = "fp8" if section.kv_cache_dtype == "fp8" else compute_dtype(plan.dtype, model, hardware)
+    return VllmLayout(block_size=kv.block_size if kv else 16, blocks=kv.blocks if kv else 0, bytes_per_block=0,
+                      pool_bytes=0, max_num_seqs=section.max_num_seqs, max_model_len=section.max_model_len,
+                      max_num_batched_tokens=section.max_num_batched_tokens,
+                      gpu_memory_utilization=section.gpu_memory_utilization,
+                      cpu_kvcache_space_gib=section.cpu_kvcache_space_gib,
+                      data_parallel_size=section.data_parallel_size, kv_dtype=kv_dtype)
+
+
 # --- plan sections and decisions --------------------------------------------------------------------
 
 def vllm_quantization(dtype: str, hardware: HardwareFacts) -> str | None:
