@@ -81,7 +81,7 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 args = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
 validate_parsed_serve_args(args)
-print(json.dumps({key: getattr(args, key) for key in json.loads(sys.argv[2])}))
+print(json.dumps({key: getattr(args, key) for key in json.loads(sys.argv[2])}, default=vars))  # vars: config dataclasses
 """
 
 
@@ -104,7 +104,10 @@ def test_vllms_parser_reads_the_plan_from_the_command_line(tmp_path):
             "enforce_eager", "kv_cache_memory_bytes", "max_num_queued_reqs", "enable_auto_tool_choice",
             "tool_call_parser", "generation_config", "host", "port", "seed", "data_parallel_size",
             "enable_expert_parallel", "all2all_backend"]
-    assert parsed_by_vllm(argv, keys) == {
+    parsed = parsed_by_vllm(argv, [*keys, "structured_outputs_config"])
+    structured = parsed.pop("structured_outputs_config")  # llguidance, no properties a schema does not name
+    assert (structured["backend"], structured["disable_additional_properties"]) == ("guidance", True)
+    assert parsed == {
         "model": str(tmp_path), "served_model_name": ["lmc/tiny"], "max_num_seqs": 4, "max_model_len": 96,
         "max_num_batched_tokens": 2048, "dtype": "bfloat16", "enforce_eager": True, "kv_cache_memory_bytes": 2 * GIB,
         "max_num_queued_reqs": 11, "enable_auto_tool_choice": True, "tool_call_parser": "pythonic",
