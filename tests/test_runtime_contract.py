@@ -7,8 +7,9 @@ each served by `lmc runtime` in a session of its own:
   declared JSON 400;
 - signals to the runtime's whole process group (a terminal's Ctrl-C; SIGTERM from `tini -g`, dumb-init,
   systemd) drain: a stream of 80 tokens in flight finishes, new work gets 503, exit 0; Ctrl-C twice stops
-  at once with exit 130. The engine's processes are stopped (SIGSTOP) while the signal is sent, so the
-  stream is certainly in flight, and a signal they took would act when they resume.
+  at once with exit 130. The engine's processes are stopped (SIGSTOP) from before the request until the
+  signal is sent and answered (80 tokens take a fraction of a second here): the stream is certainly in
+  flight, its tokens all come after the signal, and a signal the engine had taken would act as it resumes.
 
 Each engine's module server serves the read-only tests, then the Ctrl-C drain, which ends it; SIGTERM
 and Ctrl-C twice start their own (vLLM's SIGTERM drain is test_runtime_vllm_served.py's)."""
@@ -29,6 +30,7 @@ import httpx
 import pytest
 
 from lmc.runtime.workers import free_port
+from runtime_fakes import wait_in_flight
 
 psutil = pytest.importorskip("psutil")
 
@@ -87,10 +89,9 @@ class Served:
             time.sleep(0.5)
 
     def engine_processes(self) -> list:
-        """The processes that generate: the hf ranks (children of the fork server) or vLLM's engine core
-        and its workers (in a process group of their own)."""
-        children = psutil.Process(self.proc.pid).children(recursive=True)
-        return [child for child in children if os.getpgid(child.pid) != self.proc.pid or _is_rank(child)]
+        """Every process the runtime started: the hf ranks and their fork server, or vLLM's engine core and
+        its workers; multiprocessing's resource tracker."""
+        return psutil.Process(self.proc.pid).children(recursive=True)
 
     def signal_group(self, signum: int) -> None:
         os.killpg(self.proc.pid, signum)
@@ -113,14 +114,6 @@ class Served:
             pass
         self.proc.wait(30)
         self.log.close()
-
-
-def _is_rank(process) -> bool:
-    """An hf rank: a process forked from the fork server (its parent's command line says forkserver)."""
-    try:
-        return "forkserver" in " ".join(process.parent().cmdline())
-    except (psutil.Error, AttributeError):
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -284,9 +277,9 @@ def drain_a_stream(served: Served, signum: int) -> None:
     test, on its module server.)"""
     engine = served.engine_processes()
     assert engine, [child.name() for child in psutil.Process(served.proc.pid).children(recursive=True)]
-    stream = Stream(served.url)
-    stream.wait_events(3)
-    with _stopped(engine):
+    with _stopped(engine):  # 80 tokens take a fraction of a second here: held, the stream is in flight at the signal
+        stream = Stream(served.url)
+        wait_in_flight(served.url, 1)
         served.signal_group(signum)
         served.wait_draining()
         late = httpx.post(served.url + "/v1/completions", json={"model": SERVED, "prompt": "late"}, timeout=30)
@@ -324,14 +317,14 @@ def test_ctrl_c_twice_stops_now_with_exit_130(artifacts, tmp_path, engine):
     served = Served(artifacts(engine), tmp_path / "runtime.log")
     try:
         engine_processes = served.engine_processes()
-        stream = Stream(served.url)
-        stream.wait_events(3)
         with _stopped(engine_processes):
+            stream = Stream(served.url)
+            wait_in_flight(served.url, 1)
             served.signal_group(signal.SIGINT)
             served.wait_draining()
             cut = time.monotonic()
             served.signal_group(signal.SIGINT)
-            stream.wait_events(len(stream.events) + 1, timeout_s=10)  # its error event, while the engine is held
+            stream.wait_events(1, timeout_s=10)  # its error event, while the engine is held
         chunks = stream.join(30)
         assert served.proc.wait(15) == 130, served.tail()
         assert time.monotonic() - cut < 15
