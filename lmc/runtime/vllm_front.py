@@ -469,7 +469,8 @@ def _with_retry_after(send: Send, state: FrontState) -> Send:
 
     async def wrapped(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start" and message["status"] == 503:
-            state.refuse("queue_full")
+            if state._stopping_now is None:  # (a stop-now's own 503s are not admission's)
+                state.refuse("queue_full")
             headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"retry-after"]
             message = dict(message, headers=headers + [(b"retry-after", str(state.retry_after_s).encode())])
         await send(message)
