@@ -315,22 +315,22 @@ def test_chat_prompts_get_one_bos_as_apply_chat_template_gives(tmp_path):
     with ServerThread(Runtime(artifact.model_dir, artifact.plan, request_timeout_s=120, sampling_defaults={})) as server:
         server.wait_ready(180)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        chat = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+        chat = client.chat.completions.create(model="tiny/llama", messages=messages, max_tokens=6, temperature=0)
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        completion = client.completions.create(model="m", prompt=rendered, max_tokens=1, temperature=0)
+        completion = client.completions.create(model="tiny/llama", prompt=rendered, max_tokens=1, temperature=0)
         # logit_bias reaches the engine: a +100 bias on one token makes greedy choose it every step
         forced = tokenizer("quick", add_special_tokens=False).input_ids[0]
-        biased = client.completions.create(model="m", prompt="hello", max_tokens=3, temperature=0,
+        biased = client.completions.create(model="tiny/llama", prompt="hello", max_tokens=3, temperature=0,
                                            logit_bias={str(forced): 100})
-        scored = client.completions.create(model="m", prompt="the quick brown fox", max_tokens=3, temperature=0,
+        scored = client.completions.create(model="tiny/llama", prompt="the quick brown fox", max_tokens=3, temperature=0,
                                            logprobs=2)
-        chat_scored = client.chat.completions.create(model="m", messages=messages, max_tokens=3, temperature=0,
+        chat_scored = client.chat.completions.create(model="tiny/llama", messages=messages, max_tokens=3, temperature=0,
                                                      logprobs=True, top_logprobs=2)
         # streamed, the chunks carry the same logprobs, each with the tokens its text covers
         scored_chunks = [c.choices[0] for c in client.completions.create(
-            model="m", prompt="the quick brown fox", max_tokens=3, temperature=0, logprobs=2, stream=True)]
+            model="tiny/llama", prompt="the quick brown fox", max_tokens=3, temperature=0, logprobs=2, stream=True)]
         chat_chunks = [c.choices[0] for c in client.chat.completions.create(
-            model="m", messages=messages, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2, stream=True)]
+            model="tiny/llama", messages=messages, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2, stream=True)]
     assert biased.choices[0].text == tokenizer.decode([forced] * 3, clean_up_tokenization_spaces=False) != ""
 
     def reference(prompt_ids: list[int]) -> tuple[list[int], list[float]]:

@@ -37,13 +37,13 @@ def test_completion(client):
 
 
 def test_completion_for_a_list_of_prompts(client):
-    reply = client.completions.create(model="x", prompt=["a b", "c d e"], max_tokens=2, temperature=0)
+    reply = client.completions.create(model="fake/tiny", prompt=["a b", "c d e"], max_tokens=2, temperature=0)
     assert [c.text for c in reply.choices] == [expected_text("a b", 2), expected_text("c d e", 2)]
     assert [c.index for c in reply.choices] == [0, 1]
 
 
 def test_completion_stream(client):
-    stream = client.completions.create(model="x", prompt="one two three", max_tokens=4, temperature=0, stream=True,
+    stream = client.completions.create(model="fake/tiny", prompt="one two three", max_tokens=4, temperature=0, stream=True,
                                        stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -53,7 +53,7 @@ def test_completion_stream(client):
 
 
 def test_chat_uses_the_artifact_template(client):
-    reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hello world"}],
+    reply = client.chat.completions.create(model="fake/tiny", messages=[{"role": "user", "content": "hello world"}],
                                            max_tokens=3, temperature=0)
     # The fake engine echoes the rendered prompt's words reversed: the template's tokens show it was applied.
     assert reply.choices[0].message.content == expected_text("<user> hello world <assistant>", 3)
@@ -62,7 +62,7 @@ def test_chat_uses_the_artifact_template(client):
 
 
 def test_chat_stream(client):
-    stream = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
+    stream = client.chat.completions.create(model="fake/tiny", messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=5, temperature=0, stream=True)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -72,18 +72,18 @@ def test_chat_stream(client):
 
 
 def test_n_gives_n_choices_in_openai_order_counting_each_prompt_once(client):
-    reply = client.completions.create(model="x", prompt=["a b", "c d e"], max_tokens=2, n=2, temperature=0)
+    reply = client.completions.create(model="fake/tiny", prompt=["a b", "c d e"], max_tokens=2, n=2, temperature=0)
     assert [(c.index, c.text) for c in reply.choices] == [
         (0, expected_text("a b", 2)), (1, expected_text("a b", 2)), (2, expected_text("c d e", 2)),
         (3, expected_text("c d e", 2))]
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (prompt_tokens("a b") + prompt_tokens("c d e"), 8)
-    chat = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=1, n=3)
+    chat = client.chat.completions.create(model="fake/tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1, n=3)
     assert [c.index for c in chat.choices] == [0, 1, 2]
     assert chat.usage.prompt_tokens == prompt_tokens("<user> hi <assistant>") == 16
 
 
 def test_n_choices_stream_side_by_side_each_with_its_index_and_finish(client):
-    stream = client.completions.create(model="x", prompt="one two", max_tokens=3, n=2, temperature=0, stream=True,
+    stream = client.completions.create(model="fake/tiny", prompt="one two", max_tokens=3, n=2, temperature=0, stream=True,
                                        stream_options={"include_usage": True})
     chunks = list(stream)
     texts, finishes = {0: "", 1: ""}, {}
@@ -98,7 +98,7 @@ def test_n_choices_stream_side_by_side_each_with_its_index_and_finish(client):
     assert texts == {0: expected_text("one two", 3), 1: expected_text("one two", 3)}
     assert finishes == {0: "length", 1: "length"}
     assert chunks[-1].choices == [] and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (prompt_tokens("one two"), 6)
-    chat = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+    chat = list(client.chat.completions.create(model="fake/tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                                n=3, temperature=0, stream=True))
     assert [c.choices[0].index for c in chat if c.choices[0].delta.role == "assistant"] == [0, 1, 2]
     for index in range(3):
@@ -214,9 +214,9 @@ def test_message_names_reach_the_template():
 
 def test_openai_errors_are_400_with_the_reason(client, server):
     with pytest.raises(openai.BadRequestError, match="n must be a positive integer, got 0"):
-        client.completions.create(model="x", prompt="a", n=0)
+        client.completions.create(model="fake/tiny", prompt="a", n=0)
     with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
-        client.completions.create(model="x", prompt="a", max_tokens=0)
+        client.completions.create(model="fake/tiny", prompt="a", max_tokens=0)
     reply = httpx.post(server.url + "/v1/chat/completions", json={"messages": []})
     assert reply.status_code == 400 and "messages must be a non-empty list" in reply.json()["error"]["message"]
     reply = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "add_special_tokens": "yes"})
@@ -314,9 +314,9 @@ def test_generation_config_sets_the_openai_defaults(tmp_path, mode):
     with ServerThread(Runtime(model, plan, request_timeout_s=30, sampling_defaults=defaults)) as srv:
         srv.wait_ready()
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}])
-        client.completions.create(model="x", prompt="a b", top_p=0.5)
-        client.completions.create(model="x", prompt="a b", temperature=0, max_tokens=3)
+        client.chat.completions.create(model="fake/tiny", messages=[{"role": "user", "content": "hi"}])
+        client.completions.create(model="fake/tiny", prompt="a b", top_p=0.5)
+        client.completions.create(model="fake/tiny", prompt="a b", temperature=0, max_tokens=3)
         httpx.post(srv.url + "/invocations", json={"inputs": "a b"}).raise_for_status()
         chat, completion, greedy, lmi = _recorded(record)
     if mode == "auto":
@@ -345,7 +345,7 @@ def test_chat_without_max_tokens_gets_the_planned_answer_length(tmp_path, spec, 
     with ServerThread(Runtime(model, plan, request_timeout_s=30)) as srv:
         srv.wait_ready()
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], temperature=0)
+        reply = client.chat.completions.create(model="fake/tiny", messages=[{"role": "user", "content": "hi"}], temperature=0)
     [chat] = _recorded(record)
     assert prompt_tokens("<user> hi <assistant>") == 16  # the rendered prompt, as the artifact's tokenizer counts it
     assert chat["max_new_tokens"] == reply.usage.completion_tokens == expected

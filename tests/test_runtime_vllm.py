@@ -81,7 +81,7 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 args = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
 validate_parsed_serve_args(args)
-print(json.dumps({key: getattr(args, key) for key in json.loads(sys.argv[2])}))
+print(json.dumps({key: getattr(args, key) for key in json.loads(sys.argv[2])}, default=vars))  # vars: config dataclasses
 """
 
 
@@ -104,7 +104,10 @@ def test_vllms_parser_reads_the_plan_from_the_command_line(tmp_path):
             "enforce_eager", "kv_cache_memory_bytes", "max_num_queued_reqs", "enable_auto_tool_choice",
             "tool_call_parser", "generation_config", "host", "port", "seed", "data_parallel_size",
             "enable_expert_parallel", "all2all_backend"]
-    assert parsed_by_vllm(argv, keys) == {
+    parsed = parsed_by_vllm(argv, [*keys, "structured_outputs_config"])
+    structured = parsed.pop("structured_outputs_config")  # llguidance, no properties a schema does not name
+    assert (structured["backend"], structured["disable_additional_properties"]) == ("guidance", True)
+    assert parsed == {
         "model": str(tmp_path), "served_model_name": ["lmc/tiny"], "max_num_seqs": 4, "max_model_len": 96,
         "max_num_batched_tokens": 2048, "dtype": "bfloat16", "enforce_eager": True, "kv_cache_memory_bytes": 2 * GIB,
         "max_num_queued_reqs": 11, "enable_auto_tool_choice": True, "tool_call_parser": "pythonic",
@@ -321,6 +324,62 @@ def test_while_draining_ping_and_new_work_get_503():
     assert status == 503 and headers[b"retry-after"] == b"3" and "shutting down" in body["error"]["message"]
     status, _, _ = call(front, "/v1/models", method="GET")  # reads still answer
     assert status == 200 and inner.seen == [("/v1/models", b"")]
+
+
+class Hanging:
+    """A stand-in for vLLM's app that starts its answer (or not) and then waits until cancelled."""
+
+    def __init__(self, content_type: bytes | None):
+        self.content_type = content_type
+        self.state = SimpleNamespace(args=None)
+
+    async def __call__(self, scope, receive, send):
+        if self.content_type is not None:
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", self.content_type)]})
+            await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("content_type, path", [(None, "/v1/completions"), (b"text/event-stream", "/v1/completions"),
+                                                (None, "/invocations")], ids=["not-started", "sse", "lmi"])
+def test_a_stop_now_answers_each_request_in_flight_503_in_its_shape(content_type, path):
+    """A second Ctrl-C (stop_now) cancels the requests in flight and answers each: a 503 in the route's shape
+    before its answer started (with Retry-After), else its stream's error event and [DONE]."""
+    front = front_with(Hanging(content_type))
+    state = front.state
+    app = SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(lmc_front=state)))
+    body = json.dumps({"inputs": "hi"} if path == "/invocations" else {"prompt": "hi"}).encode()
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "app": app,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    async def run():
+        request = asyncio.create_task(front(scope, receive, send))
+        while state.in_flight == 0 or (content_type and len(sent) < 2):
+            await asyncio.sleep(0)
+        state.stop_now("second interrupt")
+        await request
+        assert state.in_flight == 0
+
+    asyncio.run(run())
+    message = "the server stopped (second interrupt) before this request finished"
+    start, data = sent[0], b"".join(m.get("body", b"") for m in sent[1:])
+    assert not sent[-1].get("more_body", False)  # the answer ends
+    if content_type is None:
+        assert start["status"] == 503 and dict(start["headers"])[b"retry-after"] == b"3"
+        error = json.loads(data)
+        assert (error["error"] if path == "/invocations" else error["error"]["message"]) == message
+    else:
+        events = data.decode().split("\n\n")
+        assert json.loads(events[-3].removeprefix("data: "))["error"]["message"] == message
+        assert events[-2] == "data: [DONE]"
+    assert state.refused.get("queue_full", 0) == 0
 
 
 def test_a_vllm_failure_at_start_is_one_line_not_an_internal_error(tmp_path, monkeypatch):

@@ -268,10 +268,11 @@ def openai_answers(url: str) -> bool:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="none")
-    done = client.completions.create(model="m", prompt="the quick brown fox", max_tokens=8)
+    model = client.models.list().data[0].id  # the served name: any other is a 404, as in vLLM
+    done = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=8)
     streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
-        model="m", prompt="the quick brown fox", max_tokens=8, stream=True) if chunk.choices)
-    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+        model=model, prompt="the quick brown fox", max_tokens=8, stream=True) if chunk.choices)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8)
     return bool(done.choices[0].text) and bool(streamed) and chat.choices[0].message.content is not None
 
 

@@ -155,7 +155,8 @@ async def run_level(client, url: str, body: dict, concurrency: int, requests: in
 
 
 async def served_model(client, url: str) -> str:
-    """The model name to send: the first of /v1/models, else "model" (lmc does not check it)."""
+    """The model name to send: the first of /v1/models (lmc and vLLM answer any other 404), else "model"
+    (a server without the route: LMI's, which does not read it)."""
     try:
         response = await client.get(f"{url}/v1/models")
         data = response.json().get("data") or []

@@ -9,6 +9,10 @@ repetition_penalty; max_new_tokens for chat) replaces those defaults when a requ
 (`lmc runtime --generation-config none` turns that off). A chat prompt is tokenized without adding
 special tokens (its template wrote them), a completion prompt with them; `add_special_tokens` (a vLLM
 extension) overrides either.
+
+The client contract is vLLM's, so that a client written against one engine works on the other: a body
+must be declared JSON (`Content-Type: application/json`, else 400), and `model`, when given, must be the
+served name (`GET /v1/models`; the spec's model.id), else 404 in vLLM's error shape.
 """
 
 from __future__ import annotations
@@ -41,10 +45,37 @@ _EXTENSIONS = {"min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos_token"}
 _USED = {"prompt", "messages", "max_tokens", "stream", "add_special_tokens", *_SAMPLING, *_EXTENSIONS}
 
 
-def openai_error(status: int, message: str) -> JSONResponse:
-    """OpenAI's error shape (clients read error.message), plus the top-level code every route has."""
-    kind = "invalid_request_error" if status < 500 and status != 424 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}, "code": status}, status_code=status)
+def openai_error(status: int, message: str, kind: str | None = None, param: str | None = None) -> JSONResponse:
+    """OpenAI's error shape as vLLM's server writes it (its ErrorResponse: error.message, type, param, code;
+    clients read error.message), plus the top-level code every lmc route has."""
+    kind = kind or ("invalid_request_error" if status < 500 and status != 424 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}, "code": status},
+                        status_code=status)
+
+
+class ModelNotFound(Exception):
+    """A request names a model this server does not serve: vLLM's 404."""
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    """vLLM's rule for `model`: absent, null or empty means the served model; otherwise it must be the served
+    name (vLLM's --served-model-name, which lmc sets to the spec's model.id; vLLM does not take the
+    checkpoint's path either). ModelNotFound with vLLM's message otherwise."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ValueError("model must be a string")
+    if model and model != served:
+        raise ModelNotFound(f"The model `{model[:200]}` does not exist. Valid aliases: {served}.")
+
+
+# vLLM answers a body that is not declared JSON with this 400 (its validate_json_request), before reading it.
+UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
+
+
+def declares_json(request: Request) -> bool:
+    """Whether the request's Content-Type is application/json (any case, any parameters), as vLLM requires
+    on its OpenAI routes. (curl -d sends application/x-www-form-urlencoded unless told otherwise.)"""
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower() == "application/json"
 
 
 def _finish_reason(engine_reason: str) -> str:
@@ -224,9 +255,12 @@ async def _handle(request: Request, chat: bool) -> Response:
     started = time.monotonic()
     try:
         runtime.check_accepting()
+        if not declares_json(request):
+            raise RequestFailed(400, UNSUPPORTED_MEDIA_TYPE)
         raw = await runtime.read_json(request)
         try:
             body = _check_body(raw, "messages" if chat else "prompt")
+            check_model(body, runtime.model_name)
             prompts = [runtime.text.render_chat(_messages(body))] if chat else _prompts(body)
             # A chat template writes the special tokens itself (BOS...): tokenizing its output must not add
             # them again. vLLM's default too, and its `add_special_tokens` field overrides it.
@@ -250,6 +284,9 @@ async def _handle(request: Request, chat: bool) -> Response:
                              add_special_tokens=special, logprobs=_logprobs(body, chat))
         except ValueError as exc:
             raise RequestFailed(400, str(exc)) from None
+        except ModelNotFound as exc:
+            runtime.record(endpoint, 404)
+            return openai_error(404, str(exc), "NotFoundError", "model")
         stream = body.get("stream", False)
         if stream and len(prompts) != 1:
             raise RequestFailed(400, "stream = true takes a single prompt, not a list")

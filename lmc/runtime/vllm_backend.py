@@ -7,7 +7,8 @@ turns the plan into that server's settings, with nothing left to vLLM's defaults
   pool on CPU, sharded_state when the build packed it, the LoRA slots, the speculative config);
 - `engine_environment`: what vLLM reads from the environment at engine start (the CPU KV pool);
 - `serve_arguments`: the whole `vllm serve` command line (engine arguments as flags, the served model
-  name, the tool-call and reasoning parsers, the admission bound, the packed adapters), parsed by vLLM's own argument parser,
+  name, the tool-call and reasoning parsers, the admission bound, the packed adapters, the structured-output
+  backend), parsed by vLLM's own argument parser,
   so `lmc runtime` and `vllm serve $(...)` configure the same server.
 
 Nothing here imports vLLM; `check_cpu_head_size` does, at start.
@@ -28,6 +29,14 @@ from lmc.served_artifact import lora_engine_arguments, lora_modules, speculative
 
 GIB = 2**30
 VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# The structured-output (guided decoding) backend lmc gives vLLM's server. vLLM 0.32's "auto" picks xgrammar
+# for a JSON schema; xgrammar 0.2.8 writes a string with minLength or maxLength as `[^"\\\r\n]{m,n}`, which
+# lets raw control characters (U+0000-U+001F but CR and LF) into the string: the answer is then not JSON
+# (strict parsers refuse it). llguidance (vLLM's "guidance") keeps them out and takes the escapes; told to
+# refuse properties a schema does not name (disable_additional_properties, vLLM's option "to align its
+# behaviour with outlines and xgrammar"), it answers the schemas as xgrammar does (docs/runtime.md,
+# "Structured output").
+STRUCTURED_OUTPUTS = {"backend": "guidance", "disable_additional_properties": True}
 # Flags of vLLM's parser that are store_true only (no --no-FLAG form).
 _STORE_TRUE_ONLY = frozenset({"enforce_eager", "disable_log_stats", "enable_expert_parallel", "headless"})
 
@@ -137,6 +146,7 @@ def serve_arguments(plan: dict[str, Any], model_dir: Path, *, host: str | None =
     args = engine_arguments(plan, model_dir)
     section = plan.get("vllm") or {}
     args["max_num_queued_reqs"] = admission(plan)[0]
+    args["structured_outputs_config"] = dict(STRUCTURED_OUTPUTS)
     if generation_config == "none":
         args["generation_config"] = "vllm"
     if section.get("tool_call_parser"):

@@ -12,9 +12,11 @@ bodies). `LmcFront` sits outermost and adds only what lmc's contract has and vLL
 - **The body limit**: 413 past `max_body_bytes` (6 MB, SageMaker's payload limit), before vLLM reads it.
 - **Retry-After** on every 503 (vLLM's admission answers 503 past `max_num_queued_reqs`; lmc sets that
   bound from the plan's TTFT goal, see lmc.planner.vllm.admission).
-- **The drain**: on SIGTERM, /ping and new requests get 503 at once while the requests in flight are
-  answered; then the HTTP server stops, vLLM's engine client shuts its engine down, and the process
-  exits 0.
+- **The drain**: on SIGTERM or Ctrl-C (to this process or its whole group: vLLM's engine processes are
+  in a group of their own, lmc.runtime.process_group), /ping and new requests get 503 at once while the
+  requests in flight are answered; then the HTTP server stops, vLLM's engine client shuts its engine
+  down, and the process exits 0. A second Ctrl-C stops now: what is in flight is answered 503 (a
+  stream: its error event or line), and the runtime exits 130.
 - **A lost node** (across instances): 503 everywhere, then the server stops (the runtime exits 1).
 - **lmc's series on /metrics** beside vLLM's: `lmc_info` (lmc version, plan sha256), requests in
   flight, refusals by reason, and with LoRA adapters the requests that selected each (an `adapter` label).
@@ -55,6 +57,7 @@ _NOT_WORK = frozenset({"/ping", "/tokenize", "/detokenize"})
 _HEALTH = frozenset({"/ping", "/health"})
 # vLLM's finish_reason -> lmc's (lmi_details maps lmc's to LMI's names).
 _FINISH = {"length": "length", "abort": "cancelled"}
+_STOP_NOW_GRACE_S = 2.0  # for the handlers cut off by a stop-now to send their 503
 
 
 @dataclass
@@ -78,7 +81,10 @@ class FrontState:
     fatal: BaseException | None = None  # why the server stopped, when it must exit non-zero
     refused: dict[str, int] = field(default_factory=dict)
     app: Any = None  # vLLM's app, once its lifespan starts
+    cut_short: bool = False  # a second Ctrl-C stopped the drain: the runtime exits 130
     _idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing is in flight
+    _requests: set = field(default_factory=set)  # the tasks answering requests in flight
+    _stopping_now: str | None = None  # why the requests in flight are being cut off
 
     def __post_init__(self) -> None:
         self._idle.set()
@@ -88,9 +94,11 @@ class FrontState:
     def enter(self) -> None:
         self.in_flight += 1
         self._idle.clear()
+        self._requests.add(asyncio.current_task())
 
     def leave(self) -> None:
         self.in_flight -= 1
+        self._requests.discard(asyncio.current_task())
         if self.in_flight == 0:
             self._idle.set()
 
@@ -106,18 +114,29 @@ class FrontState:
 
     def started(self, app) -> None:
         """vLLM's server starts serving (its signal handlers are installed by now): lmc's replace them, so
-        SIGTERM (and Ctrl-C) drain first."""
+        SIGTERM and Ctrl-C drain first. (vLLM's engine processes run in a process group of their own,
+        lmc.runtime.process_group: a signal to the whole group reaches this process only.)"""
         self.app = app
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, self.begin_drain)
+            loop.add_signal_handler(signum, self.on_signal, signum)
         if self.fatal is not None:  # a node was lost while the engine started
             loop.call_soon(self._should_exit)
 
-    def begin_drain(self) -> None:
+    def on_signal(self, signum: int) -> None:
+        """The first SIGTERM or SIGINT drains; a second SIGINT (Ctrl-C twice) stops now, as lmc's own front
+        end and uvicorn do. A repeated SIGTERM does not: container runtimes resend it, and their SIGKILL
+        ends a drain that takes too long."""
+        if self.refusing is None:
+            self.begin_drain(signal.Signals(signum).name)
+        elif signum == signal.SIGINT and self.refusing_as == "shutting_down" and not self.cut_short:
+            self.cut_short = True
+            self.stop_now("second interrupt")
+
+    def begin_drain(self, why: str = "SIGTERM") -> None:
         if self.refusing is not None:
             return
-        log.info("SIGTERM: draining %d request(s) in flight (at most %gs), refusing new ones", self.in_flight,
+        log.info("%s: draining %d request(s) in flight (at most %gs), refusing new ones", why, self.in_flight,
                  self.drain_timeout_s)
         self.refusing, self.refusing_as = "the server is shutting down", "shutting_down"
         asyncio.get_running_loop().create_task(self._drain(), name="lmc-drain")
@@ -126,9 +145,31 @@ class FrontState:
         try:
             await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
         except asyncio.TimeoutError:
-            log.warning("drain: %d request(s) still in flight after %gs; stopping anyway", self.in_flight,
-                        self.drain_timeout_s)
+            self.stop_now(f"drain timed out after {self.drain_timeout_s:g}s")
+            return
         self._should_exit()  # the HTTP server stops; vLLM's engine client then shuts the engine down
+
+    def stop_now(self, why: str) -> None:
+        """Answer every request in flight 503 (a stream: an error event or line; vLLM aborts each one's
+        generation as its handler is cancelled), then stop the server. Call on the event loop."""
+        if self._stopping_now is not None:
+            return
+        self._stopping_now = why
+        log.warning("%s: stopping now; %d request(s) in flight are answered 503", why, self.in_flight)
+        for task in list(self._requests):
+            task.cancel()
+        asyncio.get_running_loop().create_task(self._exit_when_answered(), name="lmc-stop-now")
+
+    @property
+    def cut_off_message(self) -> str:
+        return f"the server stopped ({self._stopping_now}) before this request finished"
+
+    async def _exit_when_answered(self) -> None:
+        try:
+            await asyncio.wait_for(self._idle.wait(), _STOP_NOW_GRACE_S)
+        except asyncio.TimeoutError:
+            pass
+        self._should_exit()
 
     def stop(self, why: str, label: str, error: BaseException, grace_s: float) -> None:
         """Refuse everything now (`label` in the refusal counts) and stop the server after `grace_s` (probes
@@ -176,29 +217,38 @@ class LmcFront:
             state.refuse(state.refusing_as)
             return await _send(send, _error(503, f"{state.refusing}; retry later", lmi, state.retry_after_s))
         state.enter()
+        reply = _Progress(_with_retry_after(send, state))
         try:
-            send = _with_retry_after(send, state)
-            declared = Request(scope).headers.get("content-length")
-            # Read here (core.read_body: the limit, a 413 after a lingering close) to look at an LMI body, to
-            # count one of unknown length, or to refuse one declared too large; otherwise vLLM reads it.
-            # With adapters served, every body is read too: the `model` it names feeds lmc_adapter_requests_total.
-            if (lmi or declared is None or not declared.isdigit() or int(declared) > state.max_body_bytes
-                    or state.adapters):
-                try:
-                    body = await read_body(Request(scope, receive), state.max_body_bytes)
-                except RequestFailed as exc:
-                    if exc.status == CLIENT_CLOSED:
-                        return
-                    state.refuse("body_too_large")
-                    return await _send(send, _error(exc.status, exc.message, lmi))
-                if lmi and await self._lmi(scope, body, receive, send):
-                    return
-                if state.adapters:
-                    state.selected(_named_model(body))
-                receive = _replay(body, receive)
-            await self.app(scope, receive, send)
+            await self._work(scope, receive, reply.send, lmi)
+        except asyncio.CancelledError:
+            if state._stopping_now is None:  # the client left, or the server is torn down
+                raise
+            await reply.cut_off(state.cut_off_message, lmi, state.retry_after_s)
         finally:
             state.leave()
+
+    async def _work(self, scope: Scope, receive: Receive, send: Send, lmi: bool) -> None:
+        """One request of generation work: its body checked (and, LMI's, translated), then vLLM's answer."""
+        state = self.state
+        declared = Request(scope).headers.get("content-length")
+        # Read here (core.read_body: the limit, a 413 after a lingering close) to look at an LMI body, to
+        # count one of unknown length, or to refuse one declared too large; otherwise vLLM reads it.
+        # With adapters served, every body is read too: the `model` it names feeds lmc_adapter_requests_total.
+        if (lmi or declared is None or not declared.isdigit() or int(declared) > state.max_body_bytes
+                or state.adapters):
+            try:
+                body = await read_body(Request(scope, receive), state.max_body_bytes)
+            except RequestFailed as exc:
+                if exc.status == CLIENT_CLOSED:
+                    return
+                state.refuse("body_too_large")
+                return await _send(send, _error(exc.status, exc.message, lmi))
+            if lmi and await self._lmi(scope, body, receive, send):
+                return
+            if state.adapters:
+                state.selected(_named_model(body))
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
 
     async def _lmi(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> bool:
         """Answer an LMI-shaped /invocations body through vLLM's /v1/completions; False: not LMI's shape."""
@@ -425,6 +475,38 @@ class LmiStream:
 
 # ---------------------------------------------------------------- ASGI helpers
 
+class _Progress:
+    """A request's `send`, noting how far its answer got, so that a request cut off by a stop-now still
+    ends with a word: a 503 in the route's shape before its answer started, else its stream's error
+    (OpenAI's event then [DONE], as vLLM ends a failed stream; LMI's error line)."""
+
+    def __init__(self, send: Send):
+        self._send = send
+        self.started = self.ended = False
+        self.content_type = b""
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.content_type = dict(message.get("headers") or []).get(b"content-type", b"")
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.ended = True
+        await self._send(message)
+
+    async def cut_off(self, message: str, lmi: bool, retry_after_s: int) -> None:
+        if not self.started:
+            return await _send(self.send, _error(503, message, lmi, retry_after_s))
+        if self.ended:
+            return
+        if self.content_type.startswith(b"text/event-stream"):
+            tail = b"data: " + openai_error(503, message).body + b"\n\ndata: [DONE]\n\n"
+        elif self.content_type.startswith(b"application/jsonlines"):
+            tail = jsonline({"error": message, "code": 503})
+        else:  # a whole answer half sent: end it; the client sees a short body
+            tail = b""
+        await self.send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
 class _Collected:
     """A whole response captured from the inner app."""
 
@@ -443,7 +525,8 @@ def _with_retry_after(send: Send, state: FrontState) -> Send:
 
     async def wrapped(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start" and message["status"] == 503:
-            state.refuse("queue_full")
+            if state._stopping_now is None:  # (a stop-now's own 503s are not admission's)
+                state.refuse("queue_full")
             headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"retry-after"]
             message = dict(message, headers=headers + [(b"retry-after", str(state.retry_after_s).encode())])
         await send(message)

@@ -7,8 +7,11 @@ HTTP server with its signal handling. lmc adds one middleware (lmc.runtime.vllm_
 through vLLM's `--middleware` hook) and, across instances, the lifeline to the worker nodes.
 
 How it ends:
-- SIGTERM: the middleware drains (503 to new work and /ping, in-flight requests answered, at most the
-  request timeout), then vLLM shuts down; exit 0.
+- SIGTERM or Ctrl-C, to this process or to its whole process group (vLLM's engine processes run in a
+  group of their own, lmc.runtime.process_group, so only this process takes it): the middleware drains
+  (503 to new work and /ping, in-flight requests answered, at most the request timeout), then vLLM shuts
+  down; exit 0. A second Ctrl-C during the drain stops now: the requests still in flight are answered
+  503 (a stream: its error event), exit 130.
 - vLLM's engine dies (its engine core killed, a fatal error): /ping answers 503 at once (vLLM's
   /health too), the server stops ENGINE_DEAD_GRACE_S later (vLLM's own watchdog would within 5 s),
   and the runtime exits 1 with one line. The engine is
@@ -26,9 +29,10 @@ import logging
 import os
 from typing import Any
 
-from lmc.errors import LmcError
+from lmc.errors import EXIT_INTERRUPTED, LmcError
 from lmc.runtime.vllm_backend import (VllmUnavailable, admission, check_cpu_head_size, cli_flags, engine_environment,
                                       eos_ids, serve_arguments)
+from lmc.runtime.process_group import own_group
 from lmc.runtime.vllm_front import FrontCollector, FrontState
 from lmc.runtime.workers import device_kind
 
@@ -96,7 +100,8 @@ def serve(artifact, *, host: str, port: int, request_timeout_s: float, max_body_
     collector = FrontCollector(state)
     REGISTRY.register(collector)
     try:
-        uvloop.run(_serve(args, state, node))
+        with own_group():  # vLLM's engine core (and its workers) out of this process's group
+            uvloop.run(_serve(args, state, node))
     except LmcError:
         raise
     except Exception as exc:  # noqa: BLE001 - vLLM's own failure, before or while serving: one line
@@ -107,7 +112,7 @@ def serve(artifact, *, host: str, port: int, request_timeout_s: float, max_body_
         REGISTRY.unregister(collector)
     if state.fatal is not None:
         raise state.fatal
-    return 0
+    return EXIT_INTERRUPTED if state.cut_short else 0
 
 
 def front_state(artifact, request_timeout_s: float, max_body_bytes: int) -> FrontState:
