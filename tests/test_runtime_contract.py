@@ -154,12 +154,16 @@ def readme_curl_commands(*paths: Path) -> list[str]:
     """Every shell line in the files' ```bash blocks that runs curl, as written."""
     commands = []
     for path in paths:
-        text = path.read_text(encoding="utf-8")
-        for block in re.findall(r"^```(?:bash|sh|shell|console)?\n(.*?)^```", text, flags=re.S | re.M):
-            for line in block.splitlines():
-                command = line.split("  #", 1)[0].strip()  # a trailing comment, as the README aligns them
-                if re.search(r"(^|[;&|(]\s*|\s)curl\s", command):
-                    commands.append(command)
+        fence = None  # the open block's language ("" for a bare fence), None outside a block
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.startswith("```"):
+                fence = line[3:].strip() if fence is None else None
+                continue
+            if fence not in ("bash", "sh", "shell", "console"):
+                continue
+            command = line.split("  #", 1)[0].strip()  # a trailing comment, as the README aligns them
+            if re.search(r"(^|[;&|(]\s*|\s)curl\s", command):
+                commands.append(command)
     return commands
 
 

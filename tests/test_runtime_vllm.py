@@ -387,7 +387,10 @@ def test_a_vllm_failure_at_start_is_one_line_not_an_internal_error(tmp_path, mon
     import lmc.runtime.vllm_server as server
     from lmc.runtime.startup import Artifact
 
+    from lmc.testing.checkpoints import tokenizer_json
+
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 4, "eos_token_id": 2}))
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json())  # an artifact without one stops before vLLM starts
 
     async def engine_core_dies(args, state, node):
         raise RuntimeError("Engine core initialization failed.\nSee root cause above.")
