@@ -42,6 +42,8 @@ from lmc.errors import LmcError
 from lmc.runtime.engines.base import Piece
 
 log = logging.getLogger("lmc.runtime")
+# How long stop() waits for a group still starting its ranks (its fork server may still be importing).
+STARTING_JOIN_S = 60.0
 
 # CPU ranks are forked from a fork server that imported torch, transformers and the engine once, at the
 # very start of `lmc runtime` (start_process_server): a rank then costs a fork, not seconds of imports
@@ -645,8 +647,12 @@ class WorkerGroup:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
+        # A rank still being started (_spawn waits in proc.start() while the fork server imports, seconds
+        # under load) must be started and killed before this process exits: a rank that unpickles its
+        # arguments after the exit finds the gate's semaphore gone and prints a traceback beside lmc's one line.
+        spawning_s = 5.0
         if not self.ready:  # starting, loading or waiting at the gate: nothing to finish
-            timeout_s = 0.0
+            timeout_s, spawning_s = 0.0, STARTING_JOIN_S
             for proc in list(self._procs):
                 if proc.is_alive():
                     proc.kill()
@@ -655,7 +661,7 @@ class WorkerGroup:
             if self._conn is not None:
                 self._outbox.put((self._generation, ("stop",)))
         if self._thread is not None:
-            self._thread.join(timeout_s + 5.0)
+            self._thread.join(timeout_s + spawning_s)
         self._reap(timeout_s)
         self._close_lifeline()
         self._outbox.put((0, None))  # the sender thread ends
