@@ -15,7 +15,9 @@ from lmc.planner.engines import engine_facts
 from lmc.planner.facts import AdapterFacts, SpeculativeFacts
 from lmc.planner.latency import tpot_ms
 from lmc.planner.lora import check_adapters, lora_slots, slot_bytes
+from lmc.planner.memory import compute_dtype
 from lmc.planner.speculative import check_speculative, tokens_per_step
+from lmc.planner.steps import StepLayout, step_times
 from lmc.planner.vllm import vllm_memory
 from lmc.schema.spec import Spec
 
@@ -165,7 +167,13 @@ def test_a_draft_with_another_vocabulary_is_refused_and_a_draft_costs_its_steps(
     tiny_draft = LLAMA8.model_copy(update={"layers": 2, "parameters": LLAMA8.parameters // 16, "id": "draft"})
     model = speculating(LLAMA8, "draft", k=3, rate=0.6, draft=tiny_draft)
     p = plan(spec(pin={"engine": "vllm"}, workload={"concurrency": 1}), model)
-    step = tpot_ms(LLAMA8, G6E, VLLM, p.dtype, 1, 1, 1024, 256)
+    # the plain step is the one the plan's TPOT rests on: its step times' decode at batch 1 (aiconfigurator's
+    # measured data on the L40S), not a roofline of its own
+    kv = "fp8" if p.vllm.kv_cache_dtype == "fp8" else compute_dtype(p.dtype, model, G6E)
+    steps = step_times(model, G6E, VLLM, StepLayout("vllm", p.dtype, kv, 1, 1))
+    assert p.predicted.step_times == steps.source
+    step = steps.decode_ms(1, 1024 + 256 // 2)
+    assert p.speculative.tpot_ms_without == pytest.approx(step, abs=1e-3)
     draft_step = tpot_ms(tiny_draft, G6E, VLLM, p.dtype, 1, 1, 1024, 256)
     # at batch 1 the verify step is the plain step and a few extra tokens' FLOPs
     assert p.speculative.tpot_ms_with == pytest.approx((step + 3 * draft_step) / (1 + .6 + .36 + .216), rel=0.02)

@@ -17,6 +17,8 @@ speculation costs time, and the planner turns it off there (the plan says so).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lmc.errors import SpecValueError
 from lmc.planner.facts import EngineFacts, HardwareFacts, ModelFacts, SpeculativeFacts
 
@@ -126,28 +128,35 @@ def decode_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, d
 
 
 def break_even_batch(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
-                     input_tokens: int, output_tokens: int, dp: int, limit: int) -> int | None:
-    """The smallest batch (up to `limit`) at which speculation no longer shortens a step; None if it always does."""
-    from lmc.planner.latency import tpot_ms
+                     input_tokens: int, output_tokens: int, dp: int, limit: int,
+                     plain_at: Callable[[int], float]) -> int | None:
+    """The smallest batch (up to `limit`) at which speculation no longer shortens a step; None if it always does.
+    `plain_at(batch)` is the step without speculation. A bisection: the gain shrinks as the batch grows (the
+    verify's extra tokens turn a memory-bound step compute-bound), so a few step-time queries suffice."""
 
-    for batch in range(1, limit + 1):
-        plain = tpot_ms(model, hardware, engine, dtype, tp, batch, input_tokens, output_tokens, dp)
-        if speculative_tpot_ms(model, hardware, engine, dtype, tp, batch, input_tokens, output_tokens, dp,
-                               plain) >= plain:
-            return batch
-    return None
+    def pays(batch: int) -> bool:
+        plain = plain_at(batch)
+        return speculative_tpot_ms(model, hardware, engine, dtype, tp, batch, input_tokens, output_tokens, dp,
+                                   plain) < plain
+
+    if pays(limit):
+        return None
+    low, high = 0, limit  # pays at `low` (or low = 0), not at `high`
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if pays(middle) else (low, middle)
+    return high
 
 
 def speculative_section(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
                         running: int, max_num_seqs: int, input_tokens: int, output_tokens: int,
-                        dp: int) -> dict | None:
-    """The plan's `speculative` section: what the plan decided (enabled or not) and the figures it rests on."""
-    from lmc.planner.latency import tpot_ms
-
+                        dp: int, plain_at: Callable[[int], float]) -> dict | None:
+    """The plan's `speculative` section: what the plan decided (enabled or not) and the figures it rests on.
+    `plain_at(batch)` is the decode step without speculation, from the same step times as the plan's TPOT."""
     spec = model.speculative
     if spec is None:
         return None
-    plain = tpot_ms(model, hardware, engine, dtype, tp, running, input_tokens, output_tokens, dp)
+    plain = plain_at(running)
     with_spec = speculative_tpot_ms(model, hardware, engine, dtype, tp, running, input_tokens, output_tokens, dp,
                                     plain)
     return {
@@ -159,7 +168,7 @@ def speculative_section(model: ModelFacts, hardware: HardwareFacts, engine: Engi
         "revision": None if spec.draft is None else spec.draft.revision,
         "batch": running, "tpot_ms_without": round(plain, 3), "tpot_ms_with": round(with_spec, 3),
         "stops_paying_at_batch": break_even_batch(model, hardware, engine, dtype, tp, input_tokens, output_tokens,
-                                                  dp, BREAK_EVEN_SCAN),
+                                                  dp, BREAK_EVEN_SCAN, plain_at),
     }
 
 
