@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from vllm_bench import MODEL, SPEC, Runtime, uptime  # noqa: E402  (the same model, spec and server harness)
+from vllm_bench import MODEL, SPEC, Runtime, stream_completion, uptime  # noqa: E402  (the same model, spec, server harness and client)
 
 PHRASES = ("the quick brown fox jumps over the lazy dog", "a model reads a prompt and writes the next word",
            "serving a model well is a matter of memory and time", "one two three four five six seven eight")
@@ -88,22 +88,7 @@ async def load(url: str, prompts: list[str], output: int, concurrency: int) -> d
     async def one(client, prompt: str) -> None:
         nonlocal tokens
         async with gate:
-            first = last = None
-            count = 0
-            body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            async with client.stream("POST", url + "/v1/completions", json=body) as reply:
-                if reply.status_code != 200:
-                    raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread()).decode()[:300]}")
-                async for line in reply.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk["choices"] and chunk["choices"][0].get("text"):
-                        last = time.monotonic()
-                        first = first or last
-                    if chunk.get("usage"):
-                        count = chunk["usage"]["completion_tokens"]
+            first, last, count = await stream_completion(client, url, model, prompt, output)
             tokens += count
             if first is not None and count > 1:
                 tpots.append((last - first) / (count - 1))

@@ -117,6 +117,30 @@ class Runtime:
         self.log.close()
 
 
+async def stream_completion(client, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float | None, float | None, int]:
+    """One streamed greedy completion of exactly `max_tokens` (ignore_eos): the monotonic times of its first and
+    last text chunks and its completion tokens (the usage vLLM streams last). A non-200 or an error event raises."""
+    first = last = None
+    count = 0
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url + "/v1/completions", json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread()).decode()[:300]}")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if chunk["choices"] and chunk["choices"][0].get("text"):
+                last = time.monotonic()
+                first = first or last
+            if chunk.get("usage"):
+                count = chunk["usage"]["completion_tokens"]
+    return first, last, count
+
+
 async def load(url: str, items: list[tuple[str, int]], concurrency: int) -> dict:
     """Stream every item's completion, `concurrency` at a time; tokens, wall time and TTFTs."""
     import httpx
@@ -131,22 +155,8 @@ async def load(url: str, items: list[tuple[str, int]], concurrency: int) -> dict
         nonlocal tokens
         async with gate:
             sent = time.monotonic()
-            first = None
-            body = {"model": model, "prompt": prompt, "max_tokens": length, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            async with client.stream("POST", url + "/v1/completions", json=body) as reply:
-                if reply.status_code != 200:
-                    raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread()).decode()[:300]}")
-                async for line in reply.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        raise RuntimeError(chunk["error"])
-                    if first is None and chunk["choices"] and chunk["choices"][0].get("text"):
-                        first = time.monotonic()
-                    if chunk.get("usage"):
-                        tokens += chunk["usage"]["completion_tokens"]
+            first, _, count = await stream_completion(client, url, model, prompt, length)
+            tokens += count
             ttfts.append((first or time.monotonic()) - sent)
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
