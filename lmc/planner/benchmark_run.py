@@ -32,8 +32,8 @@ import statistics
 from dataclasses import dataclass
 
 from lmc.planner.facts import EngineFacts, HardwareFacts, ModelFacts
-from lmc.planner.steps import StepLayout, StepTimes, step_times
-from lmc.planner.vllm import VllmLayout, running_sequences, vllm_predict
+from lmc.planner.steps import StepTimes
+from lmc.planner.vllm import VllmLayout, decode_context, layout_steps, running_sequences, vllm_predict
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: Engin
     dp = layout.data_parallel_size
     groups = replicas * dp
     if steps is None:
-        steps = step_times(model, hardware, engine, StepLayout(engine.name, dtype, layout.kv_dtype, tp, dp))
+        steps = layout_steps(model, hardware, engine, dtype, tp, layout)
     steady = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, input_tokens, output_tokens,
                           concurrency, steps)
     clients = max(1, min(-(-concurrency // groups), -(-prompts // groups)))  # per group (requests spread evenly)
@@ -100,7 +100,7 @@ def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: Engin
     running = running_sequences(layout.max_num_seqs, 1, clients)
     efficiency = engine.efficiency[hardware.kind]
     server = efficiency.request_overhead_ms + efficiency.tokenize_us_per_token * input_tokens * 1e-3
-    context = input_tokens + output_tokens // 2
+    context = decode_context(input_tokens, output_tokens)
     gaps = output_tokens - 1
 
     cached_per_group = cached / groups

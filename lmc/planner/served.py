@@ -9,8 +9,7 @@ from lmc.planner.lora import lora_reason, lora_section, lora_step_ms
 from lmc.planner.memory import compute_dtype
 from lmc.planner.plan import Decision, LoraSection, Plan, SpeculativeSection
 from lmc.planner.speculative import speculative_reason, speculative_section
-from lmc.planner.steps import StepLayout, step_times
-from lmc.planner.vllm import VllmLayout, running_sequences
+from lmc.planner.vllm import VllmLayout, decode_context, layout_steps, plain_decode_ms, running_sequences
 
 
 def refusal(engine: str, model: ModelFacts) -> str | None:
@@ -44,12 +43,11 @@ def with_served_extras(plan: Plan, model: ModelFacts, hardware: HardwareFacts, e
         update["lora"] = LoraSection(**lora)
         decisions.append(Decision(key="lora", value=f"{len(model.adapters)} adapter(s)",
                                   reason=lora_reason(model, lora, step, running)))
-    steps = step_times(model, hardware, engine, StepLayout(engine.name, plan.dtype, layout.kv_dtype, tp, dp))
-    context = input_tokens + output_tokens // 2  # as vllm_predict's decode step
+    steps = layout_steps(model, hardware, engine, plan.dtype, tp, layout)
+    context = decode_context(input_tokens, output_tokens)
 
     def plain_at(batch: int) -> float:  # vllm_predict's decode step at `batch`, before speculation
-        return (steps.decode_ms(batch, context)
-                + lora_step_ms(model, hardware, engine, plan.dtype, tp, batch, layout.max_num_seqs, dp))
+        return plain_decode_ms(steps, model, hardware, engine, plan.dtype, tp, layout, batch, context)
 
     speculative = speculative_section(model, hardware, engine, plan.dtype, tp, running, layout.max_num_seqs,
                                       input_tokens, output_tokens, dp, plain_at)

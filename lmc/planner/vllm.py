@@ -219,6 +219,25 @@ def running_sequences(max_num_seqs: int, replicas: int, concurrency: int) -> int
     return max(1, min(max_num_seqs, -(-concurrency // replicas)))
 
 
+def layout_steps(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
+                 layout: VllmLayout) -> StepTimes:
+    """The layout's step times (planner/steps.py chooses the source)."""
+    return step_times(model, hardware, engine,
+                      StepLayout(engine.name, dtype, layout.kv_dtype, tp, layout.data_parallel_size))
+
+
+def decode_context(input_tokens: int, output_tokens: int) -> int:
+    """A running sequence's context, averaged over its generation."""
+    return input_tokens + output_tokens // 2
+
+
+def plain_decode_ms(steps: StepTimes, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str,
+                    tp: int, layout: VllmLayout, batch: int, context: int) -> float:
+    """One decode step of `batch` sequences before speculation: the step times' decode plus the LoRA kernels."""
+    return (steps.decode_ms(batch, context)
+            + lora_step_ms(model, hardware, engine, dtype, tp, batch, layout.max_num_seqs, layout.data_parallel_size))
+
+
 def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
                  replicas: int, layout: VllmLayout, input_tokens: int, output_tokens: int,
                  concurrency: int, steps: StepTimes | None = None) -> Timing:
@@ -232,12 +251,11 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     groups = replicas * dp
     running = running_sequences(layout.max_num_seqs, groups, concurrency)
     if steps is None:
-        steps = step_times(model, hardware, engine, StepLayout(engine.name, dtype, layout.kv_dtype, tp, dp))
+        steps = layout_steps(model, hardware, engine, dtype, tp, layout)
     # Instances, load and price per hour as for any engine; the step times are the layout's.
     base = predict(model, hardware, engine, dtype, tp, replicas, running, input_tokens, output_tokens, dp)
-    context = input_tokens + output_tokens // 2  # a running sequence's context, averaged over its generation
-    decode = steps.decode_ms(running, context)
-    decode += lora_step_ms(model, hardware, engine, dtype, tp, running, layout.max_num_seqs, dp)
+    context = decode_context(input_tokens, output_tokens)
+    decode = plain_decode_ms(steps, model, hardware, engine, dtype, tp, layout, running, context)
     decode = speculative_decode_ms(model, hardware, engine, dtype, tp, running, input_tokens, output_tokens, dp, decode)
 
     # Chunked prefill: the scheduler fills a step's token budget with the running decodes first, then
