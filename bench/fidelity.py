@@ -228,10 +228,13 @@ def benchmark_run(result, row: dict, prompts: int):
     if plan.vllm is None:
         return None
     cached = int(float(row.get("cached_prompts") or 0))  # an earlier run on the same server sent them (the notes)
+    spread = (int(float(row["output_len_min"])), int(float(row["output_len_max"]))) \
+        if row.get("output_len_min") and row.get("output_len_max") else None  # lengths drawn from a range
     return vllm_benchmark_run(result.model, result.hardware, engine_facts()[plan.engine], plan.dtype,
                               plan.tensor_parallel_degree, plan.replicas, plan_layout(plan, result.model,
                                                                                       result.hardware),
-                              row["input_len"], row["output_len"], row["concurrency"] or 1, prompts, cached=cached)
+                              row["input_len"], row["output_len"], row["concurrency"] or 1, prompts, cached=cached,
+                              output_range=spread)
 
 
 # --- aiconfigurator ---------------------------------------------------------------------------------

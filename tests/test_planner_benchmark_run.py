@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from lmc.planner import catalog
-from lmc.planner.benchmark_run import burst, vllm_benchmark_run
+from lmc.planner.benchmark_run import burst, list_schedule_ms, vllm_benchmark_run
 from lmc.planner.engines import engine_facts
 from lmc.planner.vllm import VllmLayout, vllm_predict
 
@@ -68,6 +68,17 @@ def test_a_run_of_as_many_prompts_as_clients_is_the_burst_and_its_decodes():
     assert run.throughput_tokens_per_s == pytest.approx(4 * 11 / run.duration_s)
 
 
+@dataclass(frozen=True)
+class FlatSteps(ConstantSteps):
+    """Every step costs 20 ms, whatever it reads: the steady step is a plain decode, so the drain runs at it."""
+
+    def prefill_ms(self, tokens: int) -> float:
+        return 20.0
+
+    def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float:
+        return 20.0
+
+
 def test_the_requests_after_the_burst_see_the_steady_state():
     steps = ConstantSteps()
     one_wave = vllm_benchmark_run(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 4, 4, steps)
@@ -75,9 +86,17 @@ def test_the_requests_after_the_burst_see_the_steady_state():
     steady = vllm_predict(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 4, steps)
     assert run.mean_ttft_ms == pytest.approx((4 * one_wave.mean_ttft_ms + 8 * steady.ttft_ms) / 12)
     assert run.median_ttft_ms == pytest.approx(steady.ttft_ms)
-    # Each of the 4 slots serves 2 more requests at the steady cycle after the burst's.
+    # Each of the 4 slots serves 2 more requests at the steady cycle after the burst's; the last wave drains at
+    # plain decode steps (20 ms) instead of the steady 49 ms that carried the joining prompts: shorter.
     cycle = steady.own_ttft_ms + 10 * steady.tpot_ms
-    assert run.duration_s == pytest.approx(one_wave.duration_s + 2 * cycle / 1e3)
+    assert one_wave.duration_s + cycle / 1e3 < run.duration_s < one_wave.duration_s + 2 * cycle / 1e3
+    # Where a step costs the same with or without prompts, the drain is the steady state: exactly 2 cycles more.
+    flat = FlatSteps()
+    flat_wave = vllm_benchmark_run(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 4, 4, flat)
+    flat_run = vllm_benchmark_run(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 4, 12, flat)
+    flat_steady = vllm_predict(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 4, flat)
+    assert flat_steady.tpot_ms == pytest.approx(20.0)
+    assert flat_run.duration_s == pytest.approx(flat_wave.duration_s + 2 * (flat_steady.own_ttft_ms + 200) / 1e3)
     # 1 prompt in 11 steps per slot, one chunk each: 4/11 of the steps carry one, so the median gap is a decode.
     assert run.median_itl_ms == 20.0
 
@@ -99,3 +118,34 @@ def test_prompts_already_in_the_prefix_cache_cost_one_token_each():
     assert warm.mean_ttft_ms == pytest.approx((4 * (server + 100) + 2 * (server + 1.5 * steady.tpot_ms)
                                                + 6 * steady.ttft_ms) / 12)
     assert warm.mean_ttft_ms < cold.mean_ttft_ms
+
+
+def test_a_list_schedule_of_spread_lengths_lies_within_grahams_bounds():
+    # 3 slots whose first requests start decoding at 0, 5 and 10 ms (1 ms steps), then 9 more requests, each 2 ms
+    # of TTFT and (length − 1) steps, lengths spread over 1..100 with mean 40; drained at the same 1 ms step, the
+    # run ends at the list schedule's makespan: no earlier than the work spread evenly over the 3 slots, no later
+    # than that plus the longest request (the client gives each request the first slot that frees).
+    burst = [(0.0, 1.0), (5.0, 1.0), (10.0, 1.0)]
+    for seed in range(8):
+        end = list_schedule_ms(burst, 12, (1, 100), 40.0, 2.0, 1.0, lambda batch: 1.0, seed)
+        low, high = 1, 100
+        lengths = [low + (high - low) * (i + 0.5) / 12 for i in range(12)]
+        lengths = [length * 40.0 / (sum(lengths) / 12) for length in lengths]
+        work = sum(length - 1 for length in lengths) + 9 * 2.0 + 5.0 + 10.0
+        assert work / 3 <= end <= work / 3 + max(lengths) + 2.0
+
+
+def test_output_lengths_drawn_from_a_range_end_the_run_later_than_fixed_ones_of_the_same_mean():
+    # 4 clients, 12 requests: with fixed lengths the 4 slots finish together; with lengths spread over 1..21
+    # (mean 11) the run waits for the slot that drew the longest answers. At one client the order does not
+    # matter: the same tokens in the same steps (within the drain's conversion of the last TTFT).
+    steps = ConstantSteps()
+    fixed = vllm_benchmark_run(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 4, 12, steps)
+    spread = vllm_benchmark_run(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 4, 12, steps,
+                                output_range=(1, 21))
+    assert spread.duration_s > fixed.duration_s * 1.05
+    assert spread.mean_tpot_ms == fixed.mean_tpot_ms and spread.mean_ttft_ms == fixed.mean_ttft_ms
+    alone = vllm_benchmark_run(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 1, 10, steps)
+    alone_spread = vllm_benchmark_run(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 1, 10, steps,
+                                      output_range=(1, 21))
+    assert alone_spread.duration_s == pytest.approx(alone.duration_s, rel=0.1)

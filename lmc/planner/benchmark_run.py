@@ -20,14 +20,25 @@ prompts (in a closed loop nobody arrives until someone leaves), until the first 
 from then on, arrivals follow departures one for one, staggered as the burst's first tokens were, and every
 later request sees the steady state (`vllm_predict`'s TTFT and mean step).
 
-The run's duration is its slowest slot's: that slot's first request, then its share of the remaining
-requests (N / slots, where slots = min(C, max_num_seqs)) at the steady cycle, TTFT + (output − 1) steps. The end of the run, where fewer than C
-requests remain and steps get faster, is not modelled (it shortens the run by at most one cycle's fraction).
+The run's duration is the schedule the closed-loop client makes: the burst's requests start the slots
+(slots = min(C, max_num_seqs)), each later request takes the first slot that frees and lasts the steady cycle,
+TTFT + (output − 1) steps; once the last request is sent, no prompt joins any more, and the slots still busy
+drain with plain decode steps of as many sequences as remain.
+
+Output lengths drawn at random. Both clients' random datasets can draw each request's output length from a
+range instead of fixing it (SGLang's `--random-range-ratio r`: uniform integers in [max(r·L, 1), L], r = 0
+by default; vLLM's: [L(1 − r), L(1 + r)], r = 0 by default, so fixed). Then the slots do not finish together:
+the run lasts until its slowest slot has served its requests, and a slot that drew long answers ends well
+after the mean. With a range (`output_range`), the schedule above runs with lengths that are the range's
+quantiles, scaled to the run's mean, in a shuffled order, averaged over 8 fixed shuffles, so the figure is
+deterministic; the other figures take the mean length.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+import random
 import statistics
 from dataclasses import dataclass
 
@@ -85,10 +96,13 @@ def burst(steps: StepTimes, prompts: int, input_tokens: int, budget: int, cached
 
 def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
                        replicas: int, layout: VllmLayout, input_tokens: int, output_tokens: int, concurrency: int,
-                       prompts: int, steps: StepTimes | None = None, cached: int = 0) -> BenchmarkRun:
+                       prompts: int, steps: StepTimes | None = None, cached: int = 0,
+                       output_range: tuple[int, int] | None = None) -> BenchmarkRun:
     """`prompts` requests at most `concurrency` at a time, the first `concurrency` sent together (module
     docstring), over `replicas` replicas of `layout`: the figures a benchmark client reports. `cached`: how many
-    of the run's first prompts the engine has already seen (module docstring, "Prompts already cached")."""
+    of the run's first prompts the engine has already seen (module docstring, "Prompts already cached").
+    `output_range`: the (lowest, highest) output length the client draws uniformly, `output_tokens` their mean
+    (module docstring, "Output lengths drawn at random"); None for fixed lengths."""
     dp = layout.data_parallel_size
     groups = replicas * dp
     if steps is None:
@@ -111,6 +125,7 @@ def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: Engin
     steady_from = wave.first_step[0] + gaps
     ttfts, tpots, itls = [], [], []  # (value, weight): per request; per gap
     first_done = 0.0  # when the burst's last request ends
+    burst_ends = []  # per burst request: (when its first token came, its mean step after it)
     for k, step_k in enumerate(wave.first_step):
         last = step_k + gaps  # the step that gives its last token
         in_burst = wave.step_ms[step_k + 1: last + 1]
@@ -119,6 +134,7 @@ def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: Engin
         decode_ms = sum(in_burst) + decoding * full + at_steady * steady.tpot_ms
         ttfts.append((server + wave.first_token_ms[k], 1))
         first_done = max(first_done, server + wave.first_token_ms[k] + decode_ms)
+        burst_ends.append((server + wave.first_token_ms[k], decode_ms / gaps if gaps else 0.0))
         tpots.append((decode_ms / gaps if gaps else 0.0, 1))
         itls += [(ms, 1) for ms in in_burst] + [(full, decoding), (steady.tpot_ms, at_steady)]
     later = max(per_group - running, 0.0)  # the group's requests after the burst: the steady state's
@@ -130,11 +146,43 @@ def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: Engin
 
     # The slowest slot: its first request, then its share of the rest at the steady cycle. With more clients than
     # slots the slots are the chains (the extra clients wait for one), so `running` of them share the requests.
-    cycle = steady.own_ttft_ms + gaps * steady.tpot_ms
-    duration = first_done + max(per_group / running - 1, 0.0) * cycle
+    spread = output_range if output_range is not None and output_range[0] < output_range[1] else None
+    duration = statistics.fmean(
+        list_schedule_ms(burst_ends, max(round(per_group), len(burst_ends)), spread or (output_tokens, output_tokens),
+                         output_tokens, steady.own_ttft_ms, steady.tpot_ms,
+                         lambda batch: steps.decode_ms(batch, context), seed)
+        for seed in range(8 if spread else 1))
     return BenchmarkRun(mean_ttft_ms=_mean(ttfts), median_ttft_ms=_median(ttfts), mean_tpot_ms=_mean(tpots),
                         median_tpot_ms=_median(tpots), median_itl_ms=_median(itls),
                         throughput_tokens_per_s=prompts * output_tokens / duration * 1e3, duration_s=duration / 1e3)
+
+
+def list_schedule_ms(burst: list[tuple[float, float]], requests: int, output_range: tuple[int, int], mean: float,
+                     ttft_ms: float, step_ms: float, decode_ms, seed: int) -> float:
+    """When a closed-loop run of `requests` whose output lengths spread over `output_range` ends: the burst's
+    requests (`burst`: when each one's first token came and its mean step after) start the slots; each later
+    request takes the first slot that frees, for `ttft_ms` and (length − 1) steps of `step_ms`; after the last
+    one is sent, the slots still busy finish their tokens at decode steps of as many as remain (`decode_ms`).
+    The lengths are the range's quantiles scaled to the run's `mean` (what the run's totals say it drew)."""
+    low, high = output_range
+    lengths = [low + (high - low) * (i + 0.5) / requests for i in range(requests)]
+    scale = mean / statistics.fmean(lengths)
+    lengths = [max(length * scale, 1.0) for length in lengths]
+    random.Random(seed).shuffle(lengths)
+    slots = [first + (lengths[k] - 1) * step for k, (first, step) in enumerate(burst[:requests])]
+    heapq.heapify(slots)
+    if requests <= len(slots):  # the burst was the whole run
+        return max(slots)
+    for length in lengths[len(slots):]:
+        now = heapq.heappop(slots)
+        heapq.heappush(slots, now + ttft_ms + (length - 1) * step_ms)
+    # The drain: the remaining tokens of each slot at `now`, stepped by decodes of the ones left.
+    left = sorted(max(end - now, 0.0) / step_ms for end in slots)
+    clock, done = now, 0.0
+    for index, tokens in enumerate(left):
+        clock += (tokens - done) * decode_ms(len(left) - index)
+        done = tokens
+    return clock
 
 
 def steady_itl_ms(steps: StepTimes, layout: VllmLayout, running: int, input_tokens: int, output_tokens: int,
