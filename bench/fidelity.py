@@ -205,6 +205,8 @@ def lmc_predict(row: dict) -> dict:
                "output_throughput_tok_s": predicted.get("throughput_tokens_per_s"),
                "predictor": find_predictor(plan) or "lmc-roofline"}
     prompts = row_prompts(row)
+    if prompts is None and "ITL" in (row.get("statistic") or ""):
+        prompts = row["concurrency"] or 1  # an ITL without its run's size: the gaps of one wave's requests
     run = benchmark_run(result, row, prompts) if prompts else None
     if run is not None:
         statistic = row.get("statistic") or "mean"

@@ -29,7 +29,7 @@ ROWS = fidelity.load_rows(fidelity.DEFAULT_CSV)
 
 def test_csv_has_enough_rows_with_unique_ids():
     ids = [row["id"] for row in ROWS]
-    assert len(ROWS) >= 45
+    assert len(ROWS) >= 60
     assert len(set(ids)) == len(ids)
 
 
