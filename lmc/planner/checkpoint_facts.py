@@ -1,8 +1,15 @@
-"""Model facts from a local checkpoint: its config.json and its safetensors headers, nothing else.
+"""Model facts from a config.json and a safetensors tensor list, wherever they were read.
 
-A safetensors file is an 8-byte little-endian header length, a JSON header naming every tensor's
-dtype, shape and byte range, then the raw data. Reading the headers gives the exact parameter count
-and the stored dtype of a checkpoint of any size in milliseconds; tensor data is never read.
+Every source of a model's facts (lmc/model_sources.py: a local checkpoint, the Hub, the HF cache, the
+catalog) answers with an `Answer`: the config dict, where it came from, and its weights' tensors.
+`facts_from_answer` is the one place such an answer becomes `ModelFacts`: the config's fields by
+planner/architecture.py's rules (`facts_from_config`), then the tensors (`with_tensors`).
+
+This module also reads a local checkpoint (`local_answer`): its config.json and its safetensors
+headers, nothing else. A safetensors file is an 8-byte little-endian header length, a JSON header
+naming every tensor's dtype, shape and byte range, then the raw data. Reading the headers gives the
+exact parameter count and the stored dtype of a checkpoint of any size in milliseconds; tensor data
+is never read.
 """
 
 from __future__ import annotations
@@ -11,8 +18,9 @@ import json
 import re
 import math
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from pydantic import ValidationError
 
@@ -50,28 +58,69 @@ _ST_DTYPE = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8", "F8
 _CONFIG_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16", "float": "fp32"}
 
 
+Tensor = tuple[str, str, tuple[int, ...]]  # a safetensors tensor: name, dtype ("BF16"), shape
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A checkpoint's weights as a source read them."""
+
+    tensors: Sequence[Tensor] | None  # None: none read (the parameters are the config's)
+    note: str = ""  # what the facts' `source` adds about them
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What one source found of a model: its config.json, where it came from, and its weights."""
+
+    model_id: str  # the id the facts carry
+    config: dict[str, Any]
+    config_file: Path | str  # what an error in the config names
+    source: str  # where the facts came from (ModelFacts.source, before the weights' note)
+    # Read after the config is checked: a bad config is the first error a user sees, as from a checkpoint.
+    weights: Callable[[], Weights]
+    stated: dict[str, Any] = field(default_factory=dict)  # facts the source states outright, set last
+
+
+def facts_from_answer(answer: Answer) -> ModelFacts:
+    """The ModelFacts of a source's answer: the config's fields (architecture.py), then its tensors."""
+    facts = facts_from_config(answer.config, answer.model_id, source=answer.source, config_file=answer.config_file)
+    weights = answer.weights()
+    if weights.tensors is not None:
+        facts = with_tensors(facts, list(weights.tensors))
+    return facts.model_copy(update={**answer.stated, "source": answer.source + weights.note})
+
+
 def checkpoint_model_facts(path: Path, model_id: str) -> ModelFacts:
     """The facts of the HF checkpoint in directory `path`: dims from config.json, counts from headers."""
+    return facts_from_answer(local_answer(path, model_id))
+
+
+def local_answer(path: Path, model_id: str) -> Answer:
+    """The HF checkpoint in directory `path` as a source's answer: its config.json, its safetensors headers."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     config = read_config(path / "config.json")
-    facts = facts_from_config(config, model_id, source=str(path), config_file=path / "config.json")
+    return Answer(model_id=model_id, config=config, config_file=path / "config.json", source=str(path),
+                  weights=lambda: _local_weights(path))
+
+
+def _local_weights(path: Path) -> Weights:
     files = safetensors_files(path)
     if not files:
         if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-            return facts.model_copy(update={
-                "source": f"{path} (config.json; parameter count estimated from its dimensions: the weights "
-                          "are pickle *.bin files, which lmc does not read and refuses to build from unless --allow-pickle)",
-            })
+            return Weights(None, " (config.json; parameter count estimated from its dimensions: the weights "
+                                 "are pickle *.bin files, which lmc does not read and refuses to build from unless "
+                                 "--allow-pickle)")
         raise CheckpointError(f"{path}: no *.safetensors weights (pickle *.bin checkpoints are refused unless --allow-pickle)")
     tensors = [entry for file in files for entry in read_safetensors_header(file)]
     if not tensors:
         raise CheckpointError(f"{files[0]}: the safetensors files hold no tensors")
-    return with_tensors(facts, tensors)
+    return Weights(tensors)
 
 
-def with_tensors(facts: ModelFacts, tensors: list[tuple[str, str, tuple[int, ...]]]) -> ModelFacts:
+def with_tensors(facts: ModelFacts, tensors: list[Tensor]) -> ModelFacts:
     """`facts` made exact by the checkpoint's tensors (name, safetensors dtype, shape): the parameter
     count and stored dtype of a 16/32-bit checkpoint, the weight bytes of a quantized one (whose
     packed elements and scales are not parameters: its count stays the config's)."""
@@ -340,7 +389,7 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def read_safetensors_header(file: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+def read_safetensors_header(file: Path) -> list[Tensor]:
     """(name, dtype, shape) of every tensor in `file`, checked against the file size; data never read."""
     try:
         header = read_header(file)
