@@ -102,3 +102,29 @@ def test_one_plan_asks_the_hub_once(hub, tmp_path):
     model_info = [r for r in hub.requests if r[1].split("?")[0] == f"/api/models/{QWEN}"]
     config = [r for r in hub.requests if r[0] == "GET" and r[1].split("?")[0].endswith("/config.json")]
     assert len(model_info) == 1 and len(config) == 1, hub.requests
+
+
+def test_a_draft_model_is_read_by_the_same_chain(tmp_path, capsys):
+    from lmc.cli.main import main
+
+    make_checkpoint("llama", tmp_path / "base")
+    make_checkpoint("llama", tmp_path / "draft", seed=1)
+    spec = tmp_path / "spec.toml"
+    spec.write_text('[model]\nid = "acme/tiny"\npath = "base"\n[target]\ninstance = "ml.g6e.xlarge"\n'
+                    '[workload]\nmax_input_tokens = 128\nmax_output_tokens = 64\n[pin]\nengine = "vllm"\n'
+                    '[speculative]\nmethod = "draft"\nmodel = "draft"\nnum_tokens = 2\n')
+    assert main(["plan", "--json", str(spec)]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["speculative"]["model"] == "draft" and body["speculative"]["draft_bytes_per_device"] > 0
+    # An error in the draft's directory is final (no Hub, no catalog after it), on the spec's key.
+    config = tmp_path / "draft" / "config.json"
+    text = config.read_text()
+    config.write_text("{")
+    assert main(["plan", str(spec)]) == 1
+    assert capsys.readouterr().err.startswith(f'lmc: error: {spec}:13: speculative.model = "draft": {config}: '
+                                              "not valid JSON (")
+    config.write_text(text)
+    (tmp_path / "draft" / "tokenizer.json").write_text("{}")
+    assert main(["plan", str(spec)]) == 1
+    assert capsys.readouterr().err == (f'lmc: error: {spec}:13: speculative.model = "draft": its tokenizer.json '
+                                       "differs from the base's: a proposer needs the base's tokenizer\n")
