@@ -4,7 +4,8 @@
 2. `hub`: the Hub through huggingface_hub (HF_ENDPOINT, HF_TOKEN): config.json into the HF cache and
    the safetensors metadata (lmc/hub.py).
 3. `hf_cache`: under HF_HUB_OFFLINE, config.json from the HF cache and the metadata lmc kept per commit.
-4. `built_in_catalog`: the built-in published config.json files, for an id the catalog holds and no pinned revision.
+4. `built_in_catalog`: the built-in published config.json files, for an id the catalog holds and no
+   pinned revision.
 
 Each source answers alike: an `Answer` (planner/checkpoint_facts.py: the config dict, the tensors,
 where they came from), or `Unavailable` (why; and the error to show when no later source answers).
@@ -91,7 +92,7 @@ def built_in_catalog(wanted: Wanted) -> Answer | Unavailable:
 SOURCES: tuple[Source, ...] = (local_checkpoint, hub, hf_cache, built_in_catalog)
 
 
-def model_facts(wanted: Wanted) -> ModelFacts:
+def read_model_facts(wanted: Wanted) -> ModelFacts:
     """The facts of the first source in SOURCES that answers for `wanted`; one-line errors."""
     passed: list[Unavailable] = []
     for source in SOURCES:

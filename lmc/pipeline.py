@@ -58,10 +58,10 @@ def _checkpoint_dir(loaded: LoadedSpec) -> Path | None:
 
 def _model_facts(loaded: LoadedSpec, checkpoint: Path | None) -> ModelFacts:
     """From the first of model.path, the Hub, the HF cache and the catalog that answers (lmc/model_sources.py)."""
-    from lmc.model_sources import Wanted, model_facts
+    from lmc.model_sources import Wanted, read_model_facts
 
     model = loaded.spec.model
-    return model_facts(Wanted(model.id, model.revision, checkpoint))
+    return read_model_facts(Wanted(model.id, model.revision, checkpoint))
 
 
 def _hardware_facts(loaded: LoadedSpec) -> HardwareFacts:

@@ -112,13 +112,13 @@ def draft_dir(loaded: LoadedSpec) -> Path | None:
 def draft_facts(loaded: LoadedSpec, name: str, checkpoint: Path | None) -> ModelFacts:
     """The proposer's facts: from a directory when `name` is one (relative to the spec), else the Hub, else
     the catalog (lmc/model_sources.py); a draft beside a local base must have the base's tokenizer files."""
-    from lmc.model_sources import Wanted, model_facts
+    from lmc.model_sources import Wanted, read_model_facts
 
     path = draft_dir(loaded)
     try:
         if path is not None:
             _check_same_tokenizer(checkpoint, path, name)
-        return model_facts(Wanted(name, None, path))
+        return read_model_facts(Wanted(name, None, path))
     except CheckpointError as exc:
         raise SpecValueError("speculative.model", name, str(exc)) from None
     except SpecValueError as exc:
