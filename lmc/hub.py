@@ -1,4 +1,5 @@
-"""Model facts from a Hugging Face Hub id, through huggingface_hub (never hand-written HTTP).
+"""A Hugging Face Hub id's config.json and safetensors metadata, through huggingface_hub (never
+hand-written HTTP): the Hub and HF-cache sources of lmc/model_sources.py, and `lmc build`'s download.
 
 `lmc plan` needs only what planning needs: the commit a revision points at (from downloading `config.json` into the HF cache), `config.json` (and,
 best effort, `generation_config.json` and `tokenizer_config.json`, which the build uses) through the
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lmc.errors import SpecValueError
-from lmc.planner.facts import ModelFacts
+from lmc.planner.checkpoint_facts import Answer, Tensor, Weights
 
 # What planning reads besides the weights' metadata; only config.json must exist.
 PLAN_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")
@@ -41,39 +42,35 @@ class HubCheckpoint:
     model_id: str
     commit: str
     config: dict[str, Any]
-    files: dict[str, list[tuple[str, str, tuple[int, ...]]]] | None  # file -> (name, dtype, shape); None: unknown
+    files: dict[str, list[Tensor]] | None  # file -> its tensors; None: unknown (offline, no summary kept)
 
 
-def hub_model_facts(model_id: str, revision: str | None) -> ModelFacts:
-    """The facts of `model_id` at `revision` (default: main) on the Hub, or from the HF cache offline."""
-    from lmc.planner.checkpoint_facts import facts_from_config, with_tensors
-
-    checkpoint = resolve(model_id, revision)
+def hub_answer(model_id: str, revision: str | None, *, offline: bool) -> Answer:
+    """`model_id` at `revision` (default: main) as a source's answer (lmc/model_sources.py): from the Hub,
+    or `offline` from the HF cache."""
     from huggingface_hub import constants
 
-    where = f"{constants.ENDPOINT}/{model_id}/blob/{checkpoint.commit}/config.json"
-    facts = facts_from_config(checkpoint.config, model_id, source=f"Hub {model_id}@{checkpoint.commit}",
-                              config_file=where)
-    facts = facts.model_copy(update={"revision": checkpoint.commit})
-    if checkpoint.files is None:
-        return facts.model_copy(update={"source": f"{facts.source} (HF_HUB_OFFLINE: config.json from the HF cache; "
-                                                  "no safetensors metadata cached, so the weights are computed "
-                                                  "from the config)"})
-    tensors = [entry for entries in checkpoint.files.values() for entry in entries]
+    checkpoint = resolve(model_id, revision, offline=offline)
+    return Answer(model_id=model_id, config=checkpoint.config,
+                  config_file=f"{constants.ENDPOINT}/{model_id}/blob/{checkpoint.commit}/config.json",
+                  source=f"Hub {model_id}@{checkpoint.commit}", weights=lambda: _hub_weights(checkpoint.files),
+                  stated={"revision": checkpoint.commit})
+
+
+def _hub_weights(files: dict[str, list[Tensor]] | None) -> Weights:
+    if files is None:
+        return Weights(None, " (HF_HUB_OFFLINE: config.json from the HF cache; no safetensors metadata cached, so "
+                             "the weights are computed from the config)")
+    tensors = [entry for entries in files.values() for entry in entries]
     if not tensors:  # pickle *.bin weights only: planned from the config, as a local checkpoint of them is
-        return facts.model_copy(update={"source": f"{facts.source} (no safetensors weights in the repo: parameters "
-                                                  "computed from config.json; lmc build needs --allow-pickle for "
-                                                  "its *.bin files)"})
-    facts = with_tensors(facts, tensors)
-    return facts.model_copy(update={"source": f"{facts.source} (config.json and the safetensors metadata of "
-                                              f"{len(checkpoint.files)} file(s))"})
+        return Weights(None, " (no safetensors weights in the repo: parameters computed from config.json; lmc "
+                             "build needs --allow-pickle for its *.bin files)")
+    return Weights(tensors, f" (config.json and the safetensors metadata of {len(files)} file(s))")
 
 
-def resolve(model_id: str, revision: str | None) -> HubCheckpoint:
-    """The commit, config and tensor metadata of `model_id` at `revision`; one-line errors."""
-    from huggingface_hub import constants
-
-    offline = constants.HF_HUB_OFFLINE
+def resolve(model_id: str, revision: str | None, *, offline: bool) -> HubCheckpoint:
+    """The commit, config and tensor metadata of `model_id` at `revision`, online or from the HF cache;
+    one-line errors."""
     with _errors(model_id, revision):
         commit, config_path = (_cached_config(model_id, revision) if offline else _online_config(model_id, revision))
     config = _read_json(config_path, model_id)
@@ -116,7 +113,7 @@ def download_checkpoint(model_id: str, commit: str, *, allow_pickle: bool = Fals
     return folder
 
 
-def check_against_summary(folder: Path, expected: dict[str, list[tuple[str, str, tuple[int, ...]]]]) -> None:
+def check_against_summary(folder: Path, expected: dict[str, list[Tensor]]) -> None:
     """Every safetensors file the plan read the headers of is there with the same tensors (names, dtypes,
     shapes), and no other: a one-line CheckpointError naming the first difference."""
     from lmc.errors import CheckpointError
@@ -171,7 +168,7 @@ def _cached_config(model_id: str, revision: str | None) -> tuple[str, str]:
     return _commit_of(hf_hub_download(model_id, "config.json", revision=revision))
 
 
-def _safetensors_summary(model_id: str, commit: str) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
+def _safetensors_summary(model_id: str, commit: str) -> dict[str, list[Tensor]]:
     from huggingface_hub import get_safetensors_metadata
     from huggingface_hub.errors import NotASafetensorsRepoError
 
@@ -183,7 +180,7 @@ def _safetensors_summary(model_id: str, commit: str) -> dict[str, list[tuple[str
             for name, file in sorted(metadata.files_metadata.items())}
 
 
-def _cached_summary(model_id: str, commit: str) -> dict[str, list[tuple[str, str, tuple[int, ...]]]] | None:
+def _cached_summary(model_id: str, commit: str) -> dict[str, list[Tensor]] | None:
     path = summary_path(model_id, commit)
     try:
         body = json.loads(path.read_text(encoding="utf-8"))

@@ -57,24 +57,11 @@ def _checkpoint_dir(loaded: LoadedSpec) -> Path | None:
 
 
 def _model_facts(loaded: LoadedSpec, checkpoint: Path | None) -> ModelFacts:
-    """From model.path when given; else from the Hub through huggingface_hub (online, or the HF cache
-    under HF_HUB_OFFLINE); else, for the ids the built-in catalog holds (published config.json files)
-    and no pinned revision, from the catalog, saying why the Hub was not used."""
+    """From the first of model.path, the Hub, the HF cache and the catalog that answers (lmc/model_sources.py)."""
+    from lmc.model_sources import Wanted, read_model_facts
+
     model = loaded.spec.model
-    if checkpoint is not None:
-        from lmc.planner.checkpoint_facts import checkpoint_model_facts
-
-        return checkpoint_model_facts(checkpoint, model.id)
-    from lmc.hub import HubUnavailable, hub_model_facts
-    from lmc.planner import catalog
-
-    try:
-        return hub_model_facts(model.id, model.revision)
-    except HubUnavailable as exc:
-        if model.revision is not None or not catalog.has_model(model.id):
-            raise
-        facts = catalog.model_facts(model.id)
-        return facts.model_copy(update={"source": f"{facts.source} (the Hub was not used: {exc.detail})"})
+    return read_model_facts(Wanted(model.id, model.revision, checkpoint))
 
 
 def _hardware_facts(loaded: LoadedSpec) -> HardwareFacts:

@@ -111,23 +111,14 @@ def draft_dir(loaded: LoadedSpec) -> Path | None:
 
 def draft_facts(loaded: LoadedSpec, name: str, checkpoint: Path | None) -> ModelFacts:
     """The proposer's facts: from a directory when `name` is one (relative to the spec), else the Hub, else
-    the catalog; a draft beside a local base must have the base's tokenizer files."""
-    from lmc.planner import catalog
-    from lmc.planner.checkpoint_facts import checkpoint_model_facts
+    the catalog (lmc/model_sources.py); a draft beside a local base must have the base's tokenizer files."""
+    from lmc.model_sources import Wanted, read_model_facts
 
     path = draft_dir(loaded)
     try:
         if path is not None:
             _check_same_tokenizer(checkpoint, path, name)
-            return checkpoint_model_facts(path, name)
-        from lmc.hub import HubUnavailable, hub_model_facts
-
-        try:
-            return hub_model_facts(name, None)
-        except HubUnavailable:
-            if not catalog.has_model(name):
-                raise
-            return catalog.model_facts(name)
+        return read_model_facts(Wanted(name, None, path))
     except CheckpointError as exc:
         raise SpecValueError("speculative.model", name, str(exc)) from None
     except SpecValueError as exc:

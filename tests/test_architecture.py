@@ -9,7 +9,6 @@ import pytest
 
 from lmc.errors import CheckpointError
 from lmc.planner import architecture, catalog
-from lmc.planner.checkpoint_facts import facts_from_config
 from lmc.planner.memory import kv_bytes_per_token, kv_sequence_bytes
 
 _SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -59,24 +58,24 @@ def transformers_parameters(config: dict) -> int:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_parameters_equal_what_transformers_builds(name):
-    facts = facts_from_config(CONFIGS[name], "x", source="test")
+    facts = architecture.facts_from_config(CONFIGS[name], "x", source="test")
     assert facts.parameters == transformers_parameters(CONFIGS[name])
     assert facts.family == CONFIGS[name]["model_type"]
 
 
 def test_moe_active_parameters_and_layout():
-    facts = facts_from_config(CONFIGS["deepseek_v3"], "x", source="test")
+    facts = architecture.facts_from_config(CONFIGS["deepseek_v3"], "x", source="test")
     # 3 MoE blocks of 8 routed experts (3 · 256 · 64 each) after one dense block; 2 routed + 1 shared per token.
     experts = 3 * 8 * 3 * 256 * 64
     assert (facts.num_experts, facts.experts_per_token, facts.shared_experts, facts.moe_layers) == (8, 2, 1, 3)
     assert facts.expert_parameters == experts
     assert facts.active_parameters == facts.parameters - experts + experts * 2 // 8
-    sparse = facts_from_config(CONFIGS["qwen3_moe_sparse_step"], "x", source="test")
+    sparse = architecture.facts_from_config(CONFIGS["qwen3_moe_sparse_step"], "x", source="test")
     assert sparse.moe_layers == 1  # blocks 1 and 3 have (i + 1) % 2 == 0; block 1 is in mlp_only_layers: 3 only
 
 
 def test_attention_kinds_and_windows():
-    kinds = {name: facts_from_config(config, "x", source="test") for name, config in CONFIGS.items()}
+    kinds = {name: architecture.facts_from_config(config, "x", source="test") for name, config in CONFIGS.items()}
     assert kinds["deepseek_v3"].attention == "mla"
     assert kinds["qwen3"].attention == "gqa"
     gemma = kinds["gemma3_text"]
@@ -104,11 +103,11 @@ def _vllm_spec():
 def test_kv_bytes_per_token_equal_vllms_page_sizes():
     torch, FullAttentionSpec, MLAAttentionSpec = _vllm_spec()
     block = 16
-    mla = facts_from_config(CONFIGS["deepseek_v3"], "x", source="test")
+    mla = architecture.facts_from_config(CONFIGS["deepseek_v3"], "x", source="test")
     page = MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=64 + 16, dtype=torch.bfloat16).page_size_bytes
     for tp in (1, 2, 8):  # the latent is whole on every rank
         assert kv_bytes_per_token(mla, tp, "bf16") == mla.layers * page // block
-    gqa = facts_from_config(CONFIGS["qwen3"], "x", source="test")
+    gqa = architecture.facts_from_config(CONFIGS["qwen3"], "x", source="test")
     for tp, heads in ((1, 2), (2, 1), (4, 1)):  # 2 kv heads: split at TP 2, replicated past it
         page = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=64, dtype=torch.float32).page_size_bytes
         assert kv_bytes_per_token(gqa, tp, "fp32") == gqa.layers * page // block
@@ -121,7 +120,7 @@ def test_sliding_layers_hold_what_vllm_admits(tokens, in_flight):
     torch, FullAttentionSpec, _ = _vllm_spec()
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    gemma = facts_from_config(CONFIGS["gemma3_text"], "x", source="test")
+    gemma = architecture.facts_from_config(CONFIGS["gemma3_text"], "x", source="test")
     block = 16
     common = dict(block_size=block, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     full = -(-tokens // block)  # a full-attention layer: every token (FullAttentionSpec: max_model_len's pages)

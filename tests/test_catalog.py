@@ -11,7 +11,7 @@ import pytest
 
 from lmc.errors import SpecValueError
 from lmc.planner import catalog
-from lmc.planner.checkpoint_facts import facts_from_config
+from lmc.planner.architecture import facts_from_config
 from lmc.planner.facts import DTYPE_BYTES, HardwareFacts, ModelFacts
 
 GIB = 2**30

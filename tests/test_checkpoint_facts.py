@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from lmc.errors import CheckpointError
-from lmc.planner.checkpoint_facts import checkpoint_model_facts, estimate_parameters, read_safetensors_header
+from lmc.planner.architecture import estimate_parameters
+from lmc.planner.checkpoint_facts import checkpoint_model_facts, read_safetensors_header
 
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}
 

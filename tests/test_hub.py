@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lmc.planner import catalog
-from lmc.planner.checkpoint_facts import facts_from_config
+from lmc.planner.architecture import facts_from_config
 from lmc.testing.hub_server import HubStandIn
 
 QWEN = "Qwen/Qwen3-8B"

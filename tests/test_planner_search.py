@@ -232,7 +232,7 @@ def test_plan_json_is_the_same_under_any_hash_seed():
 
 
 def test_an_architecture_no_engine_runs_is_refused_with_every_engines_reason():
-    from lmc.planner.checkpoint_facts import facts_from_config
+    from lmc.planner.architecture import facts_from_config
 
     bert = facts_from_config({"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 768,
                               "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,

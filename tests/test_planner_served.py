@@ -13,7 +13,6 @@ from lmc.errors import NoFeasiblePlanError, SpecValueError
 from lmc.planner import catalog, plan_deployment
 from lmc.planner.engines import engine_facts
 from lmc.planner.facts import AdapterFacts, SpeculativeFacts
-from lmc.planner.latency import tpot_ms
 from lmc.planner.lora import check_adapters, lora_slots, slot_bytes
 from lmc.planner.memory import compute_dtype
 from lmc.planner.speculative import check_speculative, tokens_per_step
@@ -174,7 +173,10 @@ def test_a_draft_with_another_vocabulary_is_refused_and_a_draft_costs_its_steps(
     assert p.predicted.step_times == steps.source
     step = steps.decode_ms(1, 1024 + 256 // 2)
     assert p.speculative.tpot_ms_without == pytest.approx(step, abs=1e-3)
-    draft_step = tpot_ms(tiny_draft, G6E, VLLM, p.dtype, 1, 1, 1024, 256)
+    # the draft's step from the same choice of step times (planner/steps.py), not a roofline of its own
+    draft_steps = step_times(tiny_draft, G6E, VLLM, StepLayout("vllm", p.dtype, compute_dtype(p.dtype, model, G6E), 1))
+    assert draft_steps.source == steps.source
+    draft_step = draft_steps.decode_ms(1, 1024 + 256 // 2)
     # at batch 1 the verify step is the plain step and a few extra tokens' FLOPs
     assert p.speculative.tpot_ms_with == pytest.approx((step + 3 * draft_step) / (1 + .6 + .36 + .216), rel=0.02)
 

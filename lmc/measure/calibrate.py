@@ -311,7 +311,7 @@ def decode_and_prefill(root: Path, target: str, device: str, dtype: str, step_ms
                        request_ms: float, guess: EngineFigures, peak_tflops: float) -> EngineFigures | None:
     """A ~512 MB random Llama in `dtype`, served: its batch-1 and batch-8 TPOT (p50) and its 128-token
     TTFT at concurrency 1 (less the batching delay the plan added), turned into rates by `solve_figures`."""
-    from lmc.planner.checkpoint_facts import facts_from_config
+    from lmc.planner.architecture import facts_from_config
     from lmc.planner.facts import DTYPE_BYTES
     from lmc.testing.checkpoints import config_for
 

@@ -18,16 +18,26 @@ configs use for the same things:
   counted as a ViT of its dimensions;
 - the checkpoint's quantization (`quantization_config`).
 
+`facts_from_config` turns a config dict into ModelFacts by these rules; the nine families lmc's own
+layouts cut (llama, mistral, mixtral, qwen2, gptj, gpt_neox, opt, bloom, t5) keep readers of their
+own key names (end of this module). Every source's config comes here once, through
+planner/checkpoint_facts.py's `facts_from_answer`.
+
 `parameters` counts what transformers builds from the config (tests/test_architecture.py builds
 each committed config on the meta device and compares). Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
-from lmc.errors import CheckpointError
+from pydantic import ValidationError
+
+from lmc.errors import CheckpointError, InternalError
+from lmc.planner.facts import DTYPE_BYTES, ModelFacts
 
 # model_types whose q/k/v projections carry biases without an `attention_bias` key.
 _QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
@@ -316,3 +326,227 @@ def checkpoint_weight_bytes(total: int, experts: int, embedding: int, tied: bool
     else:  # every matrix but the embedding and LM head (what quantizers leave alone)
         quantized = total - embedding * (1 if tied else 2)
     return int(quantized * q.bits_per_weight / 8 + (total - quantized) * plain_bytes)
+
+
+# --- config.json -> ModelFacts: the rules above, and the nine families' own key names --------------
+
+# model_type (config.json) -> family. The HF class prefix is the fallback for configs without one.
+MODEL_TYPES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "mixtral": "mixtral",
+    "qwen2": "qwen2",
+    "gptj": "gptj",
+    "gpt_neox": "gpt_neox",
+    "opt": "opt",
+    "bloom": "bloom",
+    "t5": "t5",
+}
+_ARCHITECTURE_PREFIXES: dict[str, str] = {
+    "LlamaFor": "llama",
+    "MistralFor": "mistral",
+    "MixtralFor": "mixtral",
+    "Qwen2For": "qwen2",
+    "GPTJFor": "gptj",
+    "GPTNeoXFor": "gpt_neox",
+    "OPTFor": "opt",
+    "BloomFor": "bloom",
+    "T5For": "t5",
+}
+
+_CONFIG_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16", "float": "fp32"}
+
+
+def family_of(config: dict[str, Any], config_file: Path | str = "config.json") -> str:
+    """lmc's layout family of an HF config (from `model_type`, else `architectures`), else its
+    model_type: any decoder-only architecture is planned from its config."""
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    for architecture in config.get("architectures") or []:
+        for prefix, family in _ARCHITECTURE_PREFIXES.items():
+            if isinstance(architecture, str) and architecture.startswith(prefix):
+                return family
+    if isinstance(model_type, str) and re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,63}", model_type):
+        return model_type
+    shown = model_type if model_type is not None else (config.get("architectures") or ["(none)"])[0]
+    raise CheckpointError(f"{config_file}: model_type {shown!r} is not a Hugging Face model type "
+                          "(config.json needs `model_type`, e.g. \"llama\" or \"qwen3\")")
+
+
+def facts_from_config(config: dict[str, Any], model_id: str, *, source: str,
+                      config_file: Path | str = "config.json") -> ModelFacts:
+    """ModelFacts from an HF config dict; the parameter count is computed from the dimensions."""
+    family = family_of(config, config_file)
+    where = str(config_file)
+    architectures = config.get("architectures") or []
+    text = text_config(config)
+    q = quantization(config, where)
+    fields: dict[str, Any] = {}
+    if family in _FAMILY_FIELDS:
+        fields = _FAMILY_FIELDS[family](_Getter(config, config_file, family))
+        window, sliding = sliding_layers(config, fields["layers"])
+        fields.update(sliding_window=window, sliding_window_layers=sliding)
+        counts = None
+    else:
+        fields, counts = decoder_fields(text, where)
+    dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "float16"
+    fields.update(
+        id=model_id,
+        family=family,
+        architecture=architectures[0] if architectures and isinstance(architectures[0], str) else family,
+        torch_dtype=_CONFIG_DTYPE.get(str(dtype), "fp16"),
+        source=source,
+        parameters=1,
+    )
+    try:
+        facts = ModelFacts(**fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where_in = ".".join(str(part) for part in error["loc"])
+        raise CheckpointError(f"{config_file}: {where_in}: {error['msg']}") from None
+    if counts is None:
+        total, experts, embedding = estimate_parameters(facts, gated_ffn=_t5_gated(config)), facts.routed_experts, 0
+    else:
+        total, experts, embedding = counts.total, counts.experts, counts.embedding
+    vision = vision_parameters(config, facts.hidden_size) if text is not config else 0
+    active = total - experts + experts * facts.experts_per_token // max(facts.num_experts, 1) if experts else 0
+    update: dict[str, Any] = {"mtp_layers": int(text.get("num_nextn_predict_layers") or 0),
+                              "parameters": total + vision, "expert_parameters": experts,
+                              "active_parameters": active + vision if experts else 0, "vision_parameters": vision}
+    if q is not None:
+        plain = checkpoint_weight_bytes(total + vision, experts, embedding or facts.vocab_size * facts.hidden_size,
+                                                     facts.tie_word_embeddings, q, DTYPE_BYTES.get(facts.torch_dtype, 2))
+        update.update(checkpoint_quantization=q.weights, quantization_method=q.method, checkpoint_weight_bytes=plain)
+    return facts.model_copy(update=update)
+
+
+class _Getter(Reader):
+    """Reader in the family readers' call shape, get("key", "alias", default=...)."""
+
+    def __init__(self, config: dict[str, Any], config_file: Path | str, family: str):
+        super().__init__(config, str(config_file), family)
+        self.family, self.config_file = family, config_file
+
+    __call__ = Reader.int
+
+
+def _decoder_only(get: _Getter) -> dict[str, Any]:
+    hidden = get("hidden_size")
+    heads = get("num_attention_heads")
+    fields = dict(
+        layers=get("num_hidden_layers"), hidden_size=hidden, attention_heads=heads,
+        kv_heads=get("num_key_value_heads", default=heads),
+        head_dim=get("head_dim", default=hidden // heads if heads else 0),
+        intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
+        max_position_embeddings=get("max_position_embeddings", default=None),
+        tie_word_embeddings=get.flag("tie_word_embeddings", False),
+    )
+    if get.family == "mixtral":
+        fields.update(num_experts=get("num_local_experts"), experts_per_token=get("num_experts_per_tok"))
+    return fields
+
+
+def _gptj(get: _Getter) -> dict[str, Any]:
+    hidden, heads = get("n_embd"), get("n_head")
+    return dict(
+        layers=get("n_layer"), hidden_size=hidden, attention_heads=heads, kv_heads=heads,
+        head_dim=hidden // heads if heads else 0, intermediate_size=get("n_inner", default=4 * hidden),
+        vocab_size=get("vocab_size"), max_position_embeddings=get("n_positions", default=None),
+        tie_word_embeddings=get.flag("tie_word_embeddings", False),
+    )
+
+
+def _gpt_neox(get: _Getter) -> dict[str, Any]:
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    return dict(
+        layers=get("num_hidden_layers"), hidden_size=hidden, attention_heads=heads, kv_heads=heads,
+        head_dim=hidden // heads if heads else 0, intermediate_size=get("intermediate_size", default=4 * hidden),
+        vocab_size=get("vocab_size"), max_position_embeddings=get("max_position_embeddings", default=None),
+        tie_word_embeddings=get.flag("tie_word_embeddings", False),
+    )
+
+
+def _opt(get: _Getter) -> dict[str, Any]:
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    projected = get("word_embed_proj_dim", default=hidden)
+    if projected != hidden:
+        # OPT-350m projects a narrower embedding; lmc's layouts and math assume the two are equal.
+        raise CheckpointError(f"{get.config_file}: word_embed_proj_dim ({projected}) differs from hidden_size "
+                              f"({hidden}); lmc supports OPT models whose embedding width equals hidden_size")
+    return dict(
+        layers=get("num_hidden_layers"), hidden_size=hidden, attention_heads=heads, kv_heads=heads,
+        head_dim=hidden // heads if heads else 0, intermediate_size=get("ffn_dim"),
+        vocab_size=get("vocab_size"), max_position_embeddings=get("max_position_embeddings", default=None),
+        tie_word_embeddings=get.flag("tie_word_embeddings", True),
+    )
+
+
+def _bloom(get: _Getter) -> dict[str, Any]:
+    hidden, heads = get("hidden_size", "n_embed"), get("n_head", "num_attention_heads")
+    return dict(
+        layers=get("n_layer", "num_hidden_layers"), hidden_size=hidden, attention_heads=heads, kv_heads=heads,
+        head_dim=hidden // heads if heads else 0, intermediate_size=4 * hidden, vocab_size=get("vocab_size"),
+        max_position_embeddings=None,  # ALiBi: no learned or rotary position limit
+        tie_word_embeddings=get.flag("tie_word_embeddings", True),
+    )
+
+
+def _t5(get: _Getter) -> dict[str, Any]:
+    heads, encoder_layers = get("num_heads"), get("num_layers")
+    return dict(
+        is_encoder_decoder=True, layers=get("num_decoder_layers", default=encoder_layers),
+        encoder_layers=encoder_layers, hidden_size=get("d_model"), attention_heads=heads, kv_heads=heads,
+        head_dim=get("d_kv"), intermediate_size=get("d_ff"), vocab_size=get("vocab_size"),
+        max_position_embeddings=None,  # relative position buckets: no fixed limit
+        tie_word_embeddings=get.flag("tie_word_embeddings", True),
+    )
+
+
+_FAMILY_FIELDS: dict[str, Callable[[_Getter], dict[str, Any]]] = {
+    "llama": _decoder_only, "mistral": _decoder_only, "mixtral": _decoder_only, "qwen2": _decoder_only,
+    "gptj": _gptj, "gpt_neox": _gpt_neox, "opt": _opt, "bloom": _bloom, "t5": _t5,
+}
+
+
+def _t5_gated(config: dict[str, Any]) -> bool:
+    # T5 v1.1 / FLAN / UL2 use a gated FFN (wi_0, wi_1); the original T5 does not.
+    return str(config.get("feed_forward_proj", "relu")).startswith("gated")
+
+
+def estimate_parameters(facts: ModelFacts, *, gated_ffn: bool = True) -> int:
+    """The parameter count implied by the architecture's dimensions (exact for the HF implementations).
+
+    `gated_ffn` matters only for T5 (FLAN-T5 and UL2 are gated; the original T5 is not).
+    """
+    h, v, inner = facts.hidden_size, facts.vocab_size, facts.intermediate_size
+    q_width, kv_width = facts.attention_heads * facts.head_dim, facts.kv_heads * facts.head_dim
+    head = 0 if facts.tie_word_embeddings else v * h
+    family = facts.family
+    if family in ("llama", "mistral", "qwen2", "mixtral"):
+        attention = h * q_width * 2 + h * kv_width * 2
+        if family == "qwen2":
+            attention += q_width + 2 * kv_width  # q/k/v biases
+        if family == "mixtral":
+            mlp = facts.num_experts * 3 * h * inner + h * facts.num_experts  # experts + router
+        else:
+            mlp = 3 * h * inner
+        return v * h + facts.layers * (attention + mlp + 2 * h) + h + head
+    if family == "gptj":
+        layer = 2 * h + 4 * h * h + (h * inner + inner) + (inner * h + h)
+        return v * h + facts.layers * layer + 2 * h + (0 if facts.tie_word_embeddings else v * h + v)
+    if family in ("gpt_neox", "bloom", "opt"):
+        layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h)
+        if family == "opt":  # separate q, k, v projections: same count as a fused qkv
+            positions = ((facts.max_position_embeddings or 0) + 2) * h  # OPT's learned positions, offset 2
+            return v * h + positions + facts.layers * layer + 2 * h + head
+        extra = 2 * h if family == "bloom" else 0  # BLOOM's embedding LayerNorm
+        return v * h + extra + facts.layers * layer + 2 * h + head
+    if family == "t5":
+        attention = 4 * h * q_width
+        ffn = (3 if gated_ffn else 2) * h * inner
+        relative_bias = 32 * facts.attention_heads  # 32 buckets, first layer of each stack
+        encoder = facts.encoder_layers * (attention + ffn + 2 * h) + relative_bias + h
+        decoder = facts.layers * (2 * attention + ffn + 3 * h) + relative_bias + h
+        return v * h + encoder + decoder + head
+    raise InternalError(f"no parameter formula for family {family!r}")

@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from lmc.errors import InternalError, SpecValueError
+from lmc.planner.checkpoint_facts import Answer, Weights, facts_from_answer, read_config
 from lmc.planner.facts import HardwareFacts, ModelFacts
 from lmc.schema.units import parse_size
 
@@ -43,11 +44,7 @@ _SIZE_FIELDS = ("device_memory_bytes", "host_memory_bytes", "instance_storage_by
 
 def model_facts(model_id: str) -> ModelFacts:
     """The catalog's facts for `model_id`: case-insensitive, with or without the org prefix, or an alias."""
-    key = model_id.strip().lower()
-    match = _model_index().get(key)
-    if match is None:
-        raise SpecValueError("model.id", model_id, _unknown_model_message(key))
-    return _model_from_config_dir(*reversed(match))
+    return _model_from_config_dir(*_entry(model_id))
 
 
 def list_models() -> list[str]:
@@ -60,30 +57,44 @@ def has_model(model_id: str) -> bool:
     return model_id.strip().lower() in _model_index()
 
 
+def model_answer(model_id: str) -> Answer:
+    """The catalog's entry for `model_id` as a source's answer (lmc/model_sources.py)."""
+    return _config_dir_answer(*_entry(model_id))
+
+
+def _entry(model_id: str) -> tuple[Path, str]:
+    """(directory, name as shown) of the catalog's entry for `model_id`, or a one-line error."""
+    key = model_id.strip().lower()
+    match = _model_index().get(key)
+    if match is None:
+        raise SpecValueError("model.id", model_id, _unknown_model_message(key))
+    return match[1], match[0]
+
+
 @functools.cache
 def _model_from_config_dir(path: Path, name: str) -> ModelFacts:
-    """Facts from a cached published config.json, read as a checkpoint's config is, with what model.toml
-    records of the published checkpoint: its count and dtype where the config cannot give them
-    ([checkpoint]), its safetensors element counts per dtype ([safetensors])."""
-    from lmc.planner.checkpoint_facts import facts_from_config, read_config, with_tensors
+    return facts_from_answer(_config_dir_answer(path, name))
 
+
+def _config_dir_answer(path: Path, name: str) -> Answer:
+    """A cached published config.json, read as a checkpoint's config is, with what model.toml records of the
+    published checkpoint: its safetensors element counts per dtype ([safetensors]), else its count and dtype
+    where the config cannot give them ([checkpoint])."""
     meta = _read_toml(path / "model.toml")
     source = f"catalog {path.name}/config.json: {meta.get('config_source', 'published config.json')}"
-    facts = facts_from_config(read_config(path / "config.json"), name, source=source,
-                              config_file=path / "config.json")
     checkpoint = meta.get("checkpoint") or {}
     counts = (meta.get("safetensors") or {}).get("parameters") or {}
     if counts:
-        facts = with_tensors(facts, [(f"{dtype} tensors", dtype, (int(count),)) for dtype, count in sorted(counts.items())])
-        source += (f"; parameters: the checkpoint's safetensors metadata "
-                   f"({(meta.get('safetensors') or {}).get('source', 'Hub')})")
+        weights = Weights([(f"{dtype} tensors", dtype, (int(count),)) for dtype, count in sorted(counts.items())],
+                          f"; parameters: the checkpoint's safetensors metadata "
+                          f"({(meta.get('safetensors') or {}).get('source', 'Hub')})")
     elif "parameters" in checkpoint:
-        source += f"; parameters: {checkpoint.get('source', 'the published checkpoint')}"
+        weights = Weights(None, f"; parameters: {checkpoint.get('source', 'the published checkpoint')}")
     else:
-        source += "; parameters: computed from config.json as transformers builds it"
-    if checkpoint:
-        facts = facts.model_copy(update={key: checkpoint[key] for key in ("parameters", "torch_dtype") if key in checkpoint})
-    return facts.model_copy(update={"source": source})
+        weights = Weights(None, "; parameters: computed from config.json as transformers builds it")
+    return Answer(model_id=name, config=read_config(path / "config.json"), config_file=path / "config.json",
+                  source=source, weights=lambda: weights,
+                  stated={key: checkpoint[key] for key in ("parameters", "torch_dtype") if key in checkpoint})
 
 
 def _config_dir_ids(path: Path) -> tuple[str, list[str]]:

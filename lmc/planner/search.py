@@ -53,7 +53,7 @@ from lmc.planner.plan import (
     Predicted,
 )
 from lmc.planner.scheduling import choose_scheduling, schedules_continuously
-from lmc.planner.steps import RooflineSteps, StepLayout, step_times
+from lmc.planner.steps import StepLayout, step_times
 from lmc.planner.vllm import (
     VllmLayout,
     fp8_kv_cache,
@@ -681,8 +681,8 @@ def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layou
                             load.max_output_tokens, load.peak_requests_per_second, staged=True)
     dp = layout.data_parallel_size if layout is not None else 1  # a replica: dp groups of tp ranks, `batch` each
     if layout is not None:
-        steps = None if fits else RooflineSteps(model, hardware, engine, StepLayout(engine.name, dtype, layout.kv_dtype,
-                                                                                   tp, dp), "does not fit")
+        steps = None if fits else step_times(model, hardware, engine,
+                                             StepLayout(engine.name, dtype, layout.kv_dtype, tp, dp), fits=False)
         base = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, load.max_input_tokens,
                             load.max_output_tokens, concurrency, steps)
     else:

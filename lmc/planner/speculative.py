@@ -98,8 +98,9 @@ def proposer_kv_share(model: ModelFacts, tp: int, kv_dtype: str) -> float:
 def speculative_tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
                         batch: int, input_tokens: int, output_tokens: int, dp: int, plain_ms: float) -> float:
     """TPOT at `batch` with speculation (module docstring), from `plain_ms`, the step without it."""
-    from lmc.planner.latency import active_decode_parameters, decode_compute, efficiency_for, rank_tflops, tpot_ms
+    from lmc.planner.latency import active_decode_parameters, decode_compute, efficiency_for, rank_tflops
     from lmc.planner.memory import compute_dtype
+    from lmc.planner.steps import StepLayout, step_times
 
     spec = model.speculative
     assert spec is not None
@@ -113,8 +114,9 @@ def speculative_tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: Engi
     elif spec.method == "mtp":
         draft = k * plain_ms * model.mtp_layers / model.layers
     else:
-        assert spec.draft is not None
-        draft = k * tpot_ms(spec.draft, hardware, engine, dtype, tp, batch, input_tokens, output_tokens)
+        assert spec.draft is not None  # its step from the same choice of step times as the base's
+        draft_steps = step_times(spec.draft, hardware, engine, StepLayout(engine.name, dtype, act, tp))
+        draft = k * draft_steps.decode_ms(batch, input_tokens + output_tokens // 2)
     return (verify + draft) / tokens_per_step(spec)
 
 

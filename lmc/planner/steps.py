@@ -174,10 +174,13 @@ class MeasuredSteps:
         return self._handle
 
 
-def step_times(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, layout: StepLayout) -> StepTimes:
+def step_times(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, layout: StepLayout, *,
+               fits: bool = True) -> StepTimes:
     """The step-time source for this (hardware, engine, model): aiconfigurator's measured data where it has
-    them, lmc's own model elsewhere (and why, in its `source`). The one place the choice is made."""
-    why = measured_unavailable(model, hardware, engine)
+    them, lmc's own model elsewhere (and why, in its `source`). The one place the choice is made. `fits`
+    False: a layout the memory rejects, ranked among the rejected by lmc's own model (measured data are
+    looked up only for layouts a plan can choose)."""
+    why = measured_unavailable(model, hardware, engine) if fits else "does not fit"
     if why is None:
         measured = _measured(model, hardware, engine, layout)
         why = measured if isinstance(measured, str) else measured.unavailable()
