@@ -210,6 +210,7 @@ class EngineEfficiency(_Facts):
     prefill_compute: float = Field(gt=0, le=1, description="Share of peak TFLOPS a prefill achieves (MFU).")
     step_overhead_ms: float = Field(ge=0, description="Fixed per-step cost: kernel launches, Python, sampling.")
     layer_overhead_ms: float = Field(default=0.0, ge=0, description="Fixed cost per transformer layer per step (kernel launches, syncs): why small shards stop speeding up.")
+    moe_layer_overhead_ms: float = Field(default=0.0, ge=0, description="Fixed cost per MoE block per step beyond its experts' bytes: the router, top-k, token alignment and grouped-GEMM kernels, each at its minimum time at decode-sized batches, ms.")
     tp_efficiency: float = Field(gt=0, le=1, description="Bandwidth efficiency kept per doubling of the TP degree.")
     allreduce_efficiency: float = Field(default=0.7, gt=0, le=1, description="Achieved share of interconnect bandwidth in all-reduce.")
     allreduce_overhead_us: float = Field(default=0.0, ge=0, description="Host-side cost the engine adds to each all-reduce call (eager kernel launch, stream synchronisation), microseconds; ~0 under CUDA graphs.")

@@ -9,6 +9,7 @@ Decode step (TPOT), per rank:
     comm    = all-reduces per step · (allreduce_us(interconnect, TP, batch·hidden·bytes) + engine overhead)
               ring: base + 2(TP−1)·step latency + 2(TP−1)/TP · bytes / (link bw · allreduce_efficiency)
     fixed   = step_overhead + layers · layer_overhead     (does not shrink with TP)
+              + MoE blocks · moe_layer_overhead · (1 − share of experts the batch touches)
     TPOT    = memory + compute + comm + fixed   (no overlap assumed between memory and compute)
 Prefill (TTFT, one max_input_tokens prompt), compute-bound:
     (2 · active parameters · input / TP + attention FLOPs) / (peak TFLOPS · prefill_compute)
@@ -282,7 +283,8 @@ def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
     flops += 4 * batch * context * model.attention_heads * model.head_dim * model.layers / tp
     compute_ms = flops / (rank_tflops(hardware, act, tp, dp) * 1e12 * decode_compute(efficiency)) * 1e3
     comm_ms = _dp_comm_ms(model, hardware, efficiency, tp, dp, batch, act)
-    return memory_ms + compute_ms + comm_ms + fixed_ms(efficiency, model.layers)
+    return memory_ms + compute_ms + comm_ms + fixed_ms(efficiency, model.layers) + moe_floor_ms(efficiency, model,
+                                                                                               batch * dp)
 
 
 def decode_compute(efficiency: EngineEfficiency) -> float:
@@ -293,6 +295,13 @@ def decode_compute(efficiency: EngineEfficiency) -> float:
 def fixed_ms(efficiency: EngineEfficiency, layers: int) -> float:
     """What one forward pass pays whatever the TP degree: step overhead + per-layer launches."""
     return efficiency.step_overhead_ms + layers * efficiency.layer_overhead_ms
+
+
+def moe_floor_ms(efficiency: EngineEfficiency, model: ModelFacts, tokens: int) -> float:
+    """What a decode step's MoE blocks cost beyond their experts' bytes (engines.toml, moe_layer_overhead_ms): their
+    kernels' minimum times, which show while the step touches few experts and hide behind the expert weights'
+    reads as it touches more (scaled by the share of experts `tokens` routed tokens leave untouched)."""
+    return moe_layer_count(model) * efficiency.moe_layer_overhead_ms * (1 - _moe_touched_share(model, tokens))
 
 
 def ttft_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
