@@ -27,13 +27,12 @@ spells out the call. Edge: `load_neuron_sdk()` imports the SDK (or fails with on
 from __future__ import annotations
 
 import json
-import os
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
+from lmc.environ import environ
 from lmc.errors import InternalError, LmcError, MissingDependencyError
 from lmc.neuron_sdk import (  # noqa: F401 (re-exported: the build's view of the shared conventions)
     AMP,
@@ -158,7 +157,7 @@ def run_neuron_compile(spec: CompileSpec, sdk: ModuleType) -> list[Path]:
     out = spec.compiled_dir
     out.mkdir(parents=True, exist_ok=True)
     try:
-        with _environ(NEURON_CC_FLAGS=spec.neuron_cc_flags):
+        with environ(NEURON_CC_FLAGS=spec.neuron_cc_flags):
             model = cls.from_pretrained(str(spec.checkpoint), **kwargs)
             model.to_neuron()
             model.save(str(out))
@@ -228,20 +227,6 @@ def sdk_versions(sdk: ModuleType) -> dict[str, str]:
     if versions["transformers-neuronx"] == "unknown" and isinstance(getattr(sdk, "__version__", None), str):
         versions["transformers-neuronx"] = sdk.__version__
     return versions
-
-
-@contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 def _one_line(exc: BaseException) -> str:

@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+from lmc.environ import environ
+
 WRAPPER = Path(__file__).with_name("own_group.sh")
 PYTHON_ENV = "LMC_OWN_GROUP_PYTHON"  # the interpreter own_group.sh starts
 PARENT_ENV = "LMC_OWN_GROUP_PARENT"  # the pid of the process that spawned it
@@ -38,19 +40,12 @@ def own_group() -> Iterator[None]:
     """Processes spawned by multiprocessing (spawn start method) while this is active start in process
     groups of their own. Main thread only (multiprocessing's executable is process-wide)."""
     previous = os.fsdecode(multiprocessing.spawn.get_executable())
-    saved = {key: os.environ.get(key) for key in (PYTHON_ENV, PARENT_ENV)}
-    os.environ[PYTHON_ENV] = previous
-    os.environ[PARENT_ENV] = str(os.getpid())
-    multiprocessing.spawn.set_executable(str(WRAPPER))
-    try:
-        yield
-    finally:
-        multiprocessing.spawn.set_executable(previous)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with environ(**{PYTHON_ENV: previous, PARENT_ENV: str(os.getpid())}):
+        multiprocessing.spawn.set_executable(str(WRAPPER))
+        try:
+            yield
+        finally:
+            multiprocessing.spawn.set_executable(previous)
 
 
 def _die_with_parent(parent: int) -> None:
