@@ -124,7 +124,6 @@ def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: Engin
     full = steps.decode_ms(running, context)
     steady_from = wave.first_step[0] + gaps
     ttfts, tpots, itls = [], [], []  # (value, weight): per request; per gap
-    first_done = 0.0  # when the burst's last request ends
     burst_ends = []  # per burst request: (when its first token came, its mean step after it)
     for k, step_k in enumerate(wave.first_step):
         last = step_k + gaps  # the step that gives its last token
@@ -132,10 +131,10 @@ def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: Engin
         decoding = max(min(last, steady_from) - max(step_k, len(wave.step_ms) - 1), 0)
         at_steady = gaps - len(in_burst) - decoding
         decode_ms = sum(in_burst) + decoding * full + at_steady * steady.tpot_ms
+        tpot = decode_ms / gaps if gaps else 0.0
         ttfts.append((server + wave.first_token_ms[k], 1))
-        first_done = max(first_done, server + wave.first_token_ms[k] + decode_ms)
-        burst_ends.append((server + wave.first_token_ms[k], decode_ms / gaps if gaps else 0.0))
-        tpots.append((decode_ms / gaps if gaps else 0.0, 1))
+        burst_ends.append((server + wave.first_token_ms[k], tpot))
+        tpots.append((tpot, 1))
         itls += [(ms, 1) for ms in in_burst] + [(full, decoding), (steady.tpot_ms, at_steady)]
     later = max(per_group - running, 0.0)  # the group's requests after the burst: the steady state's
     hits = min(max(cached_per_group - running, 0.0), later)  # ... but cached: half a step's wait and one step
@@ -144,8 +143,8 @@ def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: Engin
     itls.append((steady_itl_ms(steps, layout, running, input_tokens, output_tokens, context, steady.tpot_ms),
                  later * gaps))
 
-    # The slowest slot: its first request, then its share of the rest at the steady cycle. With more clients than
-    # slots the slots are the chains (the extra clients wait for one), so `running` of them share the requests.
+    # The run lasts the client's schedule over the burst's slots (the module docstring). With more clients
+    # than slots the slots are the chains (the extra clients wait for one), so `running` of them share the requests.
     spread = output_range if output_range is not None and output_range[0] < output_range[1] else None
     duration = statistics.fmean(
         list_schedule_ms(burst_ends, max(round(per_group), len(burst_ends)), spread or (output_tokens, output_tokens),
