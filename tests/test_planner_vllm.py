@@ -138,12 +138,33 @@ def test_tpot_is_the_mean_step_and_throughput_pays_the_prefills():
     assert timing.ttft_ms > alone
 
 
-def test_max_num_seqs_is_what_the_pool_holds_when_that_is_short_of_the_concurrency():
+def test_max_num_seqs_is_what_the_pool_runs_on_demand_when_that_is_short_of_the_concurrency():
+    """vLLM allocates a sequence's blocks as it grows: the pool runs as many sequences as fit at the workload's
+    mean length (2048 + 512/2 = 2304 tokens, 144 blocks of 16), more than the 15 of 2560 tokens it could hold
+    at once, and max_num_seqs is that (not the concurrency, not vLLM's logged maximum)."""
     g5 = catalog.hardware_facts("ml.g5.2xlarge")
     p = plan(spec(instance="ml.g5.2xlarge", pin={"engine": "vllm", "dtype": "bf16"},
-                  workload={"max_input_tokens": 2048, "max_output_tokens": 512, "concurrency": 16}), hardware=g5)
-    assert p.kv_cache.max_concurrent_sequences < 16  # an 8B leaves room for fewer on 24 GiB
-    assert p.vllm.max_num_seqs == p.batch_size == p.kv_cache.max_concurrent_sequences
+                  workload={"max_input_tokens": 2048, "max_output_tokens": 512, "concurrency": 32}), hardware=g5)
+    assert p.kv_cache.max_concurrent_sequences == p.kv_cache.blocks // (2560 // 16) < 16  # 24 GiB for an 8B
+    on_demand = p.kv_cache.blocks // (2304 // 16)
+    assert p.kv_cache.max_concurrent_sequences < on_demand < 32
+    assert p.vllm.max_num_seqs == p.batch_size == on_demand
+
+
+def test_a_sliding_window_layer_holds_its_window_on_demand_not_the_sequence():
+    """gpt-oss-20b: 12 of its 24 layers slide over 128 tokens. vLLM's logged maximum counts them at the whole
+    sequence (a step's 2 × 8192 tokens in flight exceed max_model_len); on demand each keeps its window,
+    128/16 blocks and one more, so the pool runs about twice as many sequences."""
+    oss = catalog.model_facts("openai/gpt-oss-20b")
+    assert (oss.layers, oss.sliding_window_layers, oss.sliding_window) == (24, 12, 128)
+    _, layout = vllm_memory(oss, P5, VLLM, VLLM.efficiency["gpu"], "mxfp4", 1, 1, 1024, 1024, 0.9, None)
+    pages = 1536 // 16  # the mean length, input + half the output
+    per_page = layout.bytes_per_block // 24  # one layer's 16 tokens
+    mean_blocks = -(-(12 * pages + 12 * (128 // 16 + 1)) * per_page // layout.bytes_per_block)
+    assert layout.sequences_on_demand == layout.blocks // mean_blocks
+    # every layer at 2048 tokens, a sliding one with a page more (its window need not start at a page)
+    assert layout.max_concurrent_sequences == layout.pool_bytes // ((12 * 128 + 12 * 129) * per_page)
+    assert 2.3 < layout.sequences_on_demand / layout.max_concurrent_sequences < 2.6
 
 
 def test_the_schema_accepts_vllm_and_a_remote_checkpoint_is_not_sharded():

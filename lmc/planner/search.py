@@ -696,13 +696,13 @@ def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layou
 
 def vllm_batch_sizes(spec, model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, efficiency, dtype: str,
                      tp: int, dp: int = 1, kv_fp8: bool = False) -> list[int]:
-    """max_num_seqs candidates: the powers of two, and the sequences the KV pool holds when that is fewer
-    than the concurrency (so a pool of 15 is planned at 15, not 8)."""
+    """max_num_seqs candidates: the powers of two, and the sequences the KV pool runs on demand when that is
+    fewer than the concurrency (so a pool of 15 is planned at 15, not 8)."""
     sizes = batch_sizes(spec.workload.concurrency)
     load, budget = spec.workload, spec.budget
     _, layout = vllm_memory(model, hardware, engine, efficiency, dtype, tp, 1, load.max_input_tokens,
                             load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp, kv_fp8)
-    holds = layout.max_concurrent_sequences
+    holds = layout.sequences_on_demand if layout.max_concurrent_sequences >= 1 else 0
     if 1 <= holds < load.concurrency and holds not in sizes:
         sizes = sorted(sizes + [holds])
     return sizes

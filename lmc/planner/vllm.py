@@ -18,6 +18,20 @@ once (min(max_num_seqs, concurrency / replicas)); every term is a function of lm
                  (joins · chunks ≥ 0.5)
     TTFT = the prompt in chunks of max_num_batched_tokens − (running − 1) tokens (decodes go first),
            each chunk a prefill step that also carries the running decodes: tpot(running) − tpot(1)
+
+The pool on demand. vLLM logs its "Maximum concurrency" as the pool over what one max_model_len sequence
+could hold (`max_concurrent_sequences`: every layer full, a sliding-window layer its window plus a step's
+tokens in flight), but it does not reserve that: its scheduler allocates a sequence's blocks as the sequence
+grows (vllm/v1/core/kv_cache_manager.py `allocate_slots`), frees a sliding-window layer's blocks once they
+fall behind the window (single_type_kv_cache_manager.py `SlidingWindowManager.remove_skipped_blocks`), and
+runs up to max_num_seqs (1024 by default on H100/H200-class GPUs, 256 on others: engine/arg_utils.py)
+while blocks last; when a step finds none, it preempts the newest running request and recomputes it later.
+In steady state the running sequences are spread over their generations, so together they hold about
+`sequences_on_demand` × the mean length, input + half the output. That many run at once, and max_num_seqs
+is set to it (or to the concurrency, if lower): 1.3-1.8x the logged maximum for dense models with
+outputs of 1-8x the input, about 2.5x for gpt-oss (half its layers slide over 128 tokens). Only a burst of
+requests that start together (a benchmark's first wave) outgrows it near its end and pays the
+preemptions' recompute once.
 """
 
 from __future__ import annotations
@@ -85,6 +99,7 @@ class VllmLayout:
     cpu_kvcache_space_gib: int | None  # VLLM_CPU_KVCACHE_SPACE on CPU plans
 
     sequence_bytes: int = 0  # KV bytes one max_model_len sequence holds per rank (sliding layers: their window)
+    mean_sequence_bytes: int = 0  # KV bytes a running sequence holds per rank on average (sequences_on_demand)
     data_parallel_size: int = 1  # DP attention groups of TP ranks, experts spread over all (MoE); max_num_seqs is per group
     kv_dtype: str = "bf16"  # the KV cache's dtype: the compute dtype, or fp8 (vLLM --kv-cache-dtype fp8)
     auto_kv_sequences: int = 0  # with an fp8 KV cache: the sequences a compute-dtype pool would hold
@@ -102,6 +117,16 @@ class VllmLayout:
         if self.sequence_bytes:
             return self.pool_bytes // self.sequence_bytes
         return self.blocks // self.blocks_per_sequence
+
+    @property
+    def sequences_on_demand(self) -> int:
+        """Sequences the pool runs at once as vLLM fills it (module docstring, "The pool on demand"): each holds
+        the workload's mean length, input + half the output (a sliding-window layer: its window and a block),
+        in whole blocks. Never fewer than max_concurrent_sequences."""
+        if not self.mean_sequence_bytes or not self.bytes_per_block:
+            return self.max_concurrent_sequences
+        mean_blocks = -(-self.mean_sequence_bytes // self.bytes_per_block)
+        return max(self.blocks // mean_blocks, self.max_concurrent_sequences)
 
 
 def max_num_batched_tokens(hardware: HardwareFacts, tp: int, max_num_seqs: int) -> int:
@@ -174,7 +199,11 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     bytes_per_block = int(block_size * kv_bytes_per_token(model, tp, kv_dtype) * kv_scale)
     sequence = int(kv_sequence_bytes(model, tp, kv_dtype, max_model_len, block_size,
                                      in_flight_tokens(hardware, batched)) * kv_scale)
-    needed = max_num_seqs * -(-sequence // bytes_per_block) * bytes_per_block
+    # What a running sequence holds on average: vLLM allocates its blocks as it grows (module docstring).
+    mean = int(kv_sequence_bytes(model, tp, kv_dtype, decode_context(input_tokens, output_tokens), block_size,
+                                 1) * kv_scale)
+    # max_num_seqs sequences at their mean length, and one at max_model_len (vLLM refuses to start without it).
+    needed = max(max_num_seqs * -(-mean // bytes_per_block), -(-sequence // bytes_per_block)) * bytes_per_block
     space_gib = None
     if hardware.kind == "cpu":  # each rank allocates VLLM_CPU_KVCACHE_SPACE whole GiB
         capacity = capacity_bytes(hardware, memory_fraction, memory_cap) // host_share(hardware, tp * dp)
@@ -188,8 +217,8 @@ def vllm_memory(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     layout = VllmLayout(block_size=block_size, blocks=blocks, bytes_per_block=bytes_per_block, pool_bytes=pool,
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=batched,
                         gpu_memory_utilization=utilization, cpu_kvcache_space_gib=space_gib,
-                        sequence_bytes=sequence, data_parallel_size=dp, kv_dtype=kv_dtype)
-    kv = pool if layout.max_concurrent_sequences >= max_num_seqs else needed
+                        sequence_bytes=sequence, mean_sequence_bytes=mean, data_parallel_size=dp, kv_dtype=kv_dtype)
+    kv = pool if layout.max_concurrent_sequences >= 1 and layout.sequences_on_demand >= max_num_seqs else needed
     total = weights + activations + runtime + kv
     return (MemoryPerDevice(weights=weights, kv_cache=kv, activations=activations, runtime_overhead=runtime,
                             total=total, capacity=capacity, headroom=capacity - total), layout)
@@ -208,7 +237,7 @@ def fp8_kv_cache(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
         return False, 0
     _, layout = vllm_memory(model, hardware, engine, efficiency, dtype, tp, 1, input_tokens, output_tokens,
                             memory_fraction, memory_cap, dp)
-    holds = layout.max_concurrent_sequences
+    holds = layout.sequences_on_demand
     if pinned == "fp8":
         return True, holds
     return (True, holds) if 0 < holds < sequences and not model.kv_lora_rank else (False, 0)
@@ -227,7 +256,8 @@ def layout_steps(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
 
 
 def decode_context(input_tokens: int, output_tokens: int) -> int:
-    """A running sequence's context, averaged over its generation."""
+    """A running sequence's context, averaged over its generation (its decode steps' context, and what it
+    holds in the pool on average)."""
     return input_tokens + output_tokens // 2
 
 
@@ -417,13 +447,13 @@ def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str
 
 def kv_dtype_decision(layout: VllmLayout, hardware: HardwareFacts, spec, running: int) -> Decision:
     """What the KV cache's dtype buys: with fp8, the sequences the pool holds against a compute-dtype pool's."""
-    holds, length = layout.max_concurrent_sequences, layout.max_model_len
+    holds = layout.sequences_on_demand
     if layout.kv_dtype == "fp8":
         why = ("pinned by the spec" if spec.pin.kv_cache_dtype == "fp8" else
-               f"a {hardware.accelerator} computes in fp8 and a 16-bit pool would hold only "
-               f"{layout.auto_kv_sequences} sequences of {length} tokens, fewer than the concurrency asks")
+               f"a {hardware.accelerator} computes in fp8 and a 16-bit pool would run only "
+               f"{layout.auto_kv_sequences} sequences at once, fewer than the concurrency asks")
         return Decision(key="kv_cache_dtype", value="fp8", reason=(
-            f"{why}: an fp8 cache (vLLM --kv-cache-dtype fp8, e4m3) stores one byte per element, so the pool holds "
+            f"{why}: an fp8 cache (vLLM --kv-cache-dtype fp8, e4m3) stores one byte per element, so the pool runs "
             f"{holds} sequences instead of {layout.auto_kv_sequences} and {running} run at once; K and V are "
             "rounded to fp8 as they are stored, a small accuracy cost (vLLM docs, \"Quantized KV Cache\")"))
     if spec.pin.kv_cache_dtype == "auto":
@@ -432,8 +462,8 @@ def kv_dtype_decision(layout: VllmLayout, hardware: HardwareFacts, spec, running
         return Decision(key="kv_cache_dtype", value="auto",
                         reason=f"the compute dtype: {hardware.accelerator} has no fp8 for an fp8 KV cache")
     return Decision(key="kv_cache_dtype", value="auto", reason=(
-        f"the compute dtype: the pool holds {holds} sequences of {length} tokens, enough for the {running} that run "
-        "at once; an fp8 cache (pin.kv_cache_dtype = \"fp8\") would hold about twice as many"))
+        f"the compute dtype: the pool runs {holds} sequences at once, enough for the {running} the concurrency "
+        "asks; an fp8 cache (pin.kv_cache_dtype = \"fp8\") would hold about twice as many"))
 
 
 def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: HardwareFacts, layout: VllmLayout,
@@ -451,8 +481,10 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
                 f"{memory.weights / GIB:.2f} GiB − activations {memory.activations / GIB:.2f} GiB − runtime and "
                 f"CUDA graphs {memory.runtime_overhead / GIB:.2f} GiB = {layout.pool_bytes / GIB:.2f} GiB")
     replaced = {
-        "batch_size": f"max_num_seqs {layout.max_num_seqs}: the pool holds {layout.max_concurrent_sequences} sequences "
-                      f"of {layout.max_model_len} tokens; {running} run at once at concurrency {load.concurrency} "
+        "batch_size": f"max_num_seqs {layout.max_num_seqs}: the pool runs {layout.sequences_on_demand} sequences "
+                      f"at the workload's mean length of {decode_context(load.max_input_tokens, load.max_output_tokens)}"
+                      f" tokens (vLLM allocates blocks as sequences grow; {layout.max_concurrent_sequences} of "
+                      f"{layout.max_model_len} tokens at once); {running} run at once at concurrency {load.concurrency} "
                       f"over {replicas} replica(s)" + (f" of {layout.data_parallel_size} data-parallel groups each "
                                                          "(max_num_seqs is per group)"
                                                          if layout.data_parallel_size > 1 else ""),
@@ -461,7 +493,8 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
                     f"token per rank = {layout.blocks * layout.block_size} tokens; {layout.max_concurrent_sequences} "
                     f"sequences of {layout.max_model_len} tokens (vLLM logs the pool as their "
                     f"{layout.max_concurrent_sequences * layout.max_model_len} tokens: its maximum concurrency × "
-                    "max_model_len)",
+                    f"max_model_len); on demand it runs {layout.sequences_on_demand} at the workload's mean length, "
+                    "preempting the newest when a step finds no free block",
     }
     values = {"max_batch_delay_ms": 0}
     out = [Decision(key=d.key, value=values.get(d.key, d.value), reason=replaced.get(d.key, d.reason)) for d in out]
