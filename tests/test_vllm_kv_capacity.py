@@ -108,3 +108,32 @@ def test_plan_kv_blocks_match_what_vllm_allocates_for_two_budgets(checkpoint, tm
     assert pool_tokens == plan.vllm.cpu_kvcache_space_gib * 2**30 // (2 * 2 * 2 * 64 * 2)  # 1 KiB a token in bf16
     logged = [int(m.replace(",", "")) for m in re.findall(r"KV cache size: ([\d,]+) tokens", log)]
     assert logged == [plan.kv_cache.max_concurrent_sequences * plan.vllm.max_model_len], log[-3000:]
+
+
+def test_vllms_scheduler_runs_what_the_plan_calls_the_pool_on_demand():
+    """vLLM's own V1 scheduler and KV-cache manager (in-process, no model: bench/vllm_pool_on_demand.py) with a
+    closed loop of 48 clients over a pool of 960 pages, one full-attention and one sliding-window (128) layer,
+    256/512 tokens: at max_num_seqs = lmc's `sequences_on_demand` it runs well over the pool's maximum at
+    max_model_len (vLLM's logged "Maximum concurrency", lmc's cap before) and at least 85 % of the figure, and
+    the run takes fewer than half the steps it takes at that maximum."""
+    bench = ROOT / "bench" / "vllm_pool_on_demand.py"
+    sys.path.insert(0, str(bench.parent))
+    try:
+        from vllm_pool_on_demand import CASES, lmc_figures
+    finally:
+        sys.path.remove(str(bench.parent))
+    index = next(i for i, case in enumerate(CASES) if case.window)
+    lmc = lmc_figures(CASES[index])
+    assert lmc["sequences_on_demand"] >= 2 * lmc["max_concurrent_sequences"]
+
+    def vllm(seqs: int) -> dict:
+        child = subprocess.run([sys.executable, str(bench), "--child", str(index), str(seqs)], capture_output=True,
+                               text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+        lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
+        assert child.returncode == 0 and lines, child.stderr[-3000:]
+        return json.loads(lines[-1][7:])
+
+    on_demand, capped = vllm(lmc["sequences_on_demand"]), vllm(lmc["max_concurrent_sequences"])
+    assert capped["running_max"] == lmc["max_concurrent_sequences"] and capped["preemptions"] == 0
+    assert on_demand["running_mean"] >= 0.85 * lmc["sequences_on_demand"] > 1.5 * capped["running_mean"]
+    assert on_demand["steps"] < capped["steps"] / 2
