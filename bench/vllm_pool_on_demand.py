@@ -143,30 +143,37 @@ def run_case(case: Case, max_num_seqs: int) -> dict:
             "preemptions": preemptions, "recomputed_share": round(computed / needed - 1, 4), "steps": steps}
 
 
+def vllm_runs(index: int, sizes: tuple[int, ...]) -> list[dict]:
+    """run_case at each max_num_seqs, in one subprocess (vLLM imported once); what it printed, or [] with the cause
+    on stderr."""
+    child = subprocess.run([sys.executable, __file__, "--child", str(index), *map(str, sizes)], capture_output=True,
+                           text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=900)
+    runs = [json.loads(line[7:]) for line in child.stdout.splitlines() if line.startswith("RESULT ")]
+    if child.returncode or len(runs) != len(sizes):
+        print(f"vllm_pool_on_demand: case {index} failed:\n{child.stderr[-2000:]}", file=sys.stderr)
+        return []
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", type=int, choices=range(len(CASES)), help="run this case only (an index)")
     parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)  # case index, max_num_seqs
+    parser.add_argument("--child", nargs="+", type=int, help=argparse.SUPPRESS)  # case index, max_num_seqs ...
     args = parser.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(run_case(CASES[args.child[0]], args.child[1])), flush=True)
+        for seqs in args.child[1:]:
+            print("RESULT " + json.dumps(run_case(CASES[args.child[0]], seqs)), flush=True)
         return 0
     results = []
     for index, case in enumerate(CASES):
         if args.case is not None and index != args.case:
             continue
         lmc = lmc_figures(case)
-        runs = []
-        for seqs in (lmc["sequences_on_demand"], lmc["max_concurrent_sequences"], 1024):
-            child = subprocess.run([sys.executable, __file__, "--child", str(index), str(seqs)], capture_output=True,
-                                   text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
-            lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
-            if child.returncode or not lines:
-                print(f"vllm_pool_on_demand: case {index} at max_num_seqs {seqs} failed:\n{child.stderr[-2000:]}",
-                      file=sys.stderr)
-                return 1
-            runs.append(json.loads(lines[-1][7:]))
+        sizes = (lmc["sequences_on_demand"], lmc["max_concurrent_sequences"], 1024)
+        runs = vllm_runs(index, sizes)
+        if len(runs) != len(sizes):
+            return 1
         results.append({"case": asdict(case), "lmc": lmc, "vllm": runs})
         kind = f"1 full + 1 sliding ({case.window}) layer" if case.window else "1 full-attention layer"
         print(f"case {index}: {case.input_tokens}/{case.output_tokens} tokens, {case.clients} clients, {case.requests} "

@@ -119,21 +119,15 @@ def test_vllms_scheduler_runs_what_the_plan_calls_the_pool_on_demand():
     bench = ROOT / "bench" / "vllm_pool_on_demand.py"
     sys.path.insert(0, str(bench.parent))
     try:
-        from vllm_pool_on_demand import CASES, lmc_figures
+        from vllm_pool_on_demand import CASES, lmc_figures, vllm_runs
     finally:
         sys.path.remove(str(bench.parent))
     index = next(i for i, case in enumerate(CASES) if case.window)
     lmc = lmc_figures(CASES[index])
     assert lmc["sequences_on_demand"] >= 2 * lmc["max_concurrent_sequences"]
-
-    def vllm(seqs: int) -> dict:
-        child = subprocess.run([sys.executable, str(bench), "--child", str(index), str(seqs)], capture_output=True,
-                               text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
-        lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
-        assert child.returncode == 0 and lines, child.stderr[-3000:]
-        return json.loads(lines[-1][7:])
-
-    on_demand, capped = vllm(lmc["sequences_on_demand"]), vllm(lmc["max_concurrent_sequences"])
+    runs = vllm_runs(index, (lmc["sequences_on_demand"], lmc["max_concurrent_sequences"]))
+    assert len(runs) == 2  # vllm_runs printed why not
+    on_demand, capped = runs
     assert capped["running_max"] == lmc["max_concurrent_sequences"] and capped["preemptions"] == 0
     assert on_demand["running_mean"] >= 0.85 * lmc["sequences_on_demand"] > 1.5 * capped["running_mean"]
     assert on_demand["steps"] < capped["steps"] / 2
