@@ -99,7 +99,8 @@ HAVE_VLLM = subprocess.run([sys.executable, "-c", "import importlib.util as u; e
 
 
 def _artifact(root: Path, stages: int = 1, data_parallel: int = 1) -> tuple[Path, Path]:
-    """The tiny Llama built for vLLM across two nodes: PP 2 (a stage per node) or DP 2 (an engine per node)."""
+    """The tiny Llama built for vLLM across two nodes: TP 2 (a rank per node: the Ray test's), PP 2 (a stage
+    per node) or DP 2 (an engine per node)."""
     from lmc.cli.main import main
     from lmc.testing.checkpoints import make_checkpoint
 
@@ -108,15 +109,16 @@ def _artifact(root: Path, stages: int = 1, data_parallel: int = 1) -> tuple[Path
     except ImportError:  # tests/ imported as a package
         from tests.test_runtime_vllm_archs import spec_for
 
-    assert (stages > 1) != (data_parallel > 1)
     checkpoint = root / "ckpt"
     if not checkpoint.exists():
         make_checkpoint("llama", checkpoint, hidden_size=128, intermediate_size=256)
-    pins = f"data_parallel_degree = {data_parallel}\n" if data_parallel > 1 else f"pipeline_parallel_degree = {stages}\n"
-    spec = spec_for(checkpoint, root, budget="4GiB" if stages > 1 else "8GiB", pins=pins)
+    pins = ("tensor_parallel_degree = 2\n" if stages == 1 and data_parallel == 1 else
+            f"data_parallel_degree = {data_parallel}\n" if data_parallel > 1 else f"pipeline_parallel_degree = {stages}\n")
+    spec = spec_for(checkpoint, root, budget="8GiB" if stages == 1 else "4GiB", pins=pins)
     if stages > 1:
         spec.write_text(spec.read_text().replace("[budget]", f"instances = {stages}\n[budget]"))
-    artifact = root / (f"artifact-pp{stages}" if stages > 1 else f"artifact-dp{data_parallel}")
+    artifact = root / ("artifact" if stages == data_parallel == 1 else
+                       f"artifact-pp{stages}" if stages > 1 else f"artifact-dp{data_parallel}")
     assert main(["build", str(spec), "--format", "dir", "-o", str(artifact)]) == 0
     return checkpoint, artifact
 
