@@ -26,12 +26,13 @@ grows (vllm/v1/core/kv_cache_manager.py `allocate_slots`), frees a sliding-windo
 fall behind the window (single_type_kv_cache_manager.py `SlidingWindowManager.remove_skipped_blocks`), and
 runs up to max_num_seqs (1024 by default on H100/H200-class GPUs, 256 on others: engine/arg_utils.py)
 while blocks last; when a step finds none, it preempts the newest running request and recomputes it later.
-In steady state the running sequences are spread over their generations, so together they hold about
-`sequences_on_demand` × the mean length, input + half the output. That many run at once, and max_num_seqs
-is set to it (or to the concurrency, if lower): 1.3-1.8x the logged maximum for dense models with
-outputs of 1-8x the input, about 2.5x for gpt-oss (half its layers slide over 128 tokens). Only a burst of
-requests that start together (a benchmark's first wave) outgrows it near its end and pays the
-preemptions' recompute once.
+Spread over their generations, running sequences hold the mean length on average, input + half the output:
+`sequences_on_demand` of them fill the pool, and max_num_seqs is set to that (or to the concurrency, if lower):
+1.06-1.8x the logged maximum for dense models (8k/1k to 1k/8k tokens), about 2.5x for gpt-oss (half its
+layers slide over 128 tokens). Requests of equal lengths that start together grow together, so vLLM's
+scheduler runs somewhat fewer and recomputes what it preempts: driven in-process by a closed-loop client
+(bench/vllm_pool_on_demand.py), 84-95 % of this figure, with 14-35 % more prompt tokens computed. The serving
+model below counts neither (docs/known-gaps.md).
 """
 
 from __future__ import annotations
