@@ -26,11 +26,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from fidelity import load_rows, run  # noqa: E402 (the bench's own row planning and aiconfigurator runs)
+from fidelity import MEASURED as FIGURES, load_rows, run  # noqa: E402 (the bench's row planning and aiconfigurator runs)
 
 GRID = HERE / "data" / "aic-grid.csv"
 CACHE = HERE / "data" / "aic-grid-aiconfigurator.json"
-FIGURES = ("tpot_ms", "ttft_ms", "output_throughput_tok_s")
 COLUMNS = ["id", "model", "gpu", "num_gpus", "tp", "dp", "ep", "engine", "engine_version", "weight_dtype", "kv_dtype",
            "input_len", "output_len", "output_len_min", "output_len_max", "concurrency", "request_rate", "tpot_ms",
            "ttft_ms", "output_throughput_tok_s", "statistic", "source_url", "source_table", "source_date", "notes"]
