@@ -101,7 +101,6 @@ def speculative_tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: Engi
     from lmc.planner.latency import active_decode_parameters, decode_compute, efficiency_for, rank_tflops
     from lmc.planner.memory import compute_dtype
     from lmc.planner.steps import StepLayout, step_times
-    from lmc.planner.vllm import decode_context
 
     spec = model.speculative
     assert spec is not None
@@ -117,7 +116,7 @@ def speculative_tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: Engi
     else:
         assert spec.draft is not None  # its step from the same choice of step times as the base's
         draft_steps = step_times(spec.draft, hardware, engine, StepLayout(engine.name, dtype, act, tp))
-        draft = k * draft_steps.decode_ms(batch, decode_context(input_tokens, output_tokens))
+        draft = k * draft_steps.decode_ms(batch, input_tokens + output_tokens // 2)
     return (verify + draft) / tokens_per_step(spec)
 
 
