@@ -36,6 +36,12 @@ CONFIGS = {
                         num_key_value_heads=8, vocab_size=1000, n_routed_experts=8, n_shared_experts=1,
                         num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=96,
                         qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_group=2, topk_group=1),
+    # GLM-4.5/4.6/4.7's layout: q/k/v biases without an o_proj bias, per-head q/k norms switched by
+    # use_qk_norm, one shared expert, dense first blocks, partial rotary embeddings.
+    "glm4_moe": dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], n_routed_experts=8,
+                     n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+                     attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, n_group=1, topk_group=1,
+                     **_SMALL),
     "gemma3": dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"],
                    text_config=dict(model_type="gemma3_text", **_SMALL),
                    vision_config=dict(model_type="siglip_vision_model", hidden_size=128, num_hidden_layers=2,
@@ -175,3 +181,10 @@ def test_published_configs_count_as_published_and_as_transformers_builds(path):
         # The language model exactly; a vision tower is a ViT estimate (its share of the total is small).
         tolerance = 0 if facts.vision_parameters == 0 else 0.01 * built
         assert abs(facts.parameters - built) <= tolerance, (facts.parameters, built)
+
+
+def test_glm_4_7_reconstructed_config_counts_as_transformers_builds():
+    # Its config.json is reconstructed (_lmc_note), so the check above skips it: built here on the meta device.
+    path = catalog.MODELS_DIR / "zai-org--glm-4.7"
+    config, meta = _published(path)
+    assert catalog.model_facts(meta["id"]).parameters == transformers_parameters(config)

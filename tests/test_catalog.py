@@ -87,6 +87,30 @@ def test_published_config_values_spot_checks():
     assert catalog.model_facts("facebook/opt-66b").tie_word_embeddings is True
 
 
+def test_glm_4_7_moe_facts():
+    from lmc.planner.engines import engine_facts
+    from lmc.planner.memory import kv_bytes_per_token, weight_bytes
+
+    glm = catalog.model_facts("zai-org/GLM-4.7")
+    assert (glm.family, glm.attention, glm.layers, glm.hidden_size) == ("glm4_moe", "gqa", 92, 5120)
+    assert (glm.attention_heads, glm.kv_heads, glm.head_dim, glm.max_position_embeddings) == (96, 8, 128, 202752)
+    # 160 routed experts (top 8) and one shared in blocks 3-91; blocks 0-2 dense
+    assert (glm.num_experts, glm.experts_per_token, glm.shared_experts, glm.moe_layers) == (160, 8, 1, 89)
+    assert glm.intermediate_size == 1536 and glm.expert_parameters == 89 * 160 * 3 * 5120 * 1536
+    # Published (zai-org's README, GLM-4.5 report): 355B total, 32B active; the active figure leaves out the
+    # embedding and the LM head, the total the MTP layer the Hub checkpoint adds.
+    assert abs(glm.parameters - 355e9) / 355e9 < 0.01
+    assert glm.active_parameters == glm.parameters - glm.expert_parameters + glm.expert_parameters * 8 // 160
+    assert abs(glm.active_parameters - 2 * glm.vocab_size * glm.hidden_size - 32e9) / 32e9 < 0.01
+    # K and V of 8 heads × 128 in 92 layers; one kv head per rank at TP 8
+    assert kv_bytes_per_token(glm, 1, "bf16") == 2 * 92 * 8 * 128 * 2
+    assert kv_bytes_per_token(glm, 8, "fp8") == 2 * 92 * 1 * 128 * 1
+    # fp8 on 8 H100s: one byte per TP-split weight, embedding and LM head in bf16 (the head split over ranks)
+    rank = weight_bytes(glm, engine_facts()["vllm"], "fp8", 8, catalog.hardware_facts("ml.p5.48xlarge"))
+    embedding = glm.vocab_size * glm.hidden_size
+    assert (glm.parameters - 2 * embedding) / 8 < rank < (glm.parameters - 2 * embedding) / 8 + 2 * 2 * embedding
+
+
 def test_families_cover_the_brief():
     families = {catalog.model_facts(model_id).family for model_id in catalog.list_models()}
     # lmc's layout families, and the architectures people deploy today (issue 21), read from their configs

@@ -5,8 +5,8 @@ configs use for the same things:
 
 - attention: `num_key_value_heads` (GQA/MQA), an explicit `head_dim`, MLA (`kv_lora_rank`,
   `q_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`: DeepSeek-V2/V3/R1, Kimi K2),
-  biases (`attention_bias`; Qwen2's q/k/v biases), per-head q/k norms (Qwen3, Gemma 3, OLMo 2),
-  attention sinks (gpt-oss);
+  biases (`attention_bias`; Qwen2's q/k/v biases; GLM-4.x MoE's on q/k/v only), per-head q/k norms
+  (Qwen3, Gemma 3, OLMo 2; GLM-4.x MoE's where `use_qk_norm`), attention sinks (gpt-oss);
 - per-layer attention kinds: `layer_types` ("sliding_attention" / "full_attention"), else
   `sliding_window_pattern` (Gemma 3: every n-th layer full), else `sliding_window` with
   `use_sliding_window` (Qwen2-style: `max_window_layers`);
@@ -44,6 +44,10 @@ _QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
 # model_types with a per-head RMSNorm on queries and keys (width head_dim; OLMo 2's spans all heads).
 _QK_NORM_HEAD = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "qwen3_next")
 _QK_NORM_ALL = ("olmo2", "olmo3")
+# model_types whose per-head q/k RMSNorm is switched by `use_qk_norm` (GLM-4.5/4.6/4.7 set it, GLM-4.5-Air not).
+_QK_NORM_HEAD_IF_SET = ("glm4_moe",)
+# model_types whose `attention_bias` puts biases on q/k/v only, never on o_proj.
+_QKV_ONLY_BIAS_TYPES = ("glm4_moe",)
 # model_types with four norms per block (before and after attention and MLP).
 _FOUR_NORMS = ("gemma2", "gemma3", "gemma3_text")
 _SLIDING = "sliding_attention"
@@ -256,9 +260,9 @@ def decoder_fields(config: dict[str, Any], where: str) -> tuple[dict[str, Any], 
         attention = 2 * h * q_width + 2 * h * kv_width
         if bias or model_type in _QKV_BIAS_TYPES:
             attention += q_width + 2 * kv_width
-        if bias or model_type == "gpt_oss":
+        if (bias and model_type not in _QKV_ONLY_BIAS_TYPES) or model_type == "gpt_oss":
             attention += h  # o_proj bias
-        if model_type in _QK_NORM_HEAD:
+        if model_type in _QK_NORM_HEAD or (model_type in _QK_NORM_HEAD_IF_SET and get.flag("use_qk_norm", False)):
             attention += 2 * head_dim
         elif model_type in _QK_NORM_ALL:
             attention += q_width + kv_width
