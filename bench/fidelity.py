@@ -306,10 +306,20 @@ def aic_version(executable: str) -> str:
     return match.group(1) if match else "unknown"
 
 
+def portable_args(args: list[str]) -> list[str]:
+    """`args` with a path into lmc's catalog written from the checkout's root (lmc/planner/data/models/...), so
+    the cache key is the same in every checkout."""
+    from lmc.planner import catalog
+
+    root = str(catalog.MODELS_DIR.parents[3]) + os.sep
+    return [arg[len(root):] if arg.startswith(root) else arg for arg in args]
+
+
 def aic_estimate(row: dict, executable: str, bundled: dict[str, str], cache: dict) -> dict:
     """aiconfigurator's estimate for the row, from the cache when the same command line was run before."""
     args = aic_args(row, bundled)
-    key = hashlib.sha256(json.dumps(args).encode()).hexdigest()[:16]
+    shown = portable_args(args)
+    key = hashlib.sha256(json.dumps(shown).encode()).hexdigest()[:16]
     if key in cache["results"]:
         return cache["results"][key]["estimate"]
     try:
@@ -317,7 +327,7 @@ def aic_estimate(row: dict, executable: str, bundled: dict[str, str], cache: dic
         estimate = parse_aic_output(out.stdout + "\n" + out.stderr)
     except subprocess.TimeoutExpired:
         estimate = {"error": "timed out after 600 s"}
-    cache["results"][key] = {"row": row["id"], "args": args, "estimate": estimate}
+    cache["results"][key] = {"row": row["id"], "args": shown, "estimate": estimate}
     return estimate
 
 

@@ -111,6 +111,10 @@ def test_aiconfigurator_command_follows_the_row():
     qwen = {**dense_fp8, "model": "Qwen/Qwen2.5-7B-Instruct", "weight_dtype": "bf16"}
     flags = dict(zip(*[iter(fidelity.aic_args(qwen, bundled={})[2:])] * 2))
     assert flags["--model-path"].endswith("qwen--qwen2.5-7b-instruct") and "--gemm-quant-mode" not in flags
+    # the cache keys a catalog path from the checkout's root: the same in every checkout
+    shown = fidelity.portable_args(fidelity.aic_args(qwen, bundled={}))
+    assert shown[shown.index("--model-path") + 1] == "lmc/planner/data/models/qwen--qwen2.5-7b-instruct"
+    assert shown[shown.index("--system") + 1] == flags["--system"]
 
 
 def test_markdown_table_has_a_row_per_result_and_the_summary():
