@@ -56,6 +56,27 @@ def test_measured_steps_are_aiconfigurators_own_numbers():
     assert s.decode_ms(64, 1500) > s.decode_ms(1, 1500) and s.prefill_ms(4096) > 1.8 * s.prefill_ms(2048)
 
 
+def test_an_expert_parallel_plan_asks_for_whole_experts_per_rank():
+    pytest.importorskip("aiconfigurator_core")
+    from aiconfigurator_core.sdk.engine import EngineHandle
+
+    qwen235 = catalog.model_facts("Qwen/Qwen3-235B-A22B")
+    body = {"target": {"instance": "ml.p5.48xlarge"},
+            "workload": {"max_input_tokens": 1024, "max_output_tokens": 1024, "concurrency": 16},
+            "pin": {"engine": "vllm", "tensor_parallel_degree": 8, "dtype": "fp8", "replicas": 1}}
+    split = plan(body, qwen235, H100)
+    whole = plan({**body, "pin": {**body["pin"], "expert_parallel": True}}, qwen235, H100)
+    assert whole.vllm.enable_expert_parallel and not split.vllm.enable_expert_parallel
+    # vLLM --enable-expert-parallel at TP 8: each rank holds 16 whole experts (aiconfigurator's moe_ep_size 8),
+    # without it every expert is split 8 ways (moe_tp_size 8): different kernels, different step times.
+    args = {"backend_version": "0.24.0", "tp_size": 8, "gemm_quant_mode": "fp8", "moe_quant_mode": "fp8"}
+    for p, moe in ((split, {"moe_tp_size": 8, "moe_ep_size": 1}), (whole, {"moe_tp_size": 1, "moe_ep_size": 8})):
+        sdk = EngineHandle.compile("Qwen/Qwen3-235B-A22B", "h100_sxm", "vllm", **args, **moe)
+        s = step_times(qwen235, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8, 1, p.vllm.enable_expert_parallel))
+        assert s.decode_ms(16, 1536) == pytest.approx(sdk.decode_step_latency(16, 1535, 1), rel=1e-9)
+    assert whole.predicted.tpot_ms != split.predicted.tpot_ms
+
+
 def test_a_second_plan_reads_the_step_times_from_disk_without_aiconfigurator(tmp_path, monkeypatch):
     pytest.importorskip("aiconfigurator_core")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
