@@ -5,7 +5,7 @@ configs use for the same things:
 
 - attention: `num_key_value_heads` (GQA/MQA), an explicit `head_dim`, MLA (`kv_lora_rank`,
   `q_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`: DeepSeek-V2/V3/R1, Kimi K2),
-  biases (`attention_bias`; Qwen2's q/k/v biases), per-head q/k norms (Qwen3, Gemma 3, OLMo 2),
+  biases (`attention_bias`; Qwen2's q/k/v biases), q/k norms (Qwen3, Gemma 3, OLMo 2, MiniMax-M2),
   attention sinks (gpt-oss);
 - per-layer attention kinds: `layer_types` ("sliding_attention" / "full_attention"), else
   `sliding_window_pattern` (Gemma 3: every n-th layer full), else `sliding_window` with
@@ -41,9 +41,10 @@ from lmc.planner.facts import DTYPE_BYTES, ModelFacts
 
 # model_types whose q/k/v projections carry biases without an `attention_bias` key.
 _QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
-# model_types with a per-head RMSNorm on queries and keys (width head_dim; OLMo 2's spans all heads).
+# model_types with a per-head RMSNorm on queries and keys (width head_dim; OLMo 2's and MiniMax-M2's, whose
+# config says qk_norm_type "per_layer", span all heads).
 _QK_NORM_HEAD = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "qwen3_next")
-_QK_NORM_ALL = ("olmo2", "olmo3")
+_QK_NORM_ALL = ("olmo2", "olmo3", "minimax_m2")
 # model_types with four norms per block (before and after attention and MLP).
 _FOUR_NORMS = ("gemma2", "gemma3", "gemma3_text")
 _SLIDING = "sliding_attention"
