@@ -635,7 +635,7 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
             memory, layout = vllm_memory(staged, hardware, engine, efficiency, dtype, tp, batch, load.max_input_tokens,
                                          load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp,
                                          kv_fp8=kv_fp8)
-            layout = replace(layout, auto_kv_sequences=auto_kv)
+            layout = replace(layout, auto_kv_sequences=auto_kv, expert_parallel=bool(pin.expert_parallel))
         else:
             memory = memory_per_device(staged, hardware, engine, efficiency, dtype, tp, batch,
                                        load.max_input_tokens, load.max_output_tokens,
@@ -682,7 +682,8 @@ def _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layou
     dp = layout.data_parallel_size if layout is not None else 1  # a replica: dp groups of tp ranks, `batch` each
     if layout is not None:
         steps = None if fits else step_times(model, hardware, engine,
-                                             StepLayout(engine.name, dtype, layout.kv_dtype, tp, dp), fits=False)
+                                             StepLayout(engine.name, dtype, layout.kv_dtype, tp, dp,
+                                                        layout.expert_parallel), fits=False)
         base = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, load.max_input_tokens,
                             load.max_output_tokens, concurrency, steps)
     else:

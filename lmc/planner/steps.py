@@ -70,6 +70,7 @@ class StepLayout:
     kv_dtype: str  # the KV cache's dtype (the compute dtype, or fp8)
     tp: int
     dp: int = 1  # data-parallel attention groups (MoE models: experts spread over tp × dp ranks)
+    ep: bool = False  # vLLM --enable-expert-parallel: whole experts on each of the tp × dp ranks
 
 
 @dataclass(frozen=True)
@@ -220,8 +221,8 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
         return quant
     args = {"tp_size": layout.tp, "attention_dp_size": layout.dp, "backend_version": _backend_version(system, backend),
             **quant}
-    if model.num_experts > 1:  # vLLM: experts split over the TP ranks, or whole over tp × dp with DP attention
-        args.update({"moe_tp_size": 1, "moe_ep_size": layout.tp * layout.dp} if layout.dp > 1
+    if model.num_experts > 1:  # vLLM: experts split over the TP ranks, or whole over tp × dp (expert parallel)
+        args.update({"moe_tp_size": 1, "moe_ep_size": layout.tp * layout.dp} if layout.dp > 1 or layout.ep
                     else {"moe_tp_size": layout.tp, "moe_ep_size": 1})
     key = json.dumps({"aic": AIC_VERSION, "system": system, "backend": backend, "config": config, "args": args},
                      sort_keys=True)

@@ -104,6 +104,7 @@ class VllmLayout:
     data_parallel_size: int = 1  # DP attention groups of TP ranks, experts spread over all (MoE); max_num_seqs is per group
     kv_dtype: str = "bf16"  # the KV cache's dtype: the compute dtype, or fp8 (vLLM --kv-cache-dtype fp8)
     auto_kv_sequences: int = 0  # with an fp8 KV cache: the sequences a compute-dtype pool would hold
+    expert_parallel: bool = False  # vLLM --enable-expert-parallel (pin.expert_parallel): whole experts per rank
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -253,7 +254,8 @@ def layout_steps(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
                  layout: VllmLayout) -> StepTimes:
     """The layout's step times (planner/steps.py chooses the source)."""
     return step_times(model, hardware, engine,
-                      StepLayout(engine.name, dtype, layout.kv_dtype, tp, layout.data_parallel_size))
+                      StepLayout(engine.name, dtype, layout.kv_dtype, tp, layout.data_parallel_size,
+                                 layout.expert_parallel))
 
 
 def decode_context(input_tokens: int, output_tokens: int) -> int:
@@ -381,7 +383,8 @@ def plan_layout(plan, model: ModelFacts, hardware: HardwareFacts) -> VllmLayout:
                       max_num_batched_tokens=section.max_num_batched_tokens,
                       gpu_memory_utilization=section.gpu_memory_utilization,
                       cpu_kvcache_space_gib=section.cpu_kvcache_space_gib,
-                      data_parallel_size=section.data_parallel_size, kv_dtype=kv_dtype)
+                      data_parallel_size=section.data_parallel_size, kv_dtype=kv_dtype,
+                      expert_parallel=section.enable_expert_parallel)
 
 
 # --- plan sections and decisions --------------------------------------------------------------------
