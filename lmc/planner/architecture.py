@@ -67,6 +67,7 @@ class Quantization:
     weights: str  # lmc's name for the stored weights: fp8, int8, int4, mxfp4
     bits_per_weight: float  # including scales and zeros, averaged over the quantized weights
     experts_only: bool  # only the routed experts are quantized (gpt-oss MXFP4)
+    block: int = 0  # block-wise scales: the block along a weight's output rows (fp8 weight_block_size[0])
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +98,7 @@ def quantization(config: dict[str, Any], where: str = "config.json") -> Quantiza
         block = q.get("weight_block_size") or [0, 0]
         # Block-wise scales (DeepSeek-V3: one fp32 per 128 × 128 block) add 32 / block area bits.
         scale_bits = 32 / (block[0] * block[1]) if block and all(block) else 0.0
-        return Quantization(method, "fp8", 8 + scale_bits, False)
+        return Quantization(method, "fp8", 8 + scale_bits, False, int(block[0]) if scale_bits else 0)
     if method == "mxfp4":
         return Quantization(method, "mxfp4", 4 + 8 / 32, True)  # 4-bit values, one 8-bit scale per 32
     if method in ("awq", "gptq", "autoround", "auto-round"):
@@ -418,7 +419,8 @@ def facts_from_config(config: dict[str, Any], model_id: str, *, source: str,
     if q is not None:
         plain = checkpoint_weight_bytes(total + vision, experts, embedding or facts.vocab_size * facts.hidden_size,
                                                      facts.tie_word_embeddings, q, DTYPE_BYTES.get(facts.torch_dtype, 2))
-        update.update(checkpoint_quantization=q.weights, quantization_method=q.method, checkpoint_weight_bytes=plain)
+        update.update(checkpoint_quantization=q.weights, quantization_method=q.method, checkpoint_weight_bytes=plain,
+                      quantization_block=q.block)
     return facts.model_copy(update=update)
 
 
