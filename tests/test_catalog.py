@@ -13,6 +13,7 @@ from lmc.errors import SpecValueError
 from lmc.planner import catalog
 from lmc.planner.architecture import facts_from_config
 from lmc.planner.facts import DTYPE_BYTES, HardwareFacts, ModelFacts
+from lmc.planner.memory import kv_bytes_per_token
 
 GIB = 2**30
 REQUIRED_MODELS = [
@@ -110,6 +111,30 @@ def test_glm_4_7_moe_facts():
     embedding = glm.vocab_size * glm.hidden_size
     assert (glm.parameters - 2 * embedding) / 8 < rank < (glm.parameters - 2 * embedding) / 8 + 2 * 2 * embedding
 
+
+def test_minimax_m2_5_is_a_256_expert_top_8_moe_of_about_230b_with_fp8_blocks():
+    # MiniMaxAI/MiniMax-M2.5 (its config.json: the trimmed copy aiconfigurator ships), counted here by hand.
+    layers, hidden, heads, kv_heads, head_dim, vocab, experts, width = 62, 3072, 48, 8, 128, 200064, 256, 1536
+    m = catalog.model_facts("MiniMaxAI/MiniMax-M2.5")
+    assert (m.family, m.layers, m.hidden_size, m.attention_heads, m.kv_heads, m.head_dim, m.attention) == (
+        "minimax_m2", layers, hidden, heads, kv_heads, head_dim, "gqa")
+    # every block is MoE: 256 experts of width 1536 (intermediate_size), 8 a token, no shared expert
+    assert (m.num_experts, m.experts_per_token, m.intermediate_size, m.shared_experts, m.moe_layers) == (
+        experts, 8, width, 0, layers)
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + (heads + kv_heads) * head_dim
+    expert_weights = layers * experts * 3 * hidden * width  # gate, up, down of every expert
+    total = 2 * vocab * hidden + layers * (attention + 2 * hidden + hidden * experts) + expert_weights + hidden
+    assert m.parameters == total and m.expert_parameters == expert_weights
+    assert abs(m.parameters - 230e9) / 230e9 < 0.01  # "230 billion total parameters" (model.toml's source)
+    assert m.active_parameters == total - expert_weights + expert_weights * 8 // experts  # 11.03B, embeddings in
+    assert 10e9 < m.active_parameters < 11.1e9  # "10 billion active parameters", rounded
+    # K and V of 8 heads of 128 in 62 layers: 248 KiB a token in bf16; one kv head per rank at TP 8
+    assert kv_bytes_per_token(m, 1, "bf16") == layers * 2 * kv_heads * head_dim * 2 == 253_952
+    assert kv_bytes_per_token(m, 8, "bf16") == 253_952 // 8 and kv_bytes_per_token(m, 8, "fp8") == 253_952 // 16
+    # block-wise fp8 (1 byte a weight, a 4-byte scale per 128 x 128 block); embeddings and LM head in 16 bits
+    assert m.checkpoint_quantization == "fp8" and m.quantization_method == "fp8"
+    plain = 2 * vocab * hidden
+    assert m.checkpoint_weight_bytes == pytest.approx((total - plain) * (1 + 4 / 128**2) + plain * 2, rel=1e-6)
 
 def test_families_cover_the_brief():
     families = {catalog.model_facts(model_id).family for model_id in catalog.list_models()}

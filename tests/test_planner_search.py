@@ -336,6 +336,29 @@ def test_expert_parallelism_is_an_option_for_moe_models_on_vllm():
              hardware=catalog.accelerator_facts("a100-80gb", 16))
 
 
+
+def test_experts_split_into_partial_quantization_blocks_are_not_planned_where_vllm_refuses_them():
+    # MiniMax-M2.5's fp8 experts are 1536 wide in 128 x 128 blocks: TP 8 leaves each rank 192 columns, which
+    # vLLM refuses to load (validate_fp8_block_shape_moe); TP 4 (384, three blocks) or whole experts load.
+    minimax = catalog.model_facts("MiniMaxAI/MiniMax-M2.5")
+    p5 = catalog.hardware_facts("ml.p5.48xlarge")
+    assert (minimax.quantization_block, minimax.intermediate_size) == (128, 1536)
+    with pytest.raises(NoFeasiblePlanError) as err:
+        plan(spec(pin={"tensor_parallel_degree": 8, "data_parallel_degree": 1}), model=minimax, hardware=p5)
+    assert ("TP 8 splits the 1536-wide experts into 192 columns per rank, not whole 128-column blocks of the fp8 "
+            "checkpoint (vLLM refuses to load that); pin.expert_parallel = true keeps whole experts per rank") in str(
+        err.value)
+    whole = plan(spec(pin={"tensor_parallel_degree": 8, "expert_parallel": True}), model=minimax, hardware=p5)
+    assert whole.tensor_parallel_degree == 8 and whole.vllm.enable_expert_parallel
+    chosen = plan(spec(), model=minimax, hardware=p5)
+    assert chosen.vllm.enable_expert_parallel or (1536 // chosen.tensor_parallel_degree) % 128 == 0
+    # DeepSeek-V3's 2048-wide experts split into whole blocks up to TP 16: nothing changes for it
+    from lmc.planner.search import unaligned_expert_split
+
+    deepseek = catalog.model_facts("deepseek-ai/DeepSeek-V3")
+    assert [unaligned_expert_split(deepseek, tp) for tp in (1, 2, 4, 8, 16)] == [None] * 5
+    assert unaligned_expert_split(catalog.model_facts("Qwen/Qwen3-235B-A22B"), 8) is None  # bf16: no blocks
+
 def test_data_parallel_groups_across_instances_are_weighed_when_nothing_fits_one():
     """DeepSeek-V3 on two p5.48xlarge (8 × H100 each: the fp8 checkpoint fits neither instance alone): beside
     TP 8 × PP 2 the search lays DP × TP groups over all 16 GPUs of both instances, their all-gathers crossing

@@ -193,6 +193,22 @@ def test_a_quantized_checkpoint_aiconfigurator_does_not_bundle_runs_on_its_kerne
         "lmc roofline (latency.py); aiconfigurator has no data for vLLM's kernels of a fp8 checkpoint on a100-40gb")
 
 
+def test_an_expert_parallel_plan_is_stepped_as_aiconfigurators_expert_parallel_moe():
+    # MiniMax-M2.5's fp8 experts are 1536 wide in 128 x 128 blocks: split over 8 ranks (192 each) they fit no
+    # block, which vLLM refuses and aiconfigurator too; whole experts on each rank (EP 8) are what it measured.
+    pytest.importorskip("aiconfigurator_core")
+    minimax = catalog.model_facts("MiniMaxAI/MiniMax-M2.5")
+    split = step_times(minimax, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8))
+    assert isinstance(split, RooflineSteps) and "moe_tp_size=8) % weight_block_size=128" in split.source
+    whole = step_times(minimax, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8, ep=True))
+    assert isinstance(whole, MeasuredSteps)
+    assert (whole.compile_args["moe_tp_size"], whole.compile_args["moe_ep_size"]) == (1, 8)
+    pinned = plan({"target": {"instance": "ml.p5.48xlarge"},
+                   "pin": {"engine": "vllm", "tensor_parallel_degree": 8, "expert_parallel": True, "replicas": 1}},
+                  minimax, H100)
+    # measured data, which only the expert-parallel layout has (the split one is lmc's roofline, above)
+    assert pinned.vllm.enable_expert_parallel and pinned.predicted.step_times == whole.source
+
 # The MoE layouts engines.toml's moe_layer_overhead_ms was derived from (aiconfigurator's measured data on H100).
 MOE_LAYOUTS = [("openai/gpt-oss-20b", 1), ("openai/gpt-oss-120b", 1), ("openai/gpt-oss-120b", 8),
                ("Qwen/Qwen3-30B-A3B", 1), ("Qwen/Qwen3-235B-A22B", 8), ("mistralai/Mixtral-8x7B-v0.1", 2),

@@ -5,8 +5,8 @@ configs use for the same things:
 
 - attention: `num_key_value_heads` (GQA/MQA), an explicit `head_dim`, MLA (`kv_lora_rank`,
   `q_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`: DeepSeek-V2/V3/R1, Kimi K2),
-  biases (`attention_bias`; Qwen2's q/k/v biases; GLM-4.x MoE's on q/k/v only), per-head q/k norms
-  (Qwen3, Gemma 3, OLMo 2; GLM-4.x MoE's where `use_qk_norm`), attention sinks (gpt-oss);
+  biases (`attention_bias`; Qwen2's q/k/v biases; GLM-4.x MoE's on q/k/v only), q/k norms (Qwen3, Gemma 3,
+  OLMo 2, MiniMax-M2; GLM-4.x MoE's where `use_qk_norm`), attention sinks (gpt-oss);
 - per-layer attention kinds: `layer_types` ("sliding_attention" / "full_attention"), else
   `sliding_window_pattern` (Gemma 3: every n-th layer full), else `sliding_window` with
   `use_sliding_window` (Qwen2-style: `max_window_layers`);
@@ -41,9 +41,10 @@ from lmc.planner.facts import DTYPE_BYTES, ModelFacts
 
 # model_types whose q/k/v projections carry biases without an `attention_bias` key.
 _QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
-# model_types with a per-head RMSNorm on queries and keys (width head_dim; OLMo 2's spans all heads).
+# model_types with a per-head RMSNorm on queries and keys (width head_dim; OLMo 2's and MiniMax-M2's, whose
+# config says qk_norm_type "per_layer", span all heads).
 _QK_NORM_HEAD = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "qwen3_next")
-_QK_NORM_ALL = ("olmo2", "olmo3")
+_QK_NORM_ALL = ("olmo2", "olmo3", "minimax_m2")
 # model_types whose per-head q/k RMSNorm is switched by `use_qk_norm` (GLM-4.5/4.6/4.7 set it, GLM-4.5-Air not).
 _QK_NORM_HEAD_IF_SET = ("glm4_moe",)
 # model_types whose `attention_bias` puts biases on q/k/v only, never on o_proj.
@@ -70,6 +71,7 @@ class Quantization:
     weights: str  # lmc's name for the stored weights: fp8, int8, int4, mxfp4
     bits_per_weight: float  # including scales and zeros, averaged over the quantized weights
     experts_only: bool  # only the routed experts are quantized (gpt-oss MXFP4)
+    block: int = 0  # block-wise scales: the block along a weight's output rows (fp8 weight_block_size[0])
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +102,7 @@ def quantization(config: dict[str, Any], where: str = "config.json") -> Quantiza
         block = q.get("weight_block_size") or [0, 0]
         # Block-wise scales (DeepSeek-V3: one fp32 per 128 × 128 block) add 32 / block area bits.
         scale_bits = 32 / (block[0] * block[1]) if block and all(block) else 0.0
-        return Quantization(method, "fp8", 8 + scale_bits, False)
+        return Quantization(method, "fp8", 8 + scale_bits, False, int(block[0]) if scale_bits else 0)
     if method == "mxfp4":
         return Quantization(method, "mxfp4", 4 + 8 / 32, True)  # 4-bit values, one 8-bit scale per 32
     if method in ("awq", "gptq", "autoround", "auto-round"):
@@ -421,7 +423,8 @@ def facts_from_config(config: dict[str, Any], model_id: str, *, source: str,
     if q is not None:
         plain = checkpoint_weight_bytes(total + vision, experts, embedding or facts.vocab_size * facts.hidden_size,
                                                      facts.tie_word_embeddings, q, DTYPE_BYTES.get(facts.torch_dtype, 2))
-        update.update(checkpoint_quantization=q.weights, quantization_method=q.method, checkpoint_weight_bytes=plain)
+        update.update(checkpoint_quantization=q.weights, quantization_method=q.method, checkpoint_weight_bytes=plain,
+                      quantization_block=q.block)
     return facts.model_copy(update=update)
 
 

@@ -63,6 +63,7 @@ class ModelFacts(_Facts):
     vision_parameters: int = Field(default=0, ge=0, description="Parameters outside the language model (vision tower, projector) of a multimodal wrapper; inside `parameters`.")
     checkpoint_quantization: CheckpointQuantization | None = Field(default=None, description="How the checkpoint's weights are quantized (quantization_config), None for 16/32-bit.")
     quantization_method: str | None = Field(default=None, description="quantization_config.quant_method as the checkpoint names it (fp8, awq, gptq, compressed-tensors, mxfp4, bitsandbytes).")
+    quantization_block: int = Field(default=0, ge=0, description="Block-wise quantization's block along a weight's output rows (quantization_config.weight_block_size[0]: 128 for DeepSeek-V3's 128 × 128 fp8 blocks); 0 without blocks.")
     checkpoint_weight_bytes: int | None = Field(default=None, gt=0, description="Bytes of the checkpoint's weights (exact from safetensors metadata, else from the config); None = parameters × dtype.")
     torch_dtype: DtypeName = Field(default="fp16", description="The dtype the unquantized weights are stored in.")
     source: str = Field(description="Where these facts came from: a catalog file and its citation, or a checkpoint path.")

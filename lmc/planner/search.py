@@ -316,6 +316,18 @@ def tp_unsupported(tp: int, engine: EngineFacts, model: ModelFacts) -> str | Non
     return heads_unsupported(tp, engine, model)
 
 
+def unaligned_expert_split(model: ModelFacts, tp: int) -> str | None:
+    """Why vLLM cannot split a block-quantized checkpoint's experts over `tp` ranks, or None: each rank's share
+    of an expert's width must be whole blocks (vLLM's validate_fp8_block_shape_moe refuses to load it
+    otherwise); whole experts per rank (expert parallel) keep every block."""
+    block, width = model.quantization_block, model.intermediate_size
+    if model.num_experts <= 1 or not block or tp == 1 or (width // tp) % block == 0:
+        return None
+    return (f"splits the {width}-wide experts into {width // tp} columns per rank, not whole {block}-column blocks "
+            f"of the {model.checkpoint_quantization} checkpoint (vLLM refuses to load that); pin.expert_parallel = true "
+            f"keeps whole experts per rank")
+
+
 def heads_unsupported(tp: int, engine: EngineFacts, model: ModelFacts) -> str | None:
     """Why `engine` cannot split `model`'s heads (or MLP) `tp` ways, or None: the model's own reason, which
     a TP pin's error names before any engine's missing layout."""
@@ -522,8 +534,11 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
                     rejections.append(Rejection(name, dtype, tp, max(hardware.devices // tp, 1) * spec.target.instances,
                                                 f"TP {tp} {why}", (3,)))
                     continue
+                split = None if name != "vllm" or pin.expert_parallel else unaligned_expert_split(model, tp)
                 for pp in stages:
-                    if (pin.data_parallel_degree or 1) == 1:
+                    if (pin.data_parallel_degree or 1) == 1 and split:
+                        rejections.append(Rejection(name, dtype, tp, 0, f"TP {tp} {split}", (3,)))
+                    elif (pin.data_parallel_degree or 1) == 1:
                         configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp, rejections)
                     for dp in data_parallel_degrees(spec, model, hardware, engine, tp, pp):
                         configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp, rejections,
