@@ -133,6 +133,8 @@ def test_minimax_m2_5_is_a_256_expert_top_8_moe_of_about_230b_with_fp8_blocks():
     assert kv_bytes_per_token(m, 8, "bf16") == 253_952 // 8 and kv_bytes_per_token(m, 8, "fp8") == 253_952 // 16
     # block-wise fp8 (1 byte a weight, a 4-byte scale per 128 x 128 block); embeddings and LM head in 16 bits
     assert m.checkpoint_quantization == "fp8" and m.quantization_method == "fp8"
+    # its config names no dtype: vLLM's --dtype auto runs such a checkpoint (float32 scales) in bf16 on Hopper
+    assert m.torch_dtype == "bf16"
     plain = 2 * vocab * hidden
     assert m.checkpoint_weight_bytes == pytest.approx((total - plain) * (1 + 4 / 128**2) + plain * 2, rel=1e-6)
 
