@@ -389,17 +389,27 @@ def summary(results: list[RowResult], with_aic: bool, since: str | None = None) 
     if since:
         recent = [r for r in results if (r.row.get("source_date") or "") >= since]
         out.setdefault("groups", {})[f"since {since}"] = _summary_of(recent, with_aic)
+    if with_aic:  # like with like: each figure over the rows where both lmc and aiconfigurator give it
+        out.setdefault("groups", {})["both answer"] = _summary_of(results, with_aic, paired=True)
+        if since:
+            out["groups"][f"both answer, since {since}"] = _summary_of(recent, with_aic, paired=True)
     return out
 
 
-def _summary_of(results: list[RowResult], with_aic: bool) -> dict:
+def _summary_of(results: list[RowResult], with_aic: bool, paired: bool = False) -> dict:
+    """`paired`: each metric over only the rows where lmc's and aiconfigurator's errors both exist."""
     out = {"rows": len(results), "lmc_planned": sum(1 for r in results if "error" not in r.lmc)}
     for who in ("lmc", "aiconfigurator") if with_aic else ("lmc",):
         key = "lmc" if who == "lmc" else "aic"
         answered = [r for r in results if getattr(r, key) and "error" not in getattr(r, key)]
         out[f"{who}_answered"] = len(answered)
         for metric in MEASURED:
-            s = summarize([r.errors(key)[metric] for r in answered])
+            if paired:
+                both = [r for r in answered if r.aic and "error" not in r.aic and "error" not in r.lmc
+                        and r.errors("lmc")[metric] is not None and r.errors("aic")[metric] is not None]
+                s = summarize([r.errors(key)[metric] for r in both])
+            else:
+                s = summarize([r.errors(key)[metric] for r in answered])
             out[f"{who}_{metric}"] = {"median_abs_pct": _round(s.median_abs), "worst_abs_pct": _round(s.worst_abs),
                                       "n": s.n}
     return out

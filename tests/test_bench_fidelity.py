@@ -83,6 +83,13 @@ def test_errors_and_medians_on_two_hand_made_rows():
     assert stats["aiconfigurator_answered"] == 0 and stats["lmc_planned"] == 2
     assert stats["groups"]["hand-a"]["lmc_tpot_ms"] == {"median_abs_pct": 25.0, "worst_abs_pct": 25.0, "n": 1}
     assert stats["groups"]["hand-b"]["lmc_output_throughput_tok_s"]["median_abs_pct"] == 60.0
+    # Like with like: only rows where both give the figure; aiconfigurator refused the second, answered the first.
+    third = fidelity.RowResult(row("hand-c-1", tpot_ms=10.0), lmc={"tpot_ms": 13.0, "ttft_ms": None,
+                                                                   "output_throughput_tok_s": None},
+                               aic={"tpot_ms": 11.0, "ttft_ms": None, "output_throughput_tok_s": None})
+    both = fidelity.summary([first, second, third], with_aic=True)["groups"]["both answer"]
+    assert both["lmc_tpot_ms"] == {"median_abs_pct": 30.0, "worst_abs_pct": 30.0, "n": 1}
+    assert both["aiconfigurator_tpot_ms"]["n"] == 1 and both["lmc_ttft_ms"]["n"] == 0
 
 
 def test_aiconfigurator_report_is_parsed_and_refusals_kept():
