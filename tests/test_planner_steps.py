@@ -63,16 +63,16 @@ def test_an_expert_parallel_plan_asks_for_whole_experts_per_rank():
     qwen235 = catalog.model_facts("Qwen/Qwen3-235B-A22B")
     body = {"target": {"instance": "ml.p5.48xlarge"},
             "workload": {"max_input_tokens": 1024, "max_output_tokens": 1024, "concurrency": 16},
-            "pin": {"engine": "vllm", "tensor_parallel_degree": 8, "dtype": "fp8", "replicas": 1}}
+            "pin": {"engine": "vllm", "tensor_parallel_degree": 8, "dtype": "bf16", "replicas": 1}}
     split = plan(body, qwen235, H100)
     whole = plan({**body, "pin": {**body["pin"], "expert_parallel": True}}, qwen235, H100)
     assert whole.vllm.enable_expert_parallel and not split.vllm.enable_expert_parallel
     # vLLM --enable-expert-parallel at TP 8: each rank holds 16 whole experts (aiconfigurator's moe_ep_size 8),
     # without it every expert is split 8 ways (moe_tp_size 8): different kernels, different step times.
-    args = {"backend_version": "0.24.0", "tp_size": 8, "gemm_quant_mode": "fp8", "moe_quant_mode": "fp8"}
+    args = {"backend_version": "0.24.0", "tp_size": 8, "gemm_quant_mode": "bfloat16", "moe_quant_mode": "bfloat16"}
     for p, moe in ((split, {"moe_tp_size": 8, "moe_ep_size": 1}), (whole, {"moe_tp_size": 1, "moe_ep_size": 8})):
         sdk = EngineHandle.compile("Qwen/Qwen3-235B-A22B", "h100_sxm", "vllm", **args, **moe)
-        s = step_times(qwen235, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8, 1, p.vllm.enable_expert_parallel))
+        s = step_times(qwen235, H100, VLLM, StepLayout("vllm", "bf16", "bf16", 8, 1, p.vllm.enable_expert_parallel))
         assert s.decode_ms(16, 1536) == pytest.approx(sdk.decode_step_latency(16, 1535, 1), rel=1e-9)
     assert whole.predicted.tpot_ms != split.predicted.tpot_ms
 
@@ -213,6 +213,28 @@ def test_an_expert_parallel_plan_is_stepped_as_aiconfigurators_expert_parallel_m
 MOE_LAYOUTS = [("openai/gpt-oss-20b", 1), ("openai/gpt-oss-120b", 1), ("openai/gpt-oss-120b", 8),
                ("Qwen/Qwen3-30B-A3B", 1), ("Qwen/Qwen3-235B-A22B", 8), ("mistralai/Mixtral-8x7B-v0.1", 2),
                ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 4)]
+
+
+# Whole 128-column blocks per rank, which aiconfigurator's Triton fp8 data need.
+FP8_MOE_LAYOUTS = [("Qwen/Qwen3-30B-A3B", 1, False), ("Qwen/Qwen3-235B-A22B", 8, True),
+                   ("mistralai/Mixtral-8x7B-v0.1", 2, False)]
+
+
+def test_online_fp8_experts_are_stepped_as_the_triton_kernel_vllm_runs_for_them():
+    # vLLM's online fp8 (dynamic activation scales) runs Triton's fused fp8 MoE: aiconfigurator's "fp8_block" table.
+    # Its "fp8" table is FlashInfer's CUTLASS experts with static scales (ModelOpt checkpoints), 1.3-4.1x slower at
+    # decode batches, which planned lmc's fp8 MoE layouts before; lmc's own model agrees with the Triton data.
+    pytest.importorskip("aiconfigurator_core")
+    ratios = []
+    for model_id, tp, ep in FP8_MOE_LAYOUTS:
+        model = catalog.model_facts(model_id)
+        layout = StepLayout("vllm", "fp8", "bf16", tp, 1, ep)
+        measured = step_times(model, H100, VLLM, layout)
+        assert isinstance(measured, MeasuredSteps), model_id
+        assert (measured.compile_args["gemm_quant_mode"], measured.compile_args["moe_quant_mode"]) == ("fp8", "fp8_block")
+        own = RooflineSteps(model, H100, VLLM, layout)
+        ratios += [own.decode_ms(batch, 1024) / measured.decode_ms(batch, 1024) for batch in (1, 4, 16, 64)]
+    assert all(0.7 <= ratio <= 1.3 for ratio in ratios), [round(ratio, 2) for ratio in ratios]
 
 
 def test_lmcs_own_moe_decode_step_stays_near_the_measured_data_at_small_batches():

@@ -280,7 +280,11 @@ def aic_quant_modes(model: ModelFacts, hardware: HardwareFacts, layout: StepLayo
     if layout.dtype == "fp8":
         if "fp8" not in hardware.dtypes:
             return f"aiconfigurator has no weight-only fp8 kernels for {hardware.accelerator}"
-        modes.update(gemm_quant_mode="fp8", moe_quant_mode="fp8")
+        # The experts: vLLM's online fp8 quantizes activations dynamically, which FlashInfer's CUTLASS experts
+        # (static scales only: aiconfigurator's "fp8" table, ModelOpt checkpoints) do not take and vLLM's own
+        # CUTLASS path is off by default (fused_moe/oracle/fp8.py), so it runs Triton's fused fp8 MoE: the
+        # kernel of aiconfigurator's "fp8_block" table.
+        modes.update(gemm_quant_mode="fp8", moe_quant_mode="fp8_block")
     elif layout.dtype in ("bf16", "fp16"):
         modes.update(gemm_quant_mode="bfloat16", moe_quant_mode="bfloat16")
     else:
