@@ -12,6 +12,7 @@ from lmc.planner import catalog
 from lmc.planner.benchmark_run import burst, list_schedule_ms, vllm_benchmark_run
 from lmc.planner.engines import engine_facts
 from lmc.planner.vllm import VllmLayout, vllm_predict
+from lmc.planner.steps import own_server_ms
 
 VLLM = engine_facts()["vllm"]
 QWEN8 = catalog.model_facts("Qwen/Qwen3-8B")
@@ -32,6 +33,9 @@ class ConstantSteps:
 
     def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float:
         return 100.0
+
+    def server_ms(self, efficiency, prompt: int) -> float:
+        return own_server_ms(efficiency, prompt)
 
 
 LAYOUT = VllmLayout(block_size=16, blocks=100_000, bytes_per_block=1, pool_bytes=100_000, max_num_seqs=4,

@@ -77,6 +77,32 @@ def test_an_expert_parallel_plan_asks_for_whole_experts_per_rank():
     assert whole.predicted.tpot_ms != split.predicted.tpot_ms
 
 
+def test_a_requests_own_overhead_is_aiconfigurators_where_its_data_answer():
+    # Its kernel data leave out the CPU's dispatch and the server; its vLLM backend adds, to every TTFT, an overhead
+    # calibrated against its measured serving runs, which lmc takes instead of engines.toml's fixed 8 ms.
+    pytest.importorskip("aiconfigurator_core")
+    from aiconfigurator_core.sdk.backends.vllm_backend import VLLMBackend
+
+    efficiency = VLLM.efficiency["gpu"]
+    measured = step_times(LLAMA70, H100, VLLM, StepLayout("vllm", "bf16", "bf16", 8))
+    assert isinstance(measured, MeasuredSteps)
+
+    class Model:  # what its method reads
+        _num_layers = LLAMA70.layers
+
+    theirs = VLLMBackend()._prefill_dispatch_overhead_ms(Model())
+    assert theirs > 4 * efficiency.request_overhead_ms  # 80 layers: 64 ms against 8
+    assert measured.server_ms(efficiency, 1000) == pytest.approx(theirs + efficiency.tokenize_us_per_token * 1e-3 * 1000)
+    own = RooflineSteps(LLAMA70, A10G, VLLM, BF16)
+    assert own.server_ms(efficiency, 1000) == pytest.approx(efficiency.request_overhead_ms
+                                                            + efficiency.tokenize_us_per_token * 1e-3 * 1000)
+    # The plan's TTFT at one request: that overhead, then the prompt's prefill.
+    p = plan({"target": {"instance": "ml.p5.48xlarge"}, "workload": {"max_input_tokens": 1000, "max_output_tokens": 100,
+                                                                   "concurrency": 1},
+              "pin": {"engine": "vllm", "tensor_parallel_degree": 8, "dtype": "bf16", "replicas": 1}}, LLAMA70, H100)
+    assert p.predicted.ttft_ms == pytest.approx(measured.server_ms(efficiency, 1000) + measured.prefill_ms(1000), abs=0.01)
+
+
 def test_a_second_plan_reads_the_step_times_from_disk_without_aiconfigurator(tmp_path, monkeypatch):
     pytest.importorskip("aiconfigurator_core")
     monkeypatch.setenv("HF_HOME", str(tmp_path))

@@ -113,7 +113,7 @@ def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: Engin
     per_group = prompts / groups
     running = running_sequences(layout.max_num_seqs, 1, clients)
     efficiency = engine.efficiency[hardware.kind]
-    server = efficiency.request_overhead_ms + efficiency.tokenize_us_per_token * input_tokens * 1e-3
+    server = steps.server_ms(efficiency, input_tokens)
     context = decode_context(input_tokens, output_tokens)
     gaps = output_tokens - 1
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from lmc.planner.facts import EngineFacts, HardwareFacts, ModelFacts
+from lmc.planner.facts import EngineEfficiency, EngineFacts, HardwareFacts, ModelFacts
 from lmc.planner.latency import tpot_ms, ttft_ms
 
 # The aiconfigurator-core release lmc reads (pyproject pins it); part of every cache key.
@@ -59,6 +59,15 @@ class StepTimes(Protocol):
     def decode_ms(self, batch: int, context: int) -> float: ...
 
     def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float: ...
+
+    def server_ms(self, efficiency: EngineEfficiency, prompt: int) -> float:
+        """What a request pays outside the engine's steps before its first token (its TTFT only)."""
+        ...
+
+
+def own_server_ms(efficiency: EngineEfficiency, prompt: int) -> float:
+    """engines.toml's figures: the server's fixed work per request, and tokenizing the prompt."""
+    return efficiency.request_overhead_ms + efficiency.tokenize_us_per_token * prompt * 1e-3
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,9 @@ class RooflineSteps:
         return tpot_ms(self.model, self.hardware, self.engine, lay.dtype, lay.tp, batch, context, 0, lay.dp,
                        kv_dtype=lay.kv_dtype)
 
+    def server_ms(self, efficiency: EngineEfficiency, prompt: int) -> float:
+        return own_server_ms(efficiency, prompt)
+
     def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float:
         # The chunk's prefill beyond a one-token pass (the weights are read once for the whole step).
         extra = max(self.prefill_ms(chunk) - self.prefill_ms(1), 0.0)
@@ -112,6 +124,7 @@ class MeasuredSteps:
     model_ref: str  # a folder holding the model's config.json
     compile_args: dict
     cache_file: Path | None
+    layers: int = 0  # the model's decoder layers (aiconfigurator's per-request dispatch overhead scales with them)
     _answers: dict = field(default_factory=dict)  # query key → ms; "error" → why it cannot answer
     _handle: object | None = None
     _loaded: bool = False
@@ -129,6 +142,18 @@ class MeasuredSteps:
         # aiconfigurator's decode step reads the KV cache at isl + osl // 2 + 1 tokens: osl 1 → context + 1.
         ctx = max(context - 1, 1)
         return self._ask(f"d{batch},{ctx}", lambda h: h.decode_step_latency(max(batch, 1), ctx, 1))
+
+    def server_ms(self, efficiency: EngineEfficiency, prompt: int) -> float:
+        """aiconfigurator's own per-request overhead for its engine instead of engines.toml's fixed term (its
+        kernel data leave out the CPU's dispatch and the server, which its vLLM backend adds to every TTFT,
+        calibrated against its measured serving runs: `_prefill_dispatch_overhead_ms`), and tokenizing."""
+        if "dispatch" not in self._answers:
+            self._answers.update(_read_cache(self.cache_file) if not self._loaded else {})
+            self._loaded = True
+        if "dispatch" not in self._answers:
+            self._answers["dispatch"] = _dispatch_overhead_ms(self.backend, self.layers)
+            self._dirty = True
+        return self._answers["dispatch"] + efficiency.tokenize_us_per_token * prompt * 1e-3
 
     def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float:
         if batch <= 0:
@@ -235,7 +260,7 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
         return f"no writable folder for the model's config under HF_HOME ({exc.strerror})"
     if digest not in _MEASURED:  # one per layout per process: its answers and compiled engine are reused
         cache_file = folder / f"{system}--{backend}" / f"{digest}.json"
-        _MEASURED[digest] = MeasuredSteps(system, backend, ref, args, cache_file)
+        _MEASURED[digest] = MeasuredSteps(system, backend, ref, args, cache_file, model.layers)
     return _MEASURED[digest]
 
 
@@ -354,6 +379,16 @@ def _bundled_config_text(model_id: str) -> str | None:
 def _bundled_config(model_id: str) -> dict | None:
     text = _bundled_config_text(model_id)
     return None if text is None else json.loads(text)
+
+
+def _dispatch_overhead_ms(backend: str, layers: int) -> float:
+    """aiconfigurator's per-request overhead of `backend` for a model of `layers` decoder layers (its backend's
+    `_prefill_dispatch_overhead_ms`, which reads only the layer count)."""
+    from types import SimpleNamespace
+
+    from aiconfigurator_core.sdk.backends.factory import get_backend
+
+    return float(get_backend(backend)._prefill_dispatch_overhead_ms(SimpleNamespace(_num_layers=layers)))
 
 
 def _compile(model_ref: str, system: str, backend: str, args: dict):

@@ -325,7 +325,7 @@ def first_token_ms(steps: StepTimes, efficiency: EngineEfficiency, running: int,
     the engine core), half a step's wait for the running step to end (none when nothing runs), then the
     prompt's chunks, each a step that also carries the other running decodes and the other prompts joining
     (`joins` · input tokens a step, steady state) within the step's token budget."""
-    server = efficiency.request_overhead_ms + efficiency.tokenize_us_per_token * input_tokens * 1e-3
+    server = steps.server_ms(efficiency, input_tokens)
     others = running - 1
     if others == 0:
         return server + steps.prefill_ms(input_tokens)
