@@ -92,6 +92,11 @@ def test_a_requests_own_overhead_is_aiconfigurators_where_its_data_answer():
 
     theirs = VLLMBackend()._prefill_dispatch_overhead_ms(Model())
     assert theirs > 4 * efficiency.request_overhead_ms  # 80 layers: 64 ms against 8
+    for layers in (24, 61, 94):  # lmc's copy of the term (planning never imports aiconfigurator's backends)
+        Model._num_layers = layers
+        assert steps._dispatch_overhead_ms("vllm", layers) == pytest.approx(
+            VLLMBackend()._prefill_dispatch_overhead_ms(Model()))
+    Model._num_layers = LLAMA70.layers
     assert measured.server_ms(efficiency, 1000) == pytest.approx(theirs + efficiency.tokenize_us_per_token * 1e-3 * 1000)
     own = RooflineSteps(LLAMA70, A10G, VLLM, BF16)
     assert own.server_ms(efficiency, 1000) == pytest.approx(efficiency.request_overhead_ms
