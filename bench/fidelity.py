@@ -399,17 +399,15 @@ def summary(results: list[RowResult], with_aic: bool, since: str | None = None) 
 def _summary_of(results: list[RowResult], with_aic: bool, paired: bool = False) -> dict:
     """`paired`: each metric over only the rows where lmc's and aiconfigurator's errors both exist."""
     out = {"rows": len(results), "lmc_planned": sum(1 for r in results if "error" not in r.lmc)}
+    scored = [r for r in results if r.aic and "error" not in r.aic and "error" not in r.lmc]
+    both = {metric: [r for r in scored if None not in (r.errors("lmc")[metric], r.errors("aic")[metric])]
+            for metric in MEASURED} if paired else None
     for who in ("lmc", "aiconfigurator") if with_aic else ("lmc",):
         key = "lmc" if who == "lmc" else "aic"
         answered = [r for r in results if getattr(r, key) and "error" not in getattr(r, key)]
         out[f"{who}_answered"] = len(answered)
         for metric in MEASURED:
-            if paired:
-                both = [r for r in answered if r.aic and "error" not in r.aic and "error" not in r.lmc
-                        and r.errors("lmc")[metric] is not None and r.errors("aic")[metric] is not None]
-                s = summarize([r.errors(key)[metric] for r in both])
-            else:
-                s = summarize([r.errors(key)[metric] for r in answered])
+            s = summarize([r.errors(key)[metric] for r in (both[metric] if both is not None else answered)])
             out[f"{who}_{metric}"] = {"median_abs_pct": _round(s.median_abs), "worst_abs_pct": _round(s.worst_abs),
                                       "n": s.n}
     return out

@@ -534,11 +534,13 @@ def enumerate_configs(spec, model: ModelFacts, hardware: HardwareFacts, engines:
                     rejections.append(Rejection(name, dtype, tp, max(hardware.devices // tp, 1) * spec.target.instances,
                                                 f"TP {tp} {why}", (3,)))
                     continue
+                # Without data-parallel groups (which place whole experts), vLLM splits each expert TP ways.
                 split = None if name != "vllm" or pin.expert_parallel else unaligned_expert_split(model, tp)
+                tp_alone = (pin.data_parallel_degree or 1) == 1
+                if tp_alone and split:
+                    rejections.append(Rejection(name, dtype, tp, 0, f"TP {tp} {split}", (3,)))
                 for pp in stages:
-                    if (pin.data_parallel_degree or 1) == 1 and split:
-                        rejections.append(Rejection(name, dtype, tp, 0, f"TP {tp} {split}", (3,)))
-                    elif (pin.data_parallel_degree or 1) == 1:
+                    if tp_alone and not split:
                         configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp, rejections)
                     for dp in data_parallel_degrees(spec, model, hardware, engine, tp, pp):
                         configs += _stage_configs(spec, model, hardware, engine, efficiency, dtype, tp, pp, rejections,
@@ -650,7 +652,8 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
             memory, layout = vllm_memory(staged, hardware, engine, efficiency, dtype, tp, batch, load.max_input_tokens,
                                          load.max_output_tokens, budget.memory_fraction, budget.memory_per_device, dp,
                                          kv_fp8=kv_fp8)
-            layout = replace(layout, auto_kv_sequences=auto_kv, expert_parallel=bool(pin.expert_parallel) or dp > 1)
+            layout = replace(layout, auto_kv_sequences=auto_kv,
+                             expert_parallel=bool(pin.expert_parallel) or (dp > 1 and model.num_experts > 1))
         else:
             memory = memory_per_device(staged, hardware, engine, efficiency, dtype, tp, batch,
                                        load.max_input_tokens, load.max_output_tokens,

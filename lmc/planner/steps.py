@@ -65,9 +65,14 @@ class StepTimes(Protocol):
         ...
 
 
+def tokenize_ms(efficiency: EngineEfficiency, prompt: int) -> float:
+    """Tokenizing the prompt in the server (engines.toml), on either step-time source."""
+    return efficiency.tokenize_us_per_token * prompt * 1e-3
+
+
 def own_server_ms(efficiency: EngineEfficiency, prompt: int) -> float:
     """engines.toml's figures: the server's fixed work per request, and tokenizing the prompt."""
-    return efficiency.request_overhead_ms + efficiency.tokenize_us_per_token * prompt * 1e-3
+    return efficiency.request_overhead_ms + tokenize_ms(efficiency, prompt)
 
 
 @dataclass(frozen=True)
@@ -147,13 +152,7 @@ class MeasuredSteps:
         """aiconfigurator's own per-request overhead for its engine instead of engines.toml's fixed term (its
         kernel data leave out the CPU's dispatch and the server, which its vLLM backend adds to every TTFT,
         calibrated against its measured serving runs: `_prefill_dispatch_overhead_ms`), and tokenizing."""
-        if "dispatch" not in self._answers:
-            self._answers.update(_read_cache(self.cache_file) if not self._loaded else {})
-            self._loaded = True
-        if "dispatch" not in self._answers:
-            self._answers["dispatch"] = _dispatch_overhead_ms(self.backend, self.layers)
-            self._dirty = True
-        return self._answers["dispatch"] + efficiency.tokenize_us_per_token * prompt * 1e-3
+        return _dispatch_overhead_ms(self.backend, self.layers) + tokenize_ms(efficiency, prompt)
 
     def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float:
         if batch <= 0:

@@ -104,7 +104,7 @@ class VllmLayout:
     data_parallel_size: int = 1  # DP attention groups of TP ranks, experts spread over all (MoE); max_num_seqs is per group
     kv_dtype: str = "bf16"  # the KV cache's dtype: the compute dtype, or fp8 (vLLM --kv-cache-dtype fp8)
     auto_kv_sequences: int = 0  # with an fp8 KV cache: the sequences a compute-dtype pool would hold
-    expert_parallel: bool = False  # vLLM --enable-expert-parallel (MoE): whole experts per rank (always with dp > 1)
+    expert_parallel: bool = False  # vLLM --enable-expert-parallel (MoE): whole experts per rank (pinned, or DP > 1)
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -422,8 +422,7 @@ def vllm_section(layout: VllmLayout, model: ModelFacts, hardware: HardwareFacts,
                       kv_cache_dtype="fp8" if layout.kv_dtype == "fp8" else "auto",
                       dtype=VLLM_DTYPES[compute_dtype(dtype, model, hardware)],
                       quantization="fp8" if online_fp8 else None,
-                      enable_expert_parallel=bool(spec.pin.expert_parallel) or (layout.data_parallel_size > 1
-                                                                  and model.num_experts > 1),
+                      enable_expert_parallel=layout.expert_parallel,
                       data_parallel_size=layout.data_parallel_size,
                       max_num_queued_reqs=admitted.bound, retry_after_s=admitted.retry_after_s,
                       tool_call_parser=spec.serving.tool_call_parser, reasoning_parser=spec.serving.reasoning_parser)
