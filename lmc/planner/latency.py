@@ -15,7 +15,8 @@ Prefill (TTFT, one max_input_tokens prompt), compute-bound:
     (2 · active parameters · input / TP + attention FLOPs) / (peak TFLOPS · prefill_compute)
     + weight bytes / bandwidth + all-reduces of input·hidden activations + fixed + prefill_overhead.
 MoE: compute uses the active parameters (experts_per_token of num_experts); the bandwidth term reads
-the experts the batch touches: E · (1 − (1 − k/E)^batch) of them per layer.
+the experts the batch touches: E · (1 − (1 − k/E)^batch) of them per layer; with expert parallelism
+(whole experts per rank) the busiest rank's share, E[max over ranks] of its Binomial count (expert_imbalance).
 """
 
 from __future__ import annotations
@@ -230,15 +231,38 @@ def allgather_ms(hardware: HardwareFacts, efficiency: EngineEfficiency, ranks: i
     return (latency + max(inside, outside) + efficiency.allreduce_overhead_us) * 1e-3
 
 
-def dp_weight_bytes(weights: float, model: ModelFacts, dp: int, tokens: int | None = None) -> float:
+def expert_imbalance(model: ModelFacts, ranks: int, tokens: int) -> float:
+    """With expert parallelism over `ranks` (each holds num_experts / ranks whole experts), how many more
+    experts the busiest rank reads in a step of `tokens` routed tokens than a rank does on average: every rank
+    waits for the busiest at the step's collectives. Each rank's touched experts are counted as
+    Binomial(experts per rank, touched share) under uniform routing, and the ratio is E[max of `ranks` of them]
+    over their mean (1 where experts are split over the ranks instead, or all are touched). A trained router's
+    skew only adds to it."""
+    if model.num_experts <= 1 or ranks <= 1 or model.num_experts % ranks:
+        return 1.0
+    per_rank = model.num_experts // ranks
+    p = _moe_touched_share(model, tokens)
+    if p <= 0.0 or p >= 1.0:
+        return 1.0
+    below = 0.0  # P(count <= m) for one rank
+    expected_max = 0.0
+    for m in range(per_rank):
+        below = min(below + math.comb(per_rank, m) * p ** m * (1 - p) ** (per_rank - m), 1.0)
+        expected_max += 1.0 - below ** ranks
+    return expected_max / (per_rank * p)
+
+
+def dp_weight_bytes(weights: float, model: ModelFacts, dp: int, tokens: int | None = None,
+                    ranks: int = 1) -> float:
     """Per-rank weight bytes with data-parallel attention over `dp` groups and expert parallelism: the
     routed experts are spread over dp times the ranks. `tokens`: a step's tokens (all groups'), which
-    decide the experts it reads; None: every expert the rank holds."""
+    decide the experts it reads; None: every expert the rank holds. `ranks` > 1: whole experts over that many
+    ranks (expert parallelism), and the busiest rank's experts count (`expert_imbalance`)."""
     share = _expert_share(model)
     if not share:
         return weights
-    touched = 1.0 if tokens is None else _moe_touched_share(model, tokens)
-    return weights * (1 - share) + weights * share * touched / dp
+    touched = 1.0 if tokens is None else _moe_touched_share(model, tokens) * expert_imbalance(model, ranks, tokens)
+    return weights * (1 - share) + weights * share * min(touched, 1.0) / dp
 
 
 def _dp_comm_ms(model: ModelFacts, hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int, dp: int,
@@ -264,14 +288,18 @@ def _dp_comm_ms(model: ModelFacts, hardware: HardwareFacts, efficiency: EngineEf
 
 
 def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int, batch: int,
-            input_tokens: int, output_tokens: int, dp: int = 1, kv_dtype: str | None = None) -> float:
+            input_tokens: int, output_tokens: int, dp: int = 1, kv_dtype: str | None = None,
+            ep: bool = False) -> float:
     """Time per output token at `batch` sequences, context averaged over the generation. `dp` > 1: an
     MoE model with data-parallel attention and expert parallelism (vLLM --data-parallel-size with
     --enable-expert-parallel): `batch` is one DP group's, and every group steps together. `kv_dtype`: the
-    KV cache's dtype where it is not the compute dtype (an fp8 KV cache)."""
+    KV cache's dtype where it is not the compute dtype (an fp8 KV cache). `ep`: expert parallelism at one DP
+    group (whole experts on each TP rank); with either, the busiest rank's experts set the step."""
     efficiency = efficiency_for(engine, model, hardware, dtype)
     act = compute_dtype(dtype, model, hardware)
-    weights = dp_weight_bytes(decode_weight_bytes(model, engine, dtype, tp, hardware), model, dp, batch * dp)
+    expert_ranks = tp * dp if ep or dp > 1 else 1
+    weights = dp_weight_bytes(decode_weight_bytes(model, engine, dtype, tp, hardware), model, dp, batch * dp,
+                              expert_ranks)
     if model.is_encoder_decoder:
         context = input_tokens + output_tokens / 2  # cross-attention over the input + self-attention so far
     else:
@@ -388,6 +416,6 @@ def cost_figures(hardware: HardwareFacts, instances: int, throughput: float) -> 
 __all__ = [
     "Timing", "WEIGHT_ONLY", "active_decode_parameters", "allgather_ms", "allreduce_ms", "allreduce_us",
     "custom_allreduce_us",
-    "cost_figures", "copy_instances", "dp_weight_bytes", "efficiency_for", "load_seconds", "moe_layer_count", "predict", "send_us",
+    "cost_figures", "copy_instances", "dp_weight_bytes", "efficiency_for", "expert_imbalance", "load_seconds", "moe_layer_count", "predict", "send_us",
     "tpot_ms", "ttft_ms",
 ]

@@ -109,7 +109,7 @@ class RooflineSteps:
     def decode_ms(self, batch: int, context: int) -> float:
         lay = self.layout
         return tpot_ms(self.model, self.hardware, self.engine, lay.dtype, lay.tp, batch, context, 0, lay.dp,
-                       kv_dtype=lay.kv_dtype)
+                       kv_dtype=lay.kv_dtype, ep=lay.ep)
 
     def server_ms(self, efficiency: EngineEfficiency, prompt: int) -> float:
         return own_server_ms(efficiency, prompt)
