@@ -11,8 +11,8 @@ import pytest
 from lmc.planner import catalog
 from lmc.planner.benchmark_run import burst, list_schedule_ms, vllm_benchmark_run
 from lmc.planner.engines import engine_facts
-from lmc.planner.vllm import VllmLayout, vllm_predict
 from lmc.planner.steps import own_server_ms
+from lmc.planner.vllm import VllmLayout, vllm_predict
 
 VLLM = engine_facts()["vllm"]
 QWEN8 = catalog.model_facts("Qwen/Qwen3-8B")
