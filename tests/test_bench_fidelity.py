@@ -192,3 +192,23 @@ def test_a_rows_data_parallel_degree_is_pinned_even_when_it_is_one():
     row = next(r for r in ROWS if r["dp"] == 1 and r["num_gpus"] == r["tp"])
     spec = parse_spec(fidelity.spec_text(row), REPO / "bench" / "data" / "x.toml").spec
     assert spec.pin.data_parallel_degree == 1  # else lmc may add DP groups of an MoE model on the instance's other GPUs
+
+
+CACHED = [row for row in ROWS if row.get("cached_prompts")]
+
+
+@pytest.mark.parametrize("row", CACHED, ids=[row["id"] for row in CACHED])
+def test_cached_prompts_are_the_earlier_runs_prompts_the_seeded_client_rebuilt(row):
+    """A row's `cached_prompts` is what its notes derive: SGLang's bench_serving builds prompt i from its seed alone
+    (numpy draws the lengths, in order), so a run repeats the first prompts of the page's run before it with the
+    same server and nominal lengths (else only its warm-up, prompt 0). Checked against the published totals: the
+    seeded draw must reproduce this run's input tokens exactly, or the derivation does not hold for it."""
+    numpy = pytest.importorskip("numpy")
+    nominal = int(re.search(r"--random-input-len (\d+)", row["notes"]).group(1))
+    total, prompts = map(int, re.search(r"published totals / requests \((\d+)/(\d+),", row["notes"]).groups())
+    assert prompts == fidelity.row_prompts(row)
+    lengths = numpy.random.RandomState(1).randint(1, nominal + 1, size=prompts)  # --seed 1, range ratio 0
+    assert int(lengths.sum()) == total
+    earlier = [other for other in ROWS if other["source_url"] == row["source_url"] and other["id"] < row["id"]
+               and f"--random-input-len {nominal} " in other["notes"]]
+    assert int(row["cached_prompts"]) == (fidelity.row_prompts(earlier[-1]) if earlier else 1)
