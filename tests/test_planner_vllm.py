@@ -108,9 +108,13 @@ def test_t5_is_refused_with_the_reason():
                        "not in its model registry (V1 dropped encoder-decoder support)"]
 
 
-def test_fp8_only_where_the_hardware_has_it():
-    with pytest.raises(SpecValueError, match="l40s has no fp8|a10g has no fp8"):
-        plan(spec(instance="ml.g5.12xlarge", pin={"engine": "vllm", "dtype": "fp8"}), hardware=G5)
+def test_fp8_computes_in_fp8_where_the_hardware_has_it_else_a_pin_gets_vllms_weight_only_fp8():
+    # Without fp8 compute (A10G) vLLM's fp8 runs weight-only (Marlin), which the search plans unpinned too, so a pin
+    # may ask for it; an engine without that path is refused.
+    p = plan(spec(instance="ml.g5.12xlarge", pin={"engine": "vllm", "dtype": "fp8"}), hardware=G5)
+    assert p.dtype == "fp8" and p.quantization.startswith("fp8 weight-only (vLLM --quantization fp8 on a10g")
+    with pytest.raises(SpecValueError, match="a10g has no fp8 support; use bf16 or fp16"):
+        plan(spec(instance="ml.g5.12xlarge", pin={"engine": "hf", "dtype": "fp8"}), hardware=G5)
     p = plan(spec(instance="ml.p5.48xlarge", pin={"engine": "vllm", "dtype": "fp8"}), hardware=P5)
     assert p.dtype == "fp8" and p.quantization.startswith("fp8 (vLLM --quantization fp8")
 

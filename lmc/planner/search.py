@@ -365,7 +365,9 @@ def check_pins(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[s
             raise SpecValueError("pin.engine", pin.engine, f"{why}; engines that can: {others}")
         usable = {pin.engine: engines[pin.engine]}
     if pin.dtype is not None:
-        why = allowed_dtype(pin.dtype, hardware)
+        # What the search would plan is what a pin may ask for: vLLM's weight-only fp8 on GPUs without fp8 compute.
+        why = None if any(allowed_dtype(pin.dtype, hardware, model, e) is None for e in usable.values()) \
+            else allowed_dtype(pin.dtype, hardware)
         if why:
             fine = [d for d in ("bf16", "fp16", "fp32", "int8", "fp8") if allowed_dtype(d, hardware) is None]
             raise SpecValueError("pin.dtype", pin.dtype, f"{why}; use {' or '.join(fine[:2])}")

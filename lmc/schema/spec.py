@@ -146,7 +146,7 @@ class PinSpec(_Strict):
     engine: Engine | None = Field(default=None, examples=["vllm"],
                                   description='Serve with this engine only: "vllm" (GPUs, CPU), "hf" (HF transformers: CPU, GPUs), "deepspeed" (NVIDIA GPUs) or "neuronx" (Inferentia2, Trainium).')
     dtype: Dtype | None = Field(default=None, examples=["bf16"],
-                                description="The weights' dtype: fp32, fp16, bf16, int8 (weight-only, per-channel scales) or fp8 (where the hardware has it; vLLM's online quantization).")
+                                description="The weights' dtype: fp32, fp16, bf16, int8 (weight-only, per-channel scales) or fp8 (vLLM's online quantization: fp8 matmuls where the GPU has fp8, weight-only Marlin kernels on other GPUs; other engines only where the hardware has fp8).")
     tensor_parallel_degree: int | None = Field(default=None, ge=1, le=1024, examples=[2],
                                                description="Devices one model copy (one pipeline stage) is split across by tensor parallelism; it must divide what the engine splits (attention heads) and fit the instance's devices.")
     replicas: int | None = Field(default=None, ge=1, le=100_000, examples=[2],
