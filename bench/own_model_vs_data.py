@@ -6,8 +6,14 @@ not model, architectures it lacks (GLM-4.7, docs/fidelity.md). This bench shows 
 the first where both exist, per layout, weight dtype and batch, so the own model's error on the targets it
 alone serves can be judged from measured kernels rather than guessed. Nothing is fitted here.
 
+`--implied-prefill`: per GPU the data cover (H100, H200, A100, L40S: one GPU, or NVLink), model, TP and prompt
+length (4k and 8k tokens, where the prompt's FLOPs dominate), the share of peak TFLOPS (engines.toml's vLLM
+`prefill_compute`, 0.45) at which the own model's prefill equals the data's, and the medians of the bf16 layouts,
+dense and MoE apart (docs/known-gaps.md says why 0.45 stays although the data imply more).
+
 Usage:
     python bench/own_model_vs_data.py [--context 1024] [--batches 1,4,16,64] [--prompts 1024,4096]
+    python bench/own_model_vs_data.py --implied-prefill
 """
 
 from __future__ import annotations
@@ -54,13 +60,73 @@ def rows(context: int, batches: list[int], prompts: list[int]) -> list[tuple]:
     return out
 
 
+# (GPU, catalog instance) and (model, TPs) of --implied-prefill: the GPUs aiconfigurator's vLLM data cover; L40S
+# (PCIe, no NVLink) at one GPU only, so the prompt's compute is what the figure measures.
+IMPLIED_GPUS = [("h100", "ml.p5.48xlarge"), ("h200", "ml.p5e.48xlarge"), ("a100", "ml.p4de.24xlarge"),
+                ("l40s", "ml.g6e.48xlarge")]
+IMPLIED_MODELS = [("meta-llama/Llama-3.1-8B", (1, 2)), ("meta-llama/Llama-3.1-70B", (4, 8)), ("Qwen/Qwen3-8B", (1,)),
+                  ("Qwen/Qwen2.5-72B-Instruct", (4, 8)), ("Qwen/Qwen3-30B-A3B", (1, 2)),
+                  ("mistralai/Mixtral-8x7B-v0.1", (2, 4)), ("Qwen/Qwen3-235B-A22B", (8,)), ("openai/gpt-oss-120b", (1, 4))]
+IMPLIED_PROMPTS = (4096, 8192)
+
+
+def implied_prefill() -> list[tuple]:
+    """(GPU, model, TP, dtype, prompt, MoE?, share of peak) for every layout aiconfigurator's data answer: the
+    prefill_compute at which lmc's own prefill of the prompt equals the data's (bisection; the own model's
+    other terms, one weight read, all-reduces and fixed costs, as they are)."""
+    from lmc.planner import catalog
+    from lmc.planner.engines import engine_facts
+    from lmc.planner.steps import MeasuredSteps, RooflineSteps, StepLayout, step_times
+
+    vllm = engine_facts()["vllm"]
+    gpu = vllm.efficiency["gpu"]
+    out = []
+    for name, instance in IMPLIED_GPUS:
+        hardware = catalog.hardware_facts(instance)
+        for model_id, tps in IMPLIED_MODELS:
+            model = catalog.model_facts(model_id)
+            dtypes = [model.checkpoint_quantization] if model.checkpoint_quantization else ["bf16"]
+            for tp in tps:
+                if name == "l40s" and tp > 1:
+                    continue
+                for dtype in dtypes:
+                    layout = StepLayout("vllm", dtype, "bf16", tp)
+                    measured = step_times(model, hardware, vllm, layout)
+                    if not isinstance(measured, MeasuredSteps):
+                        continue
+                    for tokens in IMPLIED_PROMPTS:
+                        data, low, high = measured.prefill_ms(tokens), 0.01, 2.0
+                        for _ in range(40):
+                            share = (low + high) / 2
+                            # One share for the whole prompt, dense or MoE alike.
+                            efficiency = gpu.model_copy(update={"prefill_compute": share})
+                            engine = vllm.model_copy(update={"efficiency": {**vllm.efficiency, "gpu": efficiency}})
+                            own = RooflineSteps(model, hardware, engine, layout, "implied").prefill_ms(tokens)
+                            low, high = (share, high) if own > data else (low, share)
+                        out.append((name, model_id, tp, dtype, tokens, model.num_experts > 1, (low + high) / 2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=1024, help="tokens each sequence holds (default %(default)s)")
     parser.add_argument("--batches", default="1,4,16,64", help="decode batches (default %(default)s)")
     parser.add_argument("--prompts", default="1024,4096", help="prefill lengths, one prompt (default %(default)s)")
+    parser.add_argument("--implied-prefill", action="store_true",
+                        help="the share of peak TFLOPS at which the own model's prefill equals the data's")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.implied_prefill:
+        table = implied_prefill()
+        print("share of peak TFLOPS at which lmc's own prefill equals aiconfigurator's data (vLLM)")
+        for name, model_id, tp, dtype, tokens, moe, share in table:
+            print(f"{name:5} {model_id:34} TP{tp} {dtype:6} {tokens:5} tokens {'MoE  ' if moe else 'dense'} {share:.2f}")
+        for label, moe in (("dense", False), ("MoE", True)):
+            shares = [row[6] for row in table if row[5] == moe and row[3] == "bf16"]
+            quartiles = statistics.quantiles(shares, n=4)
+            print(f"{label} bf16: median {statistics.median(shares):.2f}, quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}, "
+                  f"range {min(shares):.2f}-{max(shares):.2f} (n={len(shares)})")
+        return 0
     batches = [int(b) for b in args.batches.split(",")]
     prompts = [int(p) for p in args.prompts.split(",")]
     table = rows(args.context, batches, prompts)
