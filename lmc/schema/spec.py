@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from lmc.schema.units import parse_size
 
 Engine = Literal["deepspeed", "hf", "neuronx", "vllm"]
 Dtype = Literal["fp32", "fp16", "bf16", "int8", "fp8"]
+# The formats of checkpoints quantized beforehand that a plan's dtype may show (planner facts' DTYPE_BYTES).
+CHECKPOINT_FORMATS = ("mxfp4", "int4")
 Task = Literal["text-generation", "text2text-generation"]
 Optimize = Literal["latency", "throughput", "cost"]
 SpeculativeMethod = Literal["ngram", "draft", "eagle3", "mtp"]
@@ -156,6 +158,16 @@ class PinSpec(_Strict):
     expert_parallel: bool | None = Field(default=None, examples=[True], description="vLLM, mixture-of-experts models: whole experts on each tensor-parallel rank (vLLM's enable_expert_parallel) instead of every expert split across the ranks.")
     kv_cache_dtype: Literal["auto", "fp8"] | None = Field(default=None, examples=["fp8"], description="vLLM --kv-cache-dtype: auto (the compute dtype) or fp8 (one byte per cached element: twice the sequences in the pool; GPUs with fp8: Hopper, Ada, Blackwell). Unset: fp8 where the GPU has it and a compute-dtype pool would hold fewer sequences than the concurrency asks.")
     data_parallel_degree: int | None = Field(default=None, ge=1, le=1024, examples=[2], description="vLLM --data-parallel-size: groups of tensor_parallel_degree ranks per model copy, each with its own attention, KV pool and max_num_seqs, behind one endpoint; mixture-of-experts models spread their experts over all the groups' ranks (expert parallel). On GPUs the groups may span instances. 1: none.")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _checkpoint_formats_are_not_pinned(cls, value):
+        # A plan's dtype also names a quantized checkpoint's own format (mxfp4, int4), which is read from the
+        # checkpoint, not chosen: say so instead of listing the dtypes lmc chooses between.
+        if value in CHECKPOINT_FORMATS:
+            raise ValueError(f"{value} is a quantized checkpoint's own format, which lmc reads from the checkpoint and "
+                             "serves as it is; leave pin.dtype unset (or name the quantized checkpoint in model.id)")
+        return value
 
 
 class ServingSpec(_Strict):
