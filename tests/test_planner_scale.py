@@ -201,3 +201,18 @@ def test_lmcs_retired_pipeline_is_shown_rejected_beside_vllms_layouts():
     staged_hf = [c for c in configs if c.engine == "hf" and c.fits]
     retired = retire_lmc_pipeline(staged_hf)
     assert retired and all(c.superseded == PIPELINE_RETIRED and not c.feasible for c in retired)
+
+
+def test_a_configuration_the_rate_rules_out_is_an_alternative_that_says_so():
+    # One fits and carries the rate on one instance; others fit but the rate needs more instances than the target
+    # allows: the alternatives name that, with no cost cap in the spec (a fitting one left out was once always
+    # called 'over max cost', which crashed formatting the absent cap).
+    p5 = catalog.hardware_facts("ml.p5.48xlarge")
+    qwen = catalog.model_facts("Qwen/Qwen3-8B")
+    p = plan(spec(target={"instance": "ml.p5.48xlarge"}, workload={"max_input_tokens": 512, "max_output_tokens": 128,
+                                                                   "requests_per_second": 5.0}), qwen, p5)
+    assert p.deployment.requests_per_second >= 5.0
+    ruled_out = [a for a in p.alternatives if "the request rate needs" in a.reason]
+    assert ruled_out and all(a.verdict == "rejected" and a.reason.endswith("> target.instances = 1")
+                             for a in ruled_out)
+    assert not [a for a in p.alternatives if "over max cost" in a.reason]

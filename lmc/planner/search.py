@@ -1085,8 +1085,16 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
         if key not in short or (c.memory.headroom, -c.batch) > (short[key].memory.headroom, -short[key].batch):
             short[key] = c
     for c in sorted(short.values(), key=lambda c: (-c.memory.headroom, c.engine, c.dtype, c.tp, c.dp)):
-        if c.fits:
+        if c.fits and c.over_cost:
             reason = f"over max cost: ${c.timing.cost_per_hour:.2f}/h > ${spec.budget.max_cost_per_hour:g}/h"
+        elif c.fits:  # it fits, and the request rate (or its peak) needs more than the pins or the target allow
+            rate = spec.workload.requests_per_second
+            if spec.pin.replicas is not None and c.peak_instances <= spec.target.instances:
+                reason = (f"pin.replicas = {spec.pin.replicas} carries {c.requests_per_second:.3f} requests/s < "
+                          f"requests_per_second = {rate:g}")
+            else:
+                reason = (f"the request rate needs {c.peak_instances} instances ({c.requests_per_second / c.replicas:.3f} "
+                          f"requests/s per replica) > target.instances = {spec.target.instances}")
         else:
             reason = (f"doesn't fit: needs {_gib(c.memory.total)} per device (weights {_gib(c.memory.weights)}) "
                       f"> {_gib(c.memory.capacity)} capacity")
