@@ -362,6 +362,29 @@ def _gib(quantity: str) -> int:
     return int(quantity[:-2]) * 2**30
 
 
+def test_sagemaker_hosts_exactly_the_catalog_instances_its_service_model_lists(tmp_path):
+    """The catalog's `sagemaker_hosting` flag is botocore's list of endpoint instance types (CreateEndpointConfig's
+    ProductionVariantInstanceType), and a plan on a type SageMaker does not host (p3dn, a training type) is refused
+    for SageMaker with the reason, and deploys to Kubernetes; its files would otherwise fail that list."""
+    from lmc.planner import catalog
+
+    hosted = set(_service_model("sagemaker").shape_for("ProductionVariantInstanceType").enum)
+    flags = {name: catalog.hardware_facts(name).sagemaker_hosting for name in catalog.list_instances()}
+    assert {name for name, flag in flags.items() if flag != (name in hosted)} == set()
+    assert flags["ml.p3dn.24xlarge"] is False and flags["ml.p3.16xlarge"] is True
+    spec = tmp_path / "p3dn.toml"
+    spec.write_text('[model]\nid = "bigscience/bloom-7b1"\n[target]\ninstance = "ml.p3dn.24xlarge"\n'
+                    "[workload]\nmax_input_tokens = 512\nmax_output_tokens = 128\nconcurrency = 1\n")
+    result = plan_from_spec(load_spec(spec))
+    with pytest.raises(NoFeasiblePlanError, match="ml.p3dn.24xlarge is a training instance type"):
+        render_deployment("sagemaker", result.plan, result.hardware, Account(name="p3dn"))
+    files = render_deployment("kubernetes", result.plan, result.hardware, Account(name="p3dn"))
+    assert [e for path, body in files.items() if path.endswith(".yaml")
+            for document in documents(body.decode()) for e in validate_manifest(document)] == []
+    code, _, err = _run(["deploy", "--target", "sagemaker", "-o", str(tmp_path / "out"), str(spec)])
+    assert code == 3 and "does not offer for endpoints" in err and not (tmp_path / "out" / "sagemaker").exists()
+
+
 @pytest.mark.parametrize("stem", ["gpt4all-j-inf2-8xlarge", "gpt-j-6b-deepspeed-p3-2xlarge"])
 def test_ebs_volume_holds_the_artifact_where_the_instance_has_no_nvme(stem):
     result = planned(ROOT / "specs" / f"{stem}.toml")

@@ -263,6 +263,12 @@ def check_sagemaker(plan: Plan, hardware: HardwareFacts) -> None:
         raise NoFeasiblePlanError(
             f"SageMaker cannot run this plan: an endpoint needs an ml.* instance type; this plan targets {hardware.name}",
             ["name a catalog instance in target.instance (ml.g5.12xlarge, ...), or use --target kubernetes"])
+    if not hardware.sagemaker_hosting:
+        raise NoFeasiblePlanError(
+            f"SageMaker cannot run this plan: {hardware.name} is a training instance type, which SageMaker does not "
+            "offer for endpoints (CreateEndpointConfig's ProductionVariantInstanceType)",
+            ["plan another instance in target.instance (ml.p3.16xlarge, ml.p4d.24xlarge, ...), or use --target "
+             "kubernetes on EC2 instances of the type"])
 
 
 # --- SageMaker ----------------------------------------------------------------------------------------

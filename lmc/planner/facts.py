@@ -173,6 +173,7 @@ class HardwareFacts(_Facts):
     host_memory_bytes: int | None = Field(default=None, gt=0, description="Instance RAM.")
     instance_storage_bytes: int | None = Field(default=None, gt=0, description="Local NVMe instance storage (where SageMaker puts the model; such instances take no EBS volume); None: EBS only.")
     load_bandwidth_bytes_per_s: float = Field(default=1.0e9, gt=0, description="Storage-to-device read rate assumed for load time.")
+    sagemaker_hosting: bool = Field(default=True, description="SageMaker offers the instance type for endpoints (CreateEndpointConfig's ProductionVariantInstanceType lists it); False for a training-only type, which `lmc deploy --target sagemaker` refuses.")
     source: str = Field(description="Datasheets and pages the figures come from.")
     measured: dict[Literal["deepspeed", "hf", "neuronx", "vllm"], MeasuredEngineFacts] = Field(
         default_factory=dict, description="Per engine name: figures `lmc calibrate` measured on this hardware.")
