@@ -55,3 +55,17 @@ def test_nothing_a_user_needs_lives_outside_the_repository():
     pointing_out = [str(p.relative_to(ROOT)) for p in pages
                     if re.search(r"DESIGN\.md|\.\./shared", p.read_text(encoding="utf-8"))]
     assert pointing_out == []
+
+
+def test_the_readmes_counts_are_the_repositorys():
+    """The README's counts of example specs, catalog configs and bad specs follow the files (they drifted: 40
+    specs and 44 bad specs were once stated where there were 42 and 58)."""
+    from lmc.planner import catalog
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    specs = len(list((ROOT / "specs").glob("*.toml")))
+    assert int(re.search(r"`specs/` holds (\d+) more", readme).group(1)) == specs - 1  # besides the one shown
+    assert int(re.search(r"catalog of (\d+) published configs", readme).group(1)) == len(catalog.list_models())
+    verified = (ROOT / "docs" / "verified.md").read_text(encoding="utf-8")
+    bad_specs = len(list((ROOT / "tests" / "bad_specs").glob("*.toml")))
+    assert int(re.search(r"unit tests, (\d+) bad specs", verified).group(1)) == bad_specs
