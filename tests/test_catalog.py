@@ -374,6 +374,12 @@ def test_profile_over_a_base_instance(tmp_path):
     ('base = "local"\ndtypes = ["fp32", "fp32"]\n', "dtypes: ['fp32', 'fp32'] names a dtype twice"),
     ('base = "local"\nkind = "gpu"\n', "kind = 'gpu' does not fit accelerator = 'cpu'"),
     (PROFILE.replace('accelerator = "a10g"', 'accelerator = "cpu"'), "kind = 'gpu' does not fit accelerator = 'cpu'"),
+    # Rates no device has: a denormal bandwidth planned an infinite TPOT and the search crashed (exit 70).
+    ('base = "local"\nmemory_bandwidth_bytes_per_s = 1e-300\n',
+     "memory_bandwidth_bytes_per_s: Input should be greater than or equal to 1000000"),
+    ('base = "local"\ntflops = { fp32 = 1e-300, bf16 = 1.0 }\n', "tflops.fp32: Input should be greater than or equal to 0.000001"),
+    ('base = "local"\ninterconnect = { name = "x", bandwidth_bytes_per_s = 1e-300, latency_us = 1.0 }\n',
+     "interconnect.bandwidth_bytes_per_s: Input should be greater than or equal to 1000000"),
 ])
 def test_profile_errors_are_one_line(tmp_path, text, expected):
     path = tmp_path / "bad.toml"

@@ -27,6 +27,12 @@ DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp
 MAX_DEVICES = 1024
 
 
+# The slowest rates a profile may state: below them no device, storage or link moves data or computes, and
+# the times they divide overflow (a denormal bandwidth planned an infinite TPOT and crashed the search).
+MIN_BYTES_PER_S = 1.0e6  # 1 MB/s
+MIN_TFLOPS = 1.0e-6  # 1 MFLOPS
+
+
 class _Facts(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -132,7 +138,7 @@ class InterconnectFacts(_Facts):
     """
 
     name: str = Field(description="NVLink, PCIe gen4, NeuronLink-v2, shared memory, EFA, ...")
-    bandwidth_bytes_per_s: float = Field(gt=0, description="Per-rank unidirectional bandwidth a collective moves data at (per device inside an instance; per instance for `network`).")
+    bandwidth_bytes_per_s: float = Field(ge=MIN_BYTES_PER_S, description="Per-rank unidirectional bandwidth a collective moves data at (per device inside an instance; per instance for `network`).")
     latency_us: float = Field(ge=0, description="Latency of one step of a collective on this link, microseconds: a ring all-reduce takes 2(p−1) of them, a tree 2·ceil(log2 p).")
     allreduce_base_us: float = Field(default=0.0, ge=0, description="Fixed cost of one collective call whatever the rank count (the library's launch and synchronisation), microseconds.")
     algorithm: Literal["ring", "tree"] = Field(default="ring", description="The all-reduce algorithm the collective library uses on this link (NCCL: ring inside a node, tree across nodes).")
@@ -142,11 +148,11 @@ class MeasuredEngineFacts(_Facts):
     """What `lmc calibrate` measured one engine achieving on this hardware. Where present, these
     replace the engine's estimated efficiency figures (engines.toml) in the latency and memory model."""
 
-    decode_bandwidth_bytes_per_s: dict[DtypeName, Annotated[float, Field(gt=0)]] = Field(
+    decode_bandwidth_bytes_per_s: dict[DtypeName, Annotated[float, Field(ge=MIN_BYTES_PER_S)]] = Field(
         description="Weight bytes per second a batch-1 decode step reads, per weight dtype (achieved, not peak).")
-    prefill_tflops: dict[DtypeName, Annotated[float, Field(gt=0)]] = Field(
+    prefill_tflops: dict[DtypeName, Annotated[float, Field(ge=MIN_TFLOPS)]] = Field(
         default_factory=dict, description="TFLOPS a prompt's prefill achieves through the engine, per compute dtype.")
-    decode_tflops: dict[DtypeName, Annotated[float, Field(gt=0)]] = Field(
+    decode_tflops: dict[DtypeName, Annotated[float, Field(ge=MIN_TFLOPS)]] = Field(
         default_factory=dict, description="TFLOPS the decode step's skinny GEMMs add per extra batch row, per compute dtype.")
     step_overhead_ms: float = Field(ge=0, description="Fixed cost of one decode step (sampling, Python, the loop, serving).")
     prefill_overhead_ms: float = Field(default=0.0, ge=0, description="What a request pays before its prefill (HTTP, tokenizing, queueing, the pipe to the worker).")
@@ -164,15 +170,15 @@ class HardwareFacts(_Facts):
     kind: DeviceKind = Field(description="gpu, neuron or cpu.")
     devices: int = Field(gt=0, le=MAX_DEVICES, description="Devices per instance (NeuronCores for Neuron; 1 for CPU).")
     device_memory_bytes: int = Field(gt=0, description="Memory per device, bytes.")
-    memory_bandwidth_bytes_per_s: float = Field(gt=0, description="Peak memory bandwidth per device.")
-    tflops: dict[DtypeName, Annotated[float, Field(gt=0)]] = Field(description="Dense peak TFLOPS per device, per dtype: one for each of `dtypes`.")
+    memory_bandwidth_bytes_per_s: float = Field(ge=MIN_BYTES_PER_S, description="Peak memory bandwidth per device.")
+    tflops: dict[DtypeName, Annotated[float, Field(ge=MIN_TFLOPS)]] = Field(description="Dense peak TFLOPS per device, per dtype: one for each of `dtypes`.")
     dtypes: list[DtypeName] = Field(min_length=1, description="Dtypes the hardware computes in natively (no bf16 on T4/V100; fp8 on H100+).")
     interconnect: InterconnectFacts = Field(description="How the devices of one instance reach each other (what tensor-parallel all-reduces run over).")
     network: InterconnectFacts | None = Field(default=None, description="How this instance reaches other instances (EFA, or ENA where there is no EFA): per-instance bandwidth, one way; None where the catalog has no figure.")
     price_per_hour: float | None = Field(default=None, ge=0, description="On-demand USD/hour (us-east-1), None for local.")
     host_memory_bytes: int | None = Field(default=None, gt=0, description="Instance RAM.")
     instance_storage_bytes: int | None = Field(default=None, gt=0, description="Local NVMe instance storage (where SageMaker puts the model; such instances take no EBS volume); None: EBS only.")
-    load_bandwidth_bytes_per_s: float = Field(default=1.0e9, gt=0, description="Storage-to-device read rate assumed for load time.")
+    load_bandwidth_bytes_per_s: float = Field(default=1.0e9, ge=MIN_BYTES_PER_S, description="Storage-to-device read rate assumed for load time.")
     sagemaker_hosting: bool = Field(default=True, description="SageMaker offers the instance type for endpoints (CreateEndpointConfig's ProductionVariantInstanceType lists it); False for a training-only type, which `lmc deploy --target sagemaker` refuses.")
     source: str = Field(description="Datasheets and pages the figures come from.")
     measured: dict[Literal["deepspeed", "hf", "neuronx", "vllm"], MeasuredEngineFacts] = Field(
