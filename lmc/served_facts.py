@@ -67,11 +67,18 @@ def adapter_facts(loaded: LoadedSpec, index: int, model: ModelFacts) -> AdapterF
                                          "LoRA adapters only")
     rank = config.get("r")
     modules = config.get("target_modules")
-    if not isinstance(rank, int) or rank < 1:
-        raise SpecValueError(key, shown, f"{ADAPTER_CONFIG}: `r` (the LoRA rank) must be a positive integer, not {rank!r}")
-    if isinstance(modules, str) or not modules or not all(isinstance(m, str) for m in modules):
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise SpecValueError(key, shown, f"{ADAPTER_CONFIG}: `r` (the LoRA rank) must be a positive integer, not {_shown(rank)}")
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
         raise SpecValueError(key, shown, f"{ADAPTER_CONFIG}: `target_modules` must list module names (a regular "
-                                         f"expression is not served by vLLM), not {modules!r}")
+                                         f"expression is not served by vLLM), not {_shown(modules)}")
+    alpha = config.get("lora_alpha")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < float("inf")):
+        raise SpecValueError(key, shown, f"{ADAPTER_CONFIG}: `lora_alpha` must be a non-negative number, not {_shown(alpha)}")
+    base = config.get("base_model_name_or_path")
+    if base is not None and not isinstance(base, str):
+        raise SpecValueError(key, shown, f"{ADAPTER_CONFIG}: `base_model_name_or_path` must be a model id or path, not "
+                                         f"{_shown(base)}")
     weights = folder / ADAPTER_WEIGHTS
     if weights.is_file():
         weight_bytes = _weight_bytes(weights, key, shown)
@@ -82,8 +89,14 @@ def adapter_facts(loaded: LoadedSpec, index: int, model: ModelFacts) -> AdapterF
         weight_bytes = sum(rank * sum(widths.get(m, (0, 0))) for m in named_modules(tuple(modules))) * 2 * model.layers
     source = adapter.path if commit is None else f"{adapter.id}@{commit}"
     return AdapterFacts(name=adapter.name, source=source, revision=commit, rank=rank,
-                        alpha=float(config.get("lora_alpha") or 0), target_modules=tuple(sorted(modules)),
-                        base_model=config.get("base_model_name_or_path") or None, weight_bytes=weight_bytes)
+                        alpha=float(alpha or 0), target_modules=tuple(sorted(modules)), base_model=base or None,
+                        weight_bytes=weight_bytes)
+
+
+def _shown(value: Any) -> str:
+    """A config value in a one-line message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def speculative_facts(loaded: LoadedSpec, model: ModelFacts, checkpoint: Path | None) -> SpeculativeFacts | None:

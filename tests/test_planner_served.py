@@ -203,6 +203,32 @@ def test_the_plan_cli_reads_adapter_configs_and_words_a_bad_base(tmp_path, capsy
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("lora_alpha", "x", "`lora_alpha` must be a non-negative number, not 'x'"),
+    ("lora_alpha", -1, "`lora_alpha` must be a non-negative number, not -1"),
+    ("lora_alpha", [1], "`lora_alpha` must be a non-negative number, not [1]"),
+    ("target_modules", 5, "`target_modules` must list module names"),
+    ("target_modules", True, "`target_modules` must list module names"),
+    ("base_model_name_or_path", ["x"], "`base_model_name_or_path` must be a model id or path, not ['x']"),
+    ("r", True, "`r` (the LoRA rank) must be a positive integer, not True"),
+])
+def test_a_corrupt_adapter_config_is_one_line_on_its_key(tmp_path, capsys, key, value, message):
+    """Each of these crashed the plan (exit 70: float('x'), iterating an int, pydantic's AdapterFacts error) or,
+    for r = true, planned a rank-1 adapter; found by fuzzing adapter_config.json's keys."""
+    folder = tmp_path / "adapters" / "sql"
+    folder.mkdir(parents=True)
+    config = {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"],
+              "base_model_name_or_path": "meta-llama/Llama-3.1-8B", key: value}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    path = tmp_path / "s.toml"
+    path.write_text('[model]\nid = "meta-llama/Llama-3.1-8B"\n[target]\ninstance = "ml.g6e.xlarge"\n'
+                    '[[adapters]]\nname = "sql"\npath = "adapters/sql"\n')
+    assert main(["plan", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f'lmc: error: {path}:7: adapters.0.path = "adapters/sql": adapter_config.json: {message}')
+    assert err.count("\n") == 1
+
+
 def test_the_report_shows_the_slots_and_whether_speculation_runs():
     from lmc.planner.report import render_plan
 
