@@ -240,6 +240,15 @@ def test_model_type_that_is_not_one(tmp_path):
     assert_one_line(caught.value, str(tmp_path / "config.json"), "model_type 'Not A Type!' is not a Hugging Face model type")
 
 
+@pytest.mark.parametrize("architectures", [-1, 0.5, True, {"a": 1}, [1]])
+def test_architectures_that_are_not_a_list_of_class_names(tmp_path, architectures):
+    # Each crashed the plan (exit 70: indexing an int, KeyError 0 on a dict); found by fuzzing config.json.
+    make_checkpoint(tmp_path, dict(TINY_LLAMA, architectures=architectures), llama_tensors(TINY_LLAMA))
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint_model_facts(tmp_path, "x")
+    assert_one_line(caught.value, str(tmp_path / "config.json"), "architectures must list class names")
+
+
 def test_config_missing_a_dimension(tmp_path):
     config = {key: value for key, value in TINY_LLAMA.items() if key != "intermediate_size"}
     make_checkpoint(tmp_path, config, {"w": ("F32", (2,))})

@@ -363,19 +363,32 @@ _ARCHITECTURE_PREFIXES: dict[str, str] = {
 _CONFIG_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16", "float": "fp32"}
 
 
+def architectures_of(config: dict[str, Any], config_file: Path | str = "config.json") -> list[str]:
+    """The config's `architectures` (class names; [] where absent), or a CheckpointError for anything else."""
+    architectures = config.get("architectures")
+    if architectures is None:
+        return []
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        shown = repr(architectures)
+        raise CheckpointError(f"{config_file}: architectures must list class names (e.g. [\"LlamaForCausalLM\"]), "
+                              f"not {shown if len(shown) <= 60 else shown[:57] + '...'}")
+    return architectures
+
+
 def family_of(config: dict[str, Any], config_file: Path | str = "config.json") -> str:
     """lmc's layout family of an HF config (from `model_type`, else `architectures`), else its
     model_type: any decoder-only architecture is planned from its config."""
     model_type = config.get("model_type")
+    architectures = architectures_of(config, config_file)
     if isinstance(model_type, str) and model_type in MODEL_TYPES:
         return MODEL_TYPES[model_type]
-    for architecture in config.get("architectures") or []:
+    for architecture in architectures:
         for prefix, family in _ARCHITECTURE_PREFIXES.items():
-            if isinstance(architecture, str) and architecture.startswith(prefix):
+            if architecture.startswith(prefix):
                 return family
     if isinstance(model_type, str) and re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,63}", model_type):
         return model_type
-    shown = model_type if model_type is not None else (config.get("architectures") or ["(none)"])[0]
+    shown = model_type if model_type is not None else (architectures or ["(none)"])[0]
     raise CheckpointError(f"{config_file}: model_type {shown!r} is not a Hugging Face model type "
                           "(config.json needs `model_type`, e.g. \"llama\" or \"qwen3\")")
 
@@ -385,7 +398,7 @@ def facts_from_config(config: dict[str, Any], model_id: str, *, source: str,
     """ModelFacts from an HF config dict; the parameter count is computed from the dimensions."""
     family = family_of(config, config_file)
     where = str(config_file)
-    architectures = config.get("architectures") or []
+    architectures = architectures_of(config, config_file)
     text = text_config(config)
     q = quantization(config, where)
     fields: dict[str, Any] = {}
@@ -400,7 +413,7 @@ def facts_from_config(config: dict[str, Any], model_id: str, *, source: str,
     fields.update(
         id=model_id,
         family=family,
-        architecture=architectures[0] if architectures and isinstance(architectures[0], str) else family,
+        architecture=architectures[0] if architectures else family,
         torch_dtype=_CONFIG_DTYPE.get(str(dtype), "fp16"),
         source=source,
         parameters=1,
