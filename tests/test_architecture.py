@@ -80,6 +80,26 @@ def test_moe_active_parameters_and_layout():
     assert sparse.moe_layers == 1  # blocks 1 and 3 have (i + 1) % 2 == 0; block 1 is in mlp_only_layers: 3 only
 
 
+def test_moe_blocks_are_counted_not_enumerated_and_bad_layouts_are_one_line():
+    """A corrupt layer count (2**40) ran DeepSeek's and Qwen-MoE's block rules as lists of that many indices until
+    the kernel killed the plan; a period of 0, a non-list mlp_only_layers or an odd num_nextn_predict_layers
+    crashed it (ZeroDivisionError, TypeError, int('x')). Found by fuzzing the tiny checkpoints' config.json."""
+    huge = architecture.facts_from_config(dict(CONFIGS["deepseek_v3"], num_hidden_layers=2**40, moe_layer_freq=3),
+                                          "x", source="test")
+    assert huge.moe_layers == -(-(2**40 - 1) // 3)  # blocks 1, 4, 7, ... below 2**40
+    sparse = architecture.facts_from_config(dict(CONFIGS["qwen3_moe_sparse_step"], num_hidden_layers=2**40,
+                                                 mlp_only_layers=[1, 1, 2, 2**41]), "x", source="test")
+    assert sparse.moe_layers == 2**40 // 2 - 1  # odd blocks; block 1 kept dense (once), 2 is even, 2**41 is past
+    for change, message in [(dict(moe_layer_freq=0), "`moe_layer_freq` must be at least 1, got 0"),
+                            (dict(mlp_only_layers=5), "`mlp_only_layers` must list block indices, got 5"),
+                            (dict(num_nextn_predict_layers="x"), "`num_nextn_predict_layers` must be an integer"),
+                            (dict(num_nextn_predict_layers=-1), "`num_nextn_predict_layers` must not be negative")]:
+        with pytest.raises(CheckpointError) as caught:
+            architecture.facts_from_config(dict(CONFIGS["deepseek_v3"], **change), "x", source="test",
+                                           config_file="c.json")
+        assert str(caught.value).startswith("c.json: ") and message in str(caught.value), change
+
+
 def test_attention_kinds_and_windows():
     kinds = {name: architecture.facts_from_config(config, "x", source="test") for name, config in CONFIGS.items()}
     assert kinds["deepseek_v3"].attention == "mla"

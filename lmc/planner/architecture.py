@@ -200,18 +200,23 @@ def moe_layout(get: Reader, model_type: str, layers: int) -> Moe | None:
     top_k = get.int("num_experts_per_tok", "experts_per_token", "moe_topk", default=2)
     dense_width = get.int("intermediate_size_mlp", "intermediate_size", default=0)
     width = get.int("moe_intermediate_size", "intermediate_size")
+    # Counted, not enumerated: a corrupt config's layer count (2**40) must not become a list of that many.
     moe_layers = layers
     first_dense = get.int("first_k_dense_replace", default=0)
     if first_dense:
-        frequency = get.int("moe_layer_freq", default=1)
-        moe_layers = len([i for i in range(first_dense, layers) if (i - first_dense) % frequency == 0])
-    step = get.int("decoder_sparse_step", "interleave_moe_layer_step", default=1)
+        frequency = _at_least_one(get, "moe_layer_freq")
+        # blocks first_dense, first_dense + frequency, ... below layers
+        moe_layers = -(-(layers - first_dense) // frequency) if layers > first_dense else 0
+    step = _at_least_one(get, "decoder_sparse_step", "interleave_moe_layer_step")
     only_dense = get.config.get("mlp_only_layers") or []
+    if not isinstance(only_dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only_dense):
+        raise CheckpointError(f"{get.where}: `mlp_only_layers` must list block indices, got {only_dense!r:.60}")
     if step > 1 or only_dense:
-        if "interleave_moe_layer_step" in get.config:  # Llama 4: every step-th block, counting from step-1
-            moe_layers = len([i for i in range(layers) if (i + 1) % step == 0])
-        else:  # Qwen2/3-MoE: (i + 1) % step == 0 and not in mlp_only_layers
-            moe_layers = len([i for i in range(layers) if (i + 1) % step == 0 and i not in only_dense])
+        # Llama 4 (interleave_moe_layer_step): every step-th block, counting from step-1; Qwen2/3-MoE: the same,
+        # less the blocks mlp_only_layers keeps dense
+        moe_layers = layers // step
+        if "interleave_moe_layer_step" not in get.config:
+            moe_layers -= len({i for i in only_dense if 0 <= i < layers and (i + 1) % step == 0})
     shared_experts = get.int("n_shared_experts", default=0)
     shared_width = shared_experts * width
     if shared_experts == 0 and get.int("shared_expert_intermediate_size", default=0):
@@ -219,6 +224,15 @@ def moe_layout(get: Reader, model_type: str, layers: int) -> Moe | None:
     if shared_experts == 0 and model_type in ("llama4", "llama4_text"):
         shared_experts, shared_width = 1, width  # Llama 4: one shared expert as wide as a routed one
     return Moe(experts, top_k, width, moe_layers, shared_width, shared_experts, dense_width)
+
+
+def _at_least_one(get: Reader, *keys: str) -> int:
+    """A block period (every n-th block): an integer of at least 1, 1 where absent."""
+    value = get.int(*keys, default=1)
+    if value < 1:
+        key = next(k for k in keys if get.config.get(k) is not None)
+        raise CheckpointError(f"{get.where}: `{key}` must be at least 1, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -430,7 +444,10 @@ def facts_from_config(config: dict[str, Any], model_id: str, *, source: str,
         total, experts, embedding = counts.total, counts.experts, counts.embedding
     vision = vision_parameters(config, facts.hidden_size) if text is not config else 0
     active = total - experts + experts * facts.experts_per_token // max(facts.num_experts, 1) if experts else 0
-    update: dict[str, Any] = {"mtp_layers": int(text.get("num_nextn_predict_layers") or 0),
+    mtp = Reader(text, str(config_file), family).int("num_nextn_predict_layers", default=0)
+    if mtp < 0:
+        raise CheckpointError(f"{config_file}: `num_nextn_predict_layers` must not be negative, got {mtp}")
+    update: dict[str, Any] = {"mtp_layers": mtp,
                               "parameters": total + vision, "expert_parameters": experts,
                               "active_parameters": active + vision if experts else 0, "vision_parameters": vision}
     if q is not None:
