@@ -170,12 +170,26 @@ def _cached_config(model_id: str, revision: str | None) -> tuple[str, str]:
 
 def _safetensors_summary(model_id: str, commit: str) -> dict[str, list[Tensor]]:
     from huggingface_hub import get_safetensors_metadata
-    from huggingface_hub.errors import NotASafetensorsRepoError
+    from huggingface_hub.errors import EntryNotFoundError, NotASafetensorsRepoError, SafetensorsParsingError
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
+    quiet = are_progress_bars_disabled()
+    disable_progress_bars()  # its "Parse safetensors files" bar over a sharded repo's few-KB header reads
     try:
         metadata = get_safetensors_metadata(model_id, revision=commit)
     except NotASafetensorsRepoError:
         return {}
+    except EntryNotFoundError as exc:  # a shard the index names is not in the repo
+        raise SpecValueError("model.id", model_id, f"model.safetensors.index.json at {commit} names a file the repo "
+                                                   f"does not have, a corrupt checkpoint ({_one_line(exc)})") from None
+    except (SafetensorsParsingError, ValueError, TypeError, AttributeError, KeyError) as exc:
+        # huggingface_hub parses the repo's headers (and index) as it finds them: a corrupt one raises its
+        # SafetensorsParsingError, or a JSON or type error of its own parsing code.
+        raise SpecValueError("model.id", model_id, f"the Hub repo's safetensors headers at {commit} cannot be read, "
+                                                   f"a corrupt checkpoint ({_one_line(exc)})") from None
+    finally:
+        if not quiet:  # as the caller had them (lmc build's download shows them to a person at a terminal)
+            enable_progress_bars()
     return {name: sorted((tensor, info.dtype, tuple(info.shape)) for tensor, info in file.tensors.items())
             for name, file in sorted(metadata.files_metadata.items())}
 

@@ -202,6 +202,38 @@ def test_a_catalog_id_plans_from_the_catalog_when_the_hub_cannot_answer(tmp_path
     assert model["parameters"] == catalog.model_facts(QWEN).parameters
 
 
+@pytest.mark.parametrize("damage, message", [
+    ("header", "the Hub repo's safetensors headers at {commit} cannot be read, a corrupt checkpoint"),
+    ("shard", "model.safetensors.index.json at {commit} names a file the repo does not have, a corrupt checkpoint"),
+    ("index", "the Hub repo's safetensors headers at {commit} cannot be read, a corrupt checkpoint"),
+    (None, None),
+])
+def test_a_corrupt_hub_checkpoint_is_one_line_and_a_sound_one_plans_quietly(tmp_path, damage, message):
+    """huggingface_hub's own parsing errors (SafetensorsParsingError, a JSON or type error on the index) crashed
+    the plan (exit 70), a shard the index names but the repo lacks was called 'no config.json', and its bar
+    ("Parse safetensors files") printed on stderr around every plan of a sharded repo. Found by serving corrupt
+    repos from the stand-in."""
+    tiny = dict(published_config(QWEN), hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=128, vocab_size=1024)
+    root = tmp_path / "repos"
+    make_repo(root, "acme/tiny", tiny, transformers_tensors(tiny), shards=2)
+    repo = root / "acme" / "tiny"
+    if damage == "header":
+        (repo / "model-00002-of-00002.safetensors").write_bytes(struct.pack("<Q", 8) + b"notjson!")
+    elif damage == "shard":
+        (repo / "model-00002-of-00002.safetensors").unlink()
+    elif damage == "index":
+        (repo / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["not", "a", "map"]}))
+    with HubStandIn(root) as server:
+        result = lmc_plan(spec_file(tmp_path, "acme/tiny"), server, tmp_path / "hf")
+        commit = server.commit("acme/tiny")
+    if damage is None:
+        assert result.returncode == 0 and "Parse safetensors files" not in result.stderr, result.stderr
+        return
+    assert result.returncode == 1
+    assert f'model.id = "acme/tiny": {message.format(commit=commit)}' in one_line(result.stderr)
+
+
 def one_line(stderr: str) -> str:
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
