@@ -147,6 +147,34 @@ def test_a_file_that_is_not_a_bench_report_is_one_line_exit_1(planned, content, 
     assert message in out.stderr and out.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize(("path", "value", "message"), [
+    (("levels", 0, "tpot_ms", "p50"), "x", "levels[0].tpot_ms.p50 must be a finite number of at least 0, not 'x'"),
+    (("levels", 0, "output_tokens_per_s"), float("inf"), "levels[0].output_tokens_per_s must be a finite number"),
+    (("levels", 1, "e2e_ms"), [], "levels[1].e2e_ms must be a finite number of at least 0, not []"),
+    (("levels", 0, "concurrency"), 0, "levels[0].concurrency must be a whole number from 1 to 1000000, not 0"),
+    (("levels", 0), 5, "levels[0] must be an object, not 5"),
+    (("workload", "input_tokens"), None, "workload.input_tokens must be a positive integer, not None"),
+    (("plan_sha256",), 12, "plan_sha256 must be a string, not 12"),
+])
+def test_a_report_with_unusable_figures_is_one_line_exit_1(planned, path, value, message):
+    """Each of these crashed --compare (exit 70: dividing a string, predicting for concurrency 0) or, for an
+    infinite or NaN figure, printed it as a measurement; found by fuzzing a bench report's fields."""
+    tmp_path, _ = planned
+    report = _report({1: dict(ttft_ms=100, tpot_ms=20, e2e_ms=1400, output_tokens_per_s=50, peak_worker_memory_bytes=1e9),
+                      8: dict(ttft_ms=300, tpot_ms=30, e2e_ms=2200, output_tokens_per_s=250,
+                              peak_worker_memory_bytes=1.2e9)}, None)
+    target = report
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(report))
+    out = subprocess.run([sys.executable, "-m", "lmc", "plan", str(tmp_path / "spec.toml"), "--compare", str(bench)],
+                         capture_output=True, text=True)
+    assert out.returncode == 1
+    assert f"--compare {bench}: not a bench report lmc wrote: {message}" in out.stderr and out.stderr.count("\n") == 1
+
+
 def test_a_vllm_plan_is_compared_through_its_own_serving_model():
     from lmc.measure.compare import compare, render_comparison
     from lmc.planner import catalog, plan_deployment

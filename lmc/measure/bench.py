@@ -258,4 +258,48 @@ def load_report(path: Path) -> dict[str, Any]:
 
     if report.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(f"--compare {path}: bench report format {report.get('format_version')!r}, expected {FORMAT_VERSION}")
+    problem = _report_problem(report)
+    if problem is not None:
+        raise ArtifactError(f"--compare {path}: not a bench report lmc wrote: {problem}")
     return report
+
+
+# The most concurrent requests a level may state: far past any load `lmc bench` sends, short of the sizes that
+# overflow the serving model's arithmetic.
+_MAX_CONCURRENCY = 1_000_000
+
+
+def _report_problem(report: dict[str, Any]) -> str | None:
+    """What makes a report's figures unusable for --compare (a hand-edited or damaged file), or None: the
+    workload's token counts, each level's concurrency, and each figure as `lmc bench` writes it (a number, or
+    percentiles of numbers; None where it measured none)."""
+    from lmc.measure.compare import FIGURES
+
+    def count(value: Any, top: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= top
+
+    def number(value: Any) -> bool:
+        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                 and 0 <= value < float("inf"))
+
+    workload = report["workload"]
+    for key in ("input_tokens", "output_tokens"):
+        if not count(workload.get(key), 10**8):
+            return f"workload.{key} must be a positive integer, not {workload.get(key)!r:.40}"
+    sha = report.get("plan_sha256")
+    if sha is not None and not isinstance(sha, str):
+        return f"plan_sha256 must be a string, not {sha!r:.40}"
+    for index, level in enumerate(report["levels"]):
+        if not isinstance(level, dict):
+            return f"levels[{index}] must be an object, not {level!r:.40}"
+        if not count(level.get("concurrency"), _MAX_CONCURRENCY):
+            return f"levels[{index}].concurrency must be a whole number from 1 to {_MAX_CONCURRENCY}, not " \
+                   f"{level.get('concurrency')!r:.40}"
+        for key, _, _ in FIGURES:
+            value = level.get(key)
+            values = value.items() if isinstance(value, dict) else [("", value)]
+            for stat, figure in values:
+                if not number(figure):
+                    where = f"levels[{index}].{key}" + (f".{stat}" if stat else "")
+                    return f"{where} must be a finite number of at least 0, not {figure!r:.40}"
+    return None
