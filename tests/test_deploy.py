@@ -499,6 +499,11 @@ def test_cli_writes_the_files_and_names_the_placeholders(tmp_path):
 def test_cli_refuses_a_bad_role_and_a_foreign_directory(tmp_path):
     code, _, err = _run(["deploy", str(BLOOM), "--target", "sagemaker", "-o", str(tmp_path), "--role", "arn:aws:iam::role/admin-no-account"])
     assert code == 2 and err.startswith("lmc: error: --role: String should match pattern")
+    # An image reference with a space: CreateModel's ContainerImage pattern ([\S]+) refuses it, as Docker does;
+    # it was written into the files (found by fuzzing the deploy flags against botocore's service model).
+    code, _, err = _run(["deploy", str(BLOOM), "--target", "sagemaker", "-o", str(tmp_path), "--image", "lmc runtime"])
+    assert code == 2 and err.startswith("lmc: error: --image: String should match pattern") and err.count("\n") == 1
+    assert not (tmp_path / "sagemaker").exists()
     (tmp_path / "kserve").mkdir()
     (tmp_path / "kserve" / "notes.txt").write_text("mine")
     code, _, err = _run(["deploy", str(BLOOM), "--target", "kserve", "-o", str(tmp_path)])

@@ -231,7 +231,7 @@ class DeploySpec(_Strict):
     name: str | None = Field(default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
                              examples=["qwen3-8b"],
                              description="Name of the SageMaker model, endpoint config and endpoint, and of the Kubernetes and KServe resources (lower-case letters, digits, -); default: the spec's file name.")
-    image: str | None = Field(default=None, min_length=1, max_length=255,
+    image: str | None = Field(default=None, min_length=1, max_length=255, pattern=r"^\S+$",
                               examples=["123456789012.dkr.ecr.us-east-1.amazonaws.com/lmc-runtime:0.1.0"],
                               description="The container image that runs `lmc runtime` (docker/ builds one), in every target's files.")
     role_arn: str | None = Field(default=None, min_length=20, max_length=2048, pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/.+$",
