@@ -120,6 +120,25 @@ def test_build_is_byte_identical_and_has_the_design_layout(tmp_path, llama_check
     assert "shards/tp2/rank1.safetensors" in out
 
 
+def test_a_reviewed_plan_builds_and_a_hand_edited_one_is_refused(tmp_path, llama_checkpoint, capsys):
+    """`--plan` compared the file's plan_sha256 only: a plan edited by hand (here its TP degree, as a PR could)
+    kept the digest of the plan lmc makes, so the build went ahead with a plan the reviewers had not read.
+    Found by fuzzing the reviewed plan's fields (207 edits of 223 were built)."""
+    spec = write_spec(tmp_path, llama_checkpoint)
+    code, out, _ = run_cli(capsys, "plan", "--json", str(spec))
+    reviewed = json.loads(out)
+    (tmp_path / "plan.json").write_text(json.dumps(reviewed, indent=4))  # reformatted, not edited: still the plan
+    built = tmp_path / "model.tar.gz"
+    assert run_cli(capsys, "build", str(spec), "--plan", str(tmp_path / "plan.json"), "-o", str(built))[0] == 0
+    built.unlink()
+    (tmp_path / "plan.json").write_text(json.dumps(dict(reviewed, tensor_parallel_degree=1)))
+    code, _, err = run_cli(capsys, "build", str(spec), "--plan", str(tmp_path / "plan.json"), "-o", str(built))
+    assert code == 1 and err.count("\n") == 1
+    assert f"the reviewed plan was edited after `lmc plan --json` wrote it (its content does not match its " \
+           f"plan_sha256 {reviewed['plan_sha256'][:12]})" in err
+    assert_nothing_left(built)
+
+
 def test_manifest_lists_every_file_with_its_hash(tmp_path, llama_checkpoint, capsys):
     out = tmp_path / "model.tar.gz"
     assert run_cli(capsys, "build", str(write_spec(tmp_path, llama_checkpoint)), "-o", str(out))[0] == 0

@@ -165,8 +165,16 @@ def build_artifact(loaded: LoadedSpec, out: Path, *, fmt: str = "tar.gz", allow_
 def check_expected_plan(plan: Plan, expected: dict) -> None:
     """The plan being built is the reviewed one (same digest), or a one-line error saying what moved."""
     from lmc.errors import LmcError
+    from lmc.manifest import digest_json
 
-    if expected.get("plan_sha256") == plan.plan_sha256:
+    # The file itself first: its plan_sha256 is the digest of the rest of it as `lmc plan --json` wrote it, so a
+    # plan edited by hand (a TP degree, a figure) keeps a digest that no longer describes it; the build would
+    # make the plan the digest names, not the one the reviewers read.
+    stated = expected.get("plan_sha256")
+    if digest_json({**expected, "plan_sha256": ""}) != stated:
+        raise LmcError(f"the reviewed plan was edited after `lmc plan --json` wrote it (its content does not match "
+                       f"its plan_sha256 {str(stated)[:12]}): review a plan lmc wrote, not an edited one")
+    if stated == plan.plan_sha256:
         return
     was = (expected.get("model") or {}).get("revision")
     if was != plan.model.revision:
