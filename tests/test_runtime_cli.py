@@ -329,6 +329,8 @@ def test_a_model_that_cannot_load_stops_start_up_with_one_line(tmp_path, rank):
     ([], {"LMC_REQUEST_TIMEOUT_S": "nan"}, "LMC_REQUEST_TIMEOUT_S = nan: must be a positive number"),
     ([], {"LMC_MAX_BODY_BYTES": "lots"}, "LMC_MAX_BODY_BYTES = 'lots': not a number"),
     ([], {"LMC_GENERATION_CONFIG": "vllm"}, "LMC_GENERATION_CONFIG = 'vllm': must be auto or none"),
+    # Past 65535 the hf front end served on another port than the one asked (found by fuzzing the flags).
+    (["--port", "70000"], {}, "--port = 70000: not a TCP port number (0-65535; 0: any free port)"),
 ])
 def test_bad_timeouts_and_limits_are_usage_errors_before_anything_starts(tmp_path, monkeypatch, args, env, message):
     model = write_artifact(tmp_path / "m", fake_plan())
@@ -339,6 +341,24 @@ def test_bad_timeouts_and_limits_are_usage_errors_before_anything_starts(tmp_pat
     assert proc.returncode == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [f"lmc: error: {message}"], err
+
+
+def test_a_port_in_use_is_one_line_before_any_rank_loads(tmp_path):
+    """The listening socket is bound before the model loads: an address in use (or a host that does not
+    resolve) was uvicorn's own error, exit 3 (lmc's "no feasible plan"), after every rank had loaded."""
+    import socket
+
+    model = write_artifact(tmp_path / "m", fake_plan(tensor_parallel_degree=2))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _start(["--model-dir", str(model), "--host", "127.0.0.1", "--port", str(port)],
+                      env={"LMC_AUDIT_OPENS": str(tmp_path)})
+        out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 1, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"lmc: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert _forked(tmp_path) == [] and "loaded rank" not in err  # no rank started
 
 
 @pytest.mark.parametrize("args, env, temperature", [

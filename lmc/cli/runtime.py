@@ -94,10 +94,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from lmc.runtime.startup import open_artifact, resolve_port
-    from lmc.runtime.workers import mp_context, start_process_server
+    from lmc.runtime.workers import start_process_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = _artifact_path(args)
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise UsageError(f"--port = {args.port}: not a TCP port number (0-65535; 0: any free port)")
     port = resolve_port(args.port)
     timeout = _positive("--request-timeout", args.request_timeout) or _float_env("LMC_REQUEST_TIMEOUT_S")
     max_body = _positive("--max-body-bytes", args.max_body_bytes) or _float_env("LMC_MAX_BODY_BYTES")
@@ -110,38 +112,52 @@ def _run(args: argparse.Namespace) -> int:
         # First, so the engine's imports (seconds) overlap everything else: on CPU hosts the fork server
         # imports them once and every rank is forked from it. It touches nothing from the artifact.
         start_process_server(artifact.plan)
-        from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES, Runtime, serve
-        from lmc.runtime.startup import default_request_timeout_s
+        from lmc.runtime.server import listen_socket
 
-        timeout = timeout or default_request_timeout_s(artifact.plan)
-        max_body = int(max_body or DEFAULT_MAX_BODY_BYTES)
-        # Workers start now and wait at the gate; they touch nothing from the artifact (not even
-        # model.py) until every file's sha256 is verified.
-        gate = mp_context(artifact.plan).Event()
-        # None: the Runtime reads the model's generation_config.json itself.
-        runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body,
-                          worker_gate=gate, sampling_defaults=None if generation_config == "auto" else {})
+        sock = listen_socket(args.host, port)  # after the fork server starts: it never holds the socket
         try:
-            runtime.scheduler.start_groups()
-            _verify(artifact)
-            gate.set()
-            log = logging.getLogger("lmc.runtime")
-            log.info("serving %s on %s:%d: engine %s, %d group(s) x TP %d, batch %d, queue %d, timeout %gs",
-                     artifact.model_dir, args.host, port, artifact.plan["engine"], runtime.scheduler.group_count,
-                     artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"],
-                     artifact.plan["job_queue_size"], timeout)
-            if runtime.sampling_defaults:
-                log.info("OpenAI routes default to the model's generation_config.json: %s",
-                         ", ".join(f"{key} {value}" for key, value in runtime.sampling_defaults.items()))
-            cut_short = serve(runtime, args.host, port)
-        except BaseException:  # a bad file, Ctrl-C or SIGTERM before uvicorn took the signals over, a bind error
-            runtime.scheduler.stop_groups()
-            raise
+            cut_short, runtime = _serve_lmc(artifact, args.host, sock, timeout, max_body, generation_config)
+        finally:
+            sock.close()
         if runtime.scheduler.fatal is not None:
             raise runtime.scheduler.fatal  # one line, its exit code (the workers are stopped by now)
     finally:
         artifact.cleanup()
     return EXIT_INTERRUPTED if cut_short else 0
+
+
+def _serve_lmc(artifact, host: str, sock, timeout: float | None, max_body: float | None,
+               generation_config: str):
+    """lmc's own front end over the artifact's worker groups, on `sock`, until it stops: (cut short, runtime)."""
+    from lmc.runtime.server import DEFAULT_MAX_BODY_BYTES, Runtime, serve
+    from lmc.runtime.startup import default_request_timeout_s
+    from lmc.runtime.workers import mp_context
+
+    timeout = timeout or default_request_timeout_s(artifact.plan)
+    max_body = int(max_body or DEFAULT_MAX_BODY_BYTES)
+    # Workers start now and wait at the gate; they touch nothing from the artifact (not even
+    # model.py) until every file's sha256 is verified.
+    gate = mp_context(artifact.plan).Event()
+    # None: the Runtime reads the model's generation_config.json itself.
+    runtime = Runtime(artifact.model_dir, artifact.plan, request_timeout_s=timeout, max_body_bytes=max_body,
+                      worker_gate=gate, sampling_defaults=None if generation_config == "auto" else {})
+    port = sock.getsockname()[1]  # the port bound (--port 0: the one the system chose)
+    try:
+        runtime.scheduler.start_groups()
+        _verify(artifact)
+        gate.set()
+        log = logging.getLogger("lmc.runtime")
+        log.info("serving %s on %s:%d: engine %s, %d group(s) x TP %d, batch %d, queue %d, timeout %gs",
+                 artifact.model_dir, host, port, artifact.plan["engine"], runtime.scheduler.group_count,
+                 artifact.plan["tensor_parallel_degree"], artifact.plan["batch_size"],
+                 artifact.plan["job_queue_size"], timeout)
+        if runtime.sampling_defaults:
+            log.info("OpenAI routes default to the model's generation_config.json: %s",
+                     ", ".join(f"{key} {value}" for key, value in runtime.sampling_defaults.items()))
+        return serve(runtime, host, port, sock=sock), runtime
+    except BaseException:  # a bad file, Ctrl-C or SIGTERM before uvicorn took the signals over
+        runtime.scheduler.stop_groups()
+        raise
 
 
 def _refuse_lmc_pipeline(plan) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
@@ -26,7 +27,7 @@ log = logging.getLogger("lmc.runtime")
 _STOP_NOW_GRACE_S = 2.0  # for handlers to send their 503 when the server stops now (see make_server)
 
 __all__ = ["CLIENT_CLOSED", "DEFAULT_MAX_BODY_BYTES", "INLINE_TOKENIZE_CHARS", "Job", "RequestFailed", "Runtime",
-           "create_app", "make_server", "serve"]
+           "create_app", "listen_socket", "make_server", "serve"]
 
 
 async def _not_found(request: Request, exc: HTTPException) -> Response:
@@ -62,13 +63,35 @@ def create_app(runtime: Runtime) -> Starlette:
 
 # ---------------------------------------------------------------- serving
 
-def serve(runtime: Runtime, host: str, port: int, drain_timeout_s: float | None = None) -> bool:
+def serve(runtime: Runtime, host: str, port: int, drain_timeout_s: float | None = None,
+          sock: socket.socket | None = None) -> bool:
     """Run the app until SIGTERM/SIGINT: then answer 503 to new work, let in-flight requests finish
     (up to `drain_timeout_s`), stop the worker groups and return False. A second SIGINT during the drain
-    cuts it short (the requests still in flight are answered 503): then True."""
+    cuts it short (the requests still in flight are answered 503): then True. `sock`: the listening socket,
+    bound already (listen_socket), else uvicorn binds host:port itself."""
     server = make_server(runtime, host, port, drain_timeout_s)
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     return server.cut_short
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP server's socket, bound to host:port before the model loads: an address in use or a host that
+    does not resolve is one line (exit 1) at once, not uvicorn's error (exit 3) after minutes of loading.
+    Not inherited by the ranks (spawned, or forked from a fork server started by exec)."""
+    from lmc.errors import LmcError
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise LmcError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own bind
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise LmcError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def make_server(runtime: Runtime, host: str, port: int, drain_timeout_s: float | None = None):
