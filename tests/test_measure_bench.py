@@ -81,11 +81,32 @@ def test_bench_reports_each_level_of_a_served_artifact(tmp_path):
     (["http://127.0.0.1:9"], "give --input-tokens and --output-tokens, or --spec"),
     (["http://127.0.0.1:9", "--input-tokens", "8", "--output-tokens", "4", "--concurrency", "0"], "each level must be 1 to 1024"),
     (["http://127.0.0.1:9", "--input-tokens", "8", "--output-tokens", "1"], "at least 2"),
+    # Found by fuzzing the flags: 0 read as "not given" (a misleading message, or a run of the default size),
+    # a prompt of 1e11 words (MemoryError, exit 70), timeouts of 0 or NaN, an empty level, and an output file
+    # in no directory (the figures lost after the whole run).
+    (["http://127.0.0.1:9", "--input-tokens", "0", "--output-tokens", "4"], "--input-tokens 0: must be at least 1"),
+    (["http://127.0.0.1:9", "--input-tokens", "8", "--output-tokens", "4", "--requests", "0"],
+     "--requests 0: must be at least 1"),
+    (["http://127.0.0.1:9", "--input-tokens", "99999999999", "--output-tokens", "4"], "at most 10,000,000"),
+    (["http://127.0.0.1:9", "--input-tokens", "8", "--output-tokens", "4", "--timeout", "nan"],
+     "--timeout nan: must be a positive number of seconds"),
+    (["http://127.0.0.1:9", "--input-tokens", "8", "--output-tokens", "4", "--concurrency", "1,,2"],
+     "expected comma-separated whole numbers"),
+    (["http://127.0.0.1:9", "--input-tokens", "8", "--output-tokens", "4", "--json", "/nonexistent/dir/b.json"],
+     "--json /nonexistent/dir/b.json: no such directory /nonexistent/dir"),
 ])
 def test_bench_usage_errors_are_one_line_exit_2(args, message):
     out = _lmc("bench", *args)
     assert out.returncode == 2
     assert message in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_a_server_that_cannot_be_reached_is_one_line_exit_1():
+    """It was a ConnectError traceback's last line as an internal error (exit 70)."""
+    out = _lmc("bench", "http://127.0.0.1:9", "--input-tokens", "8", "--output-tokens", "4")
+    assert out.returncode == 1
+    assert out.stderr == ("lmc: error: http://127.0.0.1:9: cannot reach the server (ConnectError: All connection "
+                          "attempts failed)\n")
 
 
 def test_percentiles_match_numpys_linear_method():

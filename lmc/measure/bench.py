@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -30,9 +31,13 @@ def default_levels(concurrency: int) -> list[int]:
     return levels + [concurrency]
 
 
+# The most prompt or output tokens (or timed requests) a level may ask for: past any model's context.
+_MAX_TOKENS = 10_000_000
+
+
 def parse_levels(text: str) -> list[int]:
     try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
+        levels = [int(part) for part in text.split(",")]
     except ValueError:
         raise UsageError(f"--concurrency {text!r}: expected comma-separated whole numbers, e.g. 1,2,4,8") from None
     if not levels or any(level < 1 or level > 1024 for level in levels):
@@ -94,16 +99,24 @@ class BenchSetup:
 
             workload = load_spec(args.spec).spec.workload.model_dump()
         workload = workload or {}
-        input_tokens = args.input_tokens or workload.get("max_input_tokens")
-        output_tokens = args.output_tokens or workload.get("max_output_tokens")
-        if not input_tokens or not output_tokens:
+        input_tokens = args.input_tokens if args.input_tokens is not None else workload.get("max_input_tokens")
+        output_tokens = args.output_tokens if args.output_tokens is not None else workload.get("max_output_tokens")
+        if input_tokens is None or output_tokens is None:
             raise UsageError("give --input-tokens and --output-tokens, or --spec (its workload sets them)")
         for flag, value in (("--input-tokens", input_tokens), ("--output-tokens", output_tokens),
-                            ("--requests", args.requests or 1)):
+                            ("--requests", 1 if args.requests is None else args.requests)):
             if value < 1:
                 raise UsageError(f"{flag} {value}: must be at least 1")
+            if value > _MAX_TOKENS:  # a prompt of that many words would not fit in memory, nor any model's context
+                raise UsageError(f"{flag} {value}: at most {_MAX_TOKENS:,}")
         if output_tokens < 2:
             raise UsageError("--output-tokens must be at least 2 (TPOT is the time between tokens)")
+        for flag, value in (("--timeout", args.timeout), ("--startup-timeout", args.startup_timeout)):
+            if not (math.isfinite(value) and value > 0):
+                raise UsageError(f"{flag} {value}: must be a positive number of seconds")
+        for flag, out in (("--json", args.json), ("--plot", getattr(args, "plot", None))):
+            if out is not None and not (out.parent if str(out.parent) else Path(".")).is_dir():
+                raise UsageError(f"{flag} {out}: no such directory {out.parent} (the run's figures would be lost)")
         levels = parse_levels(args.concurrency) if args.concurrency else default_levels(int(workload.get("concurrency") or 1))
         tokenizer = args.tokenizer
         if tokenizer is not None and not tokenizer.is_file():
@@ -211,6 +224,7 @@ def _wait_ready(url: str, server: subprocess.Popen, log: Path, timeout_s: float)
 
 async def run_bench(setup: BenchSetup, served: Served, *, lmc_version: str, measured_at: str) -> dict[str, Any]:
     """Every level in turn: prompts sized once, then each level's warm-up and timed requests."""
+    import httpx
     from tqdm import tqdm
 
     from lmc.measure.loadgen import _completion_body, build_prompt, make_client, run_level, served_model, word_token
@@ -220,8 +234,11 @@ async def run_bench(setup: BenchSetup, served: Served, *, lmc_version: str, meas
     sampler = PeakMemory(served.pid, setup.device()) if served.pid is not None else None
     host_before = host_line()
     async with make_client(setup.timeout_s, max(setup.levels)) as client:
-        model = await served_model(client, served.url)
-        prompt, word = await build_prompt(client, served.url, model, setup.input_tokens)
+        try:
+            model = await served_model(client, served.url)
+            prompt, word = await build_prompt(client, served.url, model, setup.input_tokens)
+        except httpx.TransportError as exc:  # nothing listens there, or it went away: before any level ran
+            raise BenchError(f"{served.url}: cannot reach the server ({type(exc).__name__}: {exc})") from None
         bias = word_token(served.tokenizer, word) if served.tokenizer is not None else None
         body = _completion_body(prompt, setup.output_tokens, model, stream=True, bias_token=bias)
         levels = []
