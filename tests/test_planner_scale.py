@@ -120,6 +120,20 @@ def test_the_rate_sets_the_instance_count_and_the_peak_the_upper_bound():
     assert d.cost_per_million_tokens_at_rate == pytest.approx(t.cost_per_hour / (2.0 * 256 * 3600) * 1e6, rel=1e-3)
 
 
+@pytest.mark.parametrize("output_tokens", [256, 32768])
+def test_the_request_rate_carries_the_throughput_at_any_generation_length(output_tokens):
+    """requests/s × output tokens = throughput (issue 31), also where a long generation puts the rate under 0.01:
+    rounded to 3 decimals, 0.00252 requests/s showed as 0.003, 19 % over the throughput it carries (found by
+    the invariant sweep at 8192 + 32768 tokens)."""
+    s = spec(target={"instance": "ml.g6e.xlarge"}, workload={"max_input_tokens": 8192, "max_output_tokens": output_tokens,
+                                                              "concurrency": 4})
+    p = plan(s, catalog.model_facts("bigscience/bloom-7b1"), catalog.hardware_facts("ml.g6e.xlarge"))
+    rate, throughput = p.deployment.requests_per_second, p.predicted.throughput_tokens_per_s
+    assert rate * output_tokens == pytest.approx(throughput, rel=0.01)
+    if output_tokens == 32768:
+        assert rate < 0.01 and len(f"{rate:g}".rstrip("0").split(".")[1].lstrip("0")) == 3  # 3 significant digits
+
+
 def test_an_impossible_rate_has_no_plan_and_says_why():
     s = spec(target={"instance": "ml.g5.12xlarge", "instances": 2},
              workload={"concurrency": 4, "requests_per_second": 500.0})
