@@ -132,6 +132,9 @@ def test_the_request_rate_carries_the_throughput_at_any_generation_length(output
     assert rate * output_tokens == pytest.approx(throughput, rel=0.01)
     if output_tokens == 32768:
         assert rate < 0.01 and len(f"{rate:g}".rstrip("0").split(".")[1].lstrip("0")) == 3  # 3 significant digits
+        # --explain says the same figure (it said "0.00 requests/s")
+        instances = next(d for d in p.decisions if d.key == "instances")
+        assert f"they carry {rate:g} requests/s" in instances.reason
 
 
 def test_an_impossible_rate_has_no_plan_and_says_why():

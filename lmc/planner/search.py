@@ -843,6 +843,11 @@ def deployment(spec, chosen: Config) -> Deployment:
                       cost_per_million_tokens_at_rate=at_rate)
 
 
+def _rate_text(rate: float) -> str:
+    """Requests/s in --explain's prose: 2 decimals, and below 0.01 the plan's own figure (not "0.00")."""
+    return f"{rate:.2f}" if rate >= 0.01 else f"{_rate_figure(rate):g}"
+
+
 def _rate_figure(rate: float) -> float:
     """Requests/s as the plan shows it: 3 decimals, and 3 significant digits below 0.01 (long generations),
     where 3 decimals would be 20-100 % off what the throughput carries (0.00252 shown as 0.003)."""
@@ -1052,7 +1057,7 @@ def scale_decisions(spec, model: ModelFacts, hardware: HardwareFacts, chosen: Co
     placed = (f"{span} instances per replica (its {chosen.tp * chosen.dp} ranks, {parallel_layout(chosen.tp, chosen.dp)})"
               if span > 1 else f"{per_instance} replica(s) per instance")
     reason = (f"{chosen.replicas} replica(s) × {pp} stage(s), {placed}; they carry "
-              f"{chosen.requests_per_second:.2f} requests/s (throughput {t.throughput_tokens_per_s:.1f} tokens/s / "
+              f"{_rate_text(chosen.requests_per_second)} requests/s (throughput {t.throughput_tokens_per_s:.1f} tokens/s / "
               f"{output_tokens_per_request(load)} output tokens a request)")
     if load.requests_per_second is not None:
         reason += f" for the {load.requests_per_second:g} requests/s of the workload"
@@ -1098,10 +1103,10 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
         elif c.fits:  # it fits, and the request rate (or its peak) needs more than the pins or the target allow
             rate = spec.workload.requests_per_second
             if spec.pin.replicas is not None and c.peak_instances <= spec.target.instances:
-                reason = (f"pin.replicas = {spec.pin.replicas} carries {c.requests_per_second:.3f} requests/s < "
+                reason = (f"pin.replicas = {spec.pin.replicas} carries {_rate_figure(c.requests_per_second):g} requests/s < "
                           f"requests_per_second = {rate:g}")
             else:
-                reason = (f"the request rate needs {c.peak_instances} instances ({c.requests_per_second / c.replicas:.3f} "
+                reason = (f"the request rate needs {c.peak_instances} instances ({_rate_figure(c.requests_per_second / c.replicas):g} "
                           f"requests/s per replica) > target.instances = {spec.target.instances}")
         else:
             reason = (f"doesn't fit: needs {_gib(c.memory.total)} per device (weights {_gib(c.memory.weights)}) "
@@ -1161,7 +1166,7 @@ def no_feasible_plan(spec, model: ModelFacts, hardware: HardwareFacts, engines: 
                    f"{spec.target.instances}")
         per_replica = best.requests_per_second / best.replicas
         details.append(f"best: {best.engine} {best.dtype} TP {best.tp}" + (f" PP {best.pp}" if best.pp > 1 else "")
-                       + f" batch {best.batch}: {per_replica:.3f} requests/s per replica (its throughput / "
+                       + f" batch {best.batch}: {_rate_figure(per_replica):g} requests/s per replica (its throughput / "
                        f"{output_tokens_per_request(load)} output tokens a request); raise target.instances to "
                        f"{best.peak_instances} or lower the rate")
     elif configs:  # only the cost cap stands in the way: say what the cheapest fitting one costs
