@@ -314,6 +314,20 @@ def test_an_lmi_body_becomes_one_completion_request():
     assert (status, answer) == (400, {"error": "too long", "code": 400})  # vLLM's refusal, in LMI's shape
 
 
+def test_more_lmi_inputs_than_vllm_ever_admits_is_a_400_as_on_lmcs_engines():
+    """vLLM answers a request of more sequences than max_num_queued_reqs 503 (retry later), though no retry can
+    succeed; lmc's own engines answer the same LMI request 400 naming the bound (core.make_jobs). Found by
+    fuzzing the two runtimes' requests: LMI clients now get one answer from either engine."""
+    inner = Inner(reply={"choices": [choice(i, "a", [7], "length") for i in range(3)], "usage": {}})
+    front = front_with(inner, max_queued=3)
+    status, _, answer = call(front, "/invocations", json.dumps({"inputs": ["a"] * 4}).encode())
+    assert (status, answer) == (400, {"error": "inputs has 4 prompts; the request queue holds 3: send at most 3 per "
+                                               "request", "code": 400})
+    assert inner.seen == []
+    status, _, answer = call(front, "/invocations", json.dumps({"inputs": ["a"] * 3}).encode())
+    assert status == 200 and len(answer) == 3 and len(inner.seen) == 1
+
+
 def test_while_draining_ping_and_new_work_get_503():
     inner = Inner()
     front = front_with(inner)

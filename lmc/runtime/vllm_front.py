@@ -74,6 +74,7 @@ class FrontState:
     plan_sha256: str = ""
     text: Any = None  # lmc.runtime.startup.TextTools: token texts for LMI's details
     adapters: tuple[str, ...] = ()  # the LoRA adapters served (plan.lora), selectable by name
+    max_queued: int = 0  # vLLM's max_num_queued_reqs: an LMI request of more inputs is never admitted (0: unchecked)
     adapter_requests: dict[str, int] = field(default_factory=dict)  # requests that selected each adapter
     in_flight: int = 0
     refusing: str | None = None  # why everything is refused (shutting down, a lost node, a dead engine)
@@ -265,6 +266,9 @@ class LmcFront:
             prompts, params, stream, details = parse_invocation(decoded, state.max_sequence_length)
             if stream and len(prompts) != 1:
                 raise ValueError("stream = true takes a single string in inputs, not a list")
+            if state.max_queued and len(prompts) > state.max_queued:  # vLLM's 503 would say "retry", in vain
+                raise ValueError(f"inputs has {len(prompts)} prompts; the request queue holds {state.max_queued}: "
+                                 f"send at most {state.max_queued} per request")
         except ValueError as exc:
             await _send(send, _error(400, str(exc), True))
             return True

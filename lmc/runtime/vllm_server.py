@@ -126,7 +126,8 @@ def front_state(artifact, request_timeout_s: float, max_body_bytes: int) -> Fron
                       max_body_bytes=int(max_body_bytes), retry_after_s=admission(plan)[1],
                       drain_timeout_s=float(request_timeout_s), eos_ids=eos_ids(artifact.model_dir),
                       lmc_version=__version__, plan_sha256=str(plan.get("plan_sha256") or ""),
-                      text=TextTools(artifact.model_dir), adapters=tuple(adapter_names(plan)))
+                      text=TextTools(artifact.model_dir), adapters=tuple(adapter_names(plan)),
+                      max_queued=admission(plan)[0])
 
 
 async def _serve(args, state: FrontState, node) -> None:
