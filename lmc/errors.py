@@ -11,6 +11,14 @@ EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it: Ctrl-C (twice, for `lmc runtime` draining)
 
 
+def short_repr(value: object, width: int = 40) -> str:
+    """`value` for a one-line message: at most `width` characters, a huge integer by its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**18:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = f"{value:g}" if isinstance(value, float) else repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 class LmcError(Exception):
     """An error meant for the user: one line, and the exit code it maps to."""
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lmc.errors import CheckpointError, SpecValueError
+from lmc.errors import CheckpointError, SpecValueError, short_repr
 from lmc.planner.facts import AdapterFacts, ModelFacts, SpeculativeFacts
 from lmc.schema import LoadedSpec
 
@@ -68,17 +68,20 @@ def adapter_facts(loaded: LoadedSpec, index: int, model: ModelFacts) -> AdapterF
     rank = config.get("r")
     modules = config.get("target_modules")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise SpecValueError(key, shown, f"{ADAPTER_CONFIG}: `r` (the LoRA rank) must be a positive integer, not {_shown(rank)}")
+        raise SpecValueError(key, shown, f"{ADAPTER_CONFIG}: `r` (the LoRA rank) must be a positive integer, not "
+                                         f"{short_repr(rank, 60)}")
     if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
         raise SpecValueError(key, shown, f"{ADAPTER_CONFIG}: `target_modules` must list module names (a regular "
-                                         f"expression is not served by vLLM), not {_shown(modules)}")
+                                         f"expression is not served by vLLM), not {short_repr(modules, 60)}")
     alpha = config.get("lora_alpha")
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < float("inf")):
-        raise SpecValueError(key, shown, f"{ADAPTER_CONFIG}: `lora_alpha` must be a non-negative number, not {_shown(alpha)}")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                              or not 0 <= alpha < float("inf")):
+        raise SpecValueError(key, shown, f"{ADAPTER_CONFIG}: `lora_alpha` must be a non-negative number, not "
+                                         f"{short_repr(alpha, 60)}")
     base = config.get("base_model_name_or_path")
     if base is not None and not isinstance(base, str):
         raise SpecValueError(key, shown, f"{ADAPTER_CONFIG}: `base_model_name_or_path` must be a model id or path, not "
-                                         f"{_shown(base)}")
+                                         f"{short_repr(base, 60)}")
     weights = folder / ADAPTER_WEIGHTS
     if weights.is_file():
         weight_bytes = _weight_bytes(weights, key, shown)
@@ -91,12 +94,6 @@ def adapter_facts(loaded: LoadedSpec, index: int, model: ModelFacts) -> AdapterF
     return AdapterFacts(name=adapter.name, source=source, revision=commit, rank=rank,
                         alpha=float(alpha or 0), target_modules=tuple(sorted(modules)), base_model=base or None,
                         weight_bytes=weight_bytes)
-
-
-def _shown(value: Any) -> str:
-    """A config value in a one-line message, cut short."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def speculative_facts(loaded: LoadedSpec, model: ModelFacts, checkpoint: Path | None) -> SpeculativeFacts | None:

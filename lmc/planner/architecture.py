@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
-from lmc.errors import CheckpointError, InternalError
+from lmc.errors import CheckpointError, InternalError, short_repr
 from lmc.planner.facts import DTYPE_BYTES, ModelFacts
 
 # model_types whose q/k/v projections carry biases without an `attention_bias` key.
@@ -210,7 +210,8 @@ def moe_layout(get: Reader, model_type: str, layers: int) -> Moe | None:
     step = _at_least_one(get, "decoder_sparse_step", "interleave_moe_layer_step")
     only_dense = get.config.get("mlp_only_layers") or []
     if not isinstance(only_dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only_dense):
-        raise CheckpointError(f"{get.where}: `mlp_only_layers` must list block indices, got {only_dense!r:.60}")
+        raise CheckpointError(f"{get.where}: `mlp_only_layers` must list block indices, "
+                              f"got {short_repr(only_dense, 60)}")
     if step > 1 or only_dense:
         # Llama 4 (interleave_moe_layer_step): every step-th block, counting from step-1; Qwen2/3-MoE: the same,
         # less the blocks mlp_only_layers keeps dense
@@ -383,9 +384,8 @@ def architectures_of(config: dict[str, Any], config_file: Path | str = "config.j
     if architectures is None:
         return []
     if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
-        shown = repr(architectures)
         raise CheckpointError(f"{config_file}: architectures must list class names (e.g. [\"LlamaForCausalLM\"]), "
-                              f"not {shown if len(shown) <= 60 else shown[:57] + '...'}")
+                              f"not {short_repr(architectures, 60)}")
     return architectures
 
 

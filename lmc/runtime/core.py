@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse
 from lmc.runtime.engines.base import GenerationParams, GenerationRequest, GenerationResult
 from lmc.runtime.jobs import CLIENT_CLOSED, Backend, Job, RequestFailed
 from lmc.runtime.metrics import Metrics
-from lmc.runtime.requests import check_logit_bias
+from lmc.runtime.requests import check_logit_bias, queue_overflow
 from lmc.runtime.startup import (INLINE_TOKENIZE_CHARS, TextTools, planned_output_tokens,
                                  sampling_defaults as load_sampling_defaults)
 
@@ -164,10 +164,9 @@ class Runtime:
                   label: str = "inputs", length_field: str = "max_new_tokens") -> list[Job]:
         """Jobs for `prompts`, after checking prompt tokens (`counts`, from count_prompts) +
         max_new_tokens fit the planned sequence length (RequestFailed 400 naming the prompt otherwise)."""
-        capacity = self.scheduler.capacity
-        if len(prompts) > capacity:
-            raise RequestFailed(400, f"{label} has {len(prompts)} prompts; the request queue holds {capacity}: "
-                                     f"send at most {capacity} per request")
+        overflow = queue_overflow(label, len(prompts), self.scheduler.capacity)
+        if overflow is not None:
+            raise RequestFailed(400, overflow)
         try:
             check_logit_bias(params, self.text.vocab_size)
         except ValueError as exc:

@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any, Callable
 
+from lmc.errors import short_repr
 from lmc.runtime.engines.base import GenerationParams, GenerationResult, Piece
 
 MAX_STOP_SEQUENCES = 16
@@ -35,13 +36,13 @@ def parse_parameters(params: dict, max_sequence_length: int | None = None) -> Ge
         raise ValueError(f"parameters must be a JSON object, got {_json_type(params)}")
     unknown = sorted(set(params) - set(_PARAMETER_KEYS))
     if unknown:
-        raise ValueError(f"unknown parameter {_short(unknown[0])}; accepted: {', '.join(_PARAMETER_KEYS)}")
+        raise ValueError(f"unknown parameter {short_repr(unknown[0])}; accepted: {', '.join(_PARAMETER_KEYS)}")
     defaults = GenerationParams()
     values: dict[str, Any] = {}
     if "max_new_tokens" in params:
         values["max_new_tokens"] = _int(params, "max_new_tokens", minimum=1)
         if max_sequence_length is not None and values["max_new_tokens"] >= max_sequence_length:
-            raise ValueError(f"parameters.max_new_tokens = {_short(values['max_new_tokens'])} leaves no room for a prompt "
+            raise ValueError(f"parameters.max_new_tokens = {short_repr(values['max_new_tokens'])} leaves no room for a prompt "
                              f"within the maximum sequence length {max_sequence_length}")
     if "temperature" in params:
         values["temperature"] = _number(params, "temperature", minimum=0.0, maximum=100.0)
@@ -75,7 +76,7 @@ def parse_parameters(params: dict, max_sequence_length: int | None = None) -> Ge
     if params.get("min_new_tokens") is not None:
         values["min_new_tokens"] = _int(params, "min_new_tokens", minimum=0)
         if values["min_new_tokens"] > values.get("max_new_tokens", defaults.max_new_tokens):
-            raise ValueError(f"parameters.min_new_tokens = {_short(values['min_new_tokens'])} is more than max_new_tokens = "
+            raise ValueError(f"parameters.min_new_tokens = {short_repr(values['min_new_tokens'])} is more than max_new_tokens = "
                              f"{values.get('max_new_tokens', defaults.max_new_tokens)}")
     if "ignore_eos_token" in params:
         values["ignore_eos"] = _bool(params, "ignore_eos_token")
@@ -98,7 +99,7 @@ def parse_invocation(body: object, max_sequence_length: int | None = None
         raise ValueError(f"request body must be a JSON object with 'inputs', got {_json_type(body)}")
     unknown = sorted(set(body) - set(_BODY_KEYS))
     if unknown:
-        raise ValueError(f"unknown request key {_short(unknown[0])}; accepted: {', '.join(_BODY_KEYS)}")
+        raise ValueError(f"unknown request key {short_repr(unknown[0])}; accepted: {', '.join(_BODY_KEYS)}")
     if "inputs" not in body:
         raise ValueError("request body has no 'inputs' (a string or a list of strings)")
     inputs = body["inputs"]
@@ -133,6 +134,14 @@ def lmi_details(prompt: str, result: GenerationResult, token_text: Callable[[int
         details["tokens"] = [{"id": token, "text": token_text(token), "log_prob": value}
                              for token, (value, _) in zip(result.token_ids, result.logprobs)]
     return details
+
+
+def queue_overflow(label: str, count: int, capacity: int) -> str | None:
+    """Why a request of `count` prompts (answers) can never be admitted by a queue of `capacity`, or None: the
+    same 400 from lmc's own engines (core.make_jobs) and from its front in front of vLLM (vllm_front)."""
+    if count <= capacity:
+        return None
+    return f"{label} has {count} prompts; the request queue holds {capacity}: send at most {capacity} per request"
 
 
 def check_logit_bias(params: GenerationParams, vocab_size: int | None) -> None:
@@ -176,14 +185,6 @@ def _token_line(piece: Piece) -> dict[str, Any]:
     return {"token": {"id": piece.token_id, "text": piece.text, "log_prob": piece.log_prob}}
 
 
-def _short(value: object) -> str:
-    """`value` for an error message: at most 40 characters, a huge integer by its size."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**18:
-        return f"an integer of {len(str(abs(value)))} digits"
-    text = f"{value:g}" if isinstance(value, float) else repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _json_type(value: object) -> str:
     if value is None:
         return "null"
@@ -206,27 +207,27 @@ def _int(params: dict, key: str, *, minimum: int, maximum: int | None = None) ->
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"parameters.{key} must be an integer, got {_json_type(value)} ({_short(value)})")
+        raise ValueError(f"parameters.{key} must be an integer, got {_json_type(value)} ({short_repr(value)})")
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"parameters.{key} must be {bound}, got {_short(value)}")
+        raise ValueError(f"parameters.{key} must be {bound}, got {short_repr(value)}")
     return value
 
 
 def _number(params: dict, key: str, *, minimum: float, maximum: float) -> float:
     value = params[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"parameters.{key} must be a number, got {_json_type(value)} ({_short(value)})")
+        raise ValueError(f"parameters.{key} must be a number, got {_json_type(value)} ({short_repr(value)})")
     # Compared before converting: an integer beyond a float's range (JSON allows any) is just out of range.
     if not (isinstance(value, int) or math.isfinite(value)) or not minimum <= value <= maximum:
-        raise ValueError(f"parameters.{key} must be in [{minimum:g}, {maximum:g}], got {_short(value)}")
+        raise ValueError(f"parameters.{key} must be in [{minimum:g}, {maximum:g}], got {short_repr(value)}")
     return float(value)
 
 
 def _bool(params: dict, key: str) -> bool:
     value = params[key]
     if not isinstance(value, bool):
-        raise ValueError(f"parameters.{key} must be true or false, got {_json_type(value)} ({_short(value)})")
+        raise ValueError(f"parameters.{key} must be true or false, got {_json_type(value)} ({short_repr(value)})")
     return value
 
 
@@ -240,9 +241,9 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     for key, bias in value.items():
         # isdecimal, not isdigit: int() refuses superscripts; a token id has at most 10 digits.
         if not (isinstance(key, str) and key.isascii() and key.isdecimal() and len(key.lstrip("0")) <= 10):
-            raise ValueError(f"parameters.logit_bias keys must be token ids, got {_short(key)}")
+            raise ValueError(f"parameters.logit_bias keys must be token ids, got {short_repr(key)}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise ValueError(f"parameters.logit_bias[{key!r}] must be a number in [-100, 100], got {_short(bias)}")
+            raise ValueError(f"parameters.logit_bias[{key!r}] must be a number in [-100, 100], got {short_repr(bias)}")
         pairs.append((int(key), float(bias)))
     ids = [token for token, _ in pairs]
     if len(set(ids)) != len(ids):  # "1" and "01" name the same token: the biases would add up past 100
@@ -259,5 +260,5 @@ def _stop(value: object, key: str = "stop") -> tuple[str, ...]:
         raise ValueError(f"parameters.{key} has {len(items)} sequences; at most {MAX_STOP_SEQUENCES} are allowed")
     for index, item in enumerate(items):
         if not isinstance(item, str) or not item:
-            raise ValueError(f"parameters.{key}[{index}] must be a non-empty string, got {_short(item)}")
+            raise ValueError(f"parameters.{key}[{index}] must be a non-empty string, got {short_repr(item)}")
     return tuple(items)

@@ -44,7 +44,7 @@ from lmc.runtime.core import decode_json, error_response, read_body
 from lmc.runtime.engines.base import GenerationParams, GenerationResult, Piece
 from lmc.runtime.jobs import CLIENT_CLOSED, RequestFailed
 from lmc.runtime.openai_api import openai_error
-from lmc.runtime.requests import LmiLines, jsonline, lmi_details, parse_invocation
+from lmc.runtime.requests import LmiLines, jsonline, lmi_details, parse_invocation, queue_overflow
 
 log = logging.getLogger("lmc.runtime")
 
@@ -266,9 +266,9 @@ class LmcFront:
             prompts, params, stream, details = parse_invocation(decoded, state.max_sequence_length)
             if stream and len(prompts) != 1:
                 raise ValueError("stream = true takes a single string in inputs, not a list")
-            if state.max_queued and len(prompts) > state.max_queued:  # vLLM's 503 would say "retry", in vain
-                raise ValueError(f"inputs has {len(prompts)} prompts; the request queue holds {state.max_queued}: "
-                                 f"send at most {state.max_queued} per request")
+            overflow = queue_overflow("inputs", len(prompts), state.max_queued) if state.max_queued else None
+            if overflow is not None:  # vLLM's 503 would say "retry", in vain
+                raise ValueError(overflow)
         except ValueError as exc:
             await _send(send, _error(400, str(exc), True))
             return True
