@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from lmc.errors import ArtifactError, UsageError
+from lmc.errors import ArtifactError, UsageError, short_repr
 from lmc.measure.host import host_line, load_average
 from lmc.measure.loadgen import BenchError
 
@@ -114,7 +114,7 @@ class BenchSetup:
         for flag, value in (("--timeout", args.timeout), ("--startup-timeout", args.startup_timeout)):
             if not (math.isfinite(value) and value > 0):
                 raise UsageError(f"{flag} {value}: must be a positive number of seconds")
-        for flag, out in (("--json", args.json), ("--plot", getattr(args, "plot", None))):
+        for flag, out in (("--json", args.json), ("--plot", args.plot)):
             if out is not None and not (out.parent if str(out.parent) else Path(".")).is_dir():
                 raise UsageError(f"{flag} {out}: no such directory {out.parent} (the run's figures would be lost)")
         levels = parse_levels(args.concurrency) if args.concurrency else default_levels(int(workload.get("concurrency") or 1))
@@ -301,22 +301,22 @@ def _report_problem(report: dict[str, Any]) -> str | None:
 
     workload = report["workload"]
     for key in ("input_tokens", "output_tokens"):
-        if not count(workload.get(key), 10**8):
-            return f"workload.{key} must be a positive integer, not {workload.get(key)!r:.40}"
+        if not count(workload.get(key), _MAX_TOKENS):
+            return f"workload.{key} must be a positive integer, not {short_repr(workload.get(key))}"
     sha = report.get("plan_sha256")
     if sha is not None and not isinstance(sha, str):
-        return f"plan_sha256 must be a string, not {sha!r:.40}"
+        return f"plan_sha256 must be a string, not {short_repr(sha)}"
     for index, level in enumerate(report["levels"]):
         if not isinstance(level, dict):
-            return f"levels[{index}] must be an object, not {level!r:.40}"
+            return f"levels[{index}] must be an object, not {short_repr(level)}"
         if not count(level.get("concurrency"), _MAX_CONCURRENCY):
             return f"levels[{index}].concurrency must be a whole number from 1 to {_MAX_CONCURRENCY}, not " \
-                   f"{level.get('concurrency')!r:.40}"
+                   f"{short_repr(level.get('concurrency'))}"
         for key, _, _ in FIGURES:
             value = level.get(key)
             values = value.items() if isinstance(value, dict) else [("", value)]
             for stat, figure in values:
                 if not number(figure):
                     where = f"levels[{index}].{key}" + (f".{stat}" if stat else "")
-                    return f"{where} must be a finite number of at least 0, not {figure!r:.40}"
+                    return f"{where} must be a finite number of at least 0, not {short_repr(figure)}"
     return None
