@@ -98,8 +98,6 @@ def _run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = _artifact_path(args)
-    if args.port is not None and not 0 <= args.port <= 65535:
-        raise UsageError(f"--port = {args.port}: not a TCP port number (0-65535; 0: any free port)")
     port = resolve_port(args.port)
     timeout = _positive("--request-timeout", args.request_timeout) or _float_env("LMC_REQUEST_TIMEOUT_S")
     max_body = _positive("--max-body-bytes", args.max_body_bytes) or _float_env("LMC_MAX_BODY_BYTES")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from lmc.errors import ArtifactError, MissingDependencyError
+from lmc.errors import ArtifactError, MissingDependencyError, UsageError
 from lmc.layouts import pipeline_degree, shard_path
 from lmc.manifest import MANIFEST_NAME, TOKENIZER_MODELS, sha256_file, verify_artifact
 
@@ -32,9 +32,11 @@ _PLAN_KEYS = ("engine", "tensor_parallel_degree", "replicas", "batch_size", "max
 
 
 def resolve_port(flag: int | None, environ: dict[str, str] | None = None) -> int:
-    """--port, else SAGEMAKER_BIND_TO_PORT, else 8080."""
+    """--port (0-65535; 0: a free port the system picks), else SAGEMAKER_BIND_TO_PORT, else 8080."""
     environ = os.environ if environ is None else environ
     if flag is not None:
+        if not 0 <= flag <= 65535:
+            raise UsageError(f"--port = {flag}: not a TCP port number (0-65535; 0: any free port)")
         return flag
     value = environ.get("SAGEMAKER_BIND_TO_PORT")
     if value:

@@ -121,13 +121,14 @@ def front_state(artifact, request_timeout_s: float, max_body_bytes: int) -> Fron
     from lmc.runtime.startup import TextTools
 
     plan = artifact.plan
+    max_queued, retry_after_s = admission(plan)
     return FrontState(model_name=str((plan.get("model") or {}).get("id") or artifact.model_dir.name),
                       max_sequence_length=int(plan["max_sequence_length"]),
-                      max_body_bytes=int(max_body_bytes), retry_after_s=admission(plan)[1],
+                      max_body_bytes=int(max_body_bytes), retry_after_s=retry_after_s,
                       drain_timeout_s=float(request_timeout_s), eos_ids=eos_ids(artifact.model_dir),
                       lmc_version=__version__, plan_sha256=str(plan.get("plan_sha256") or ""),
                       text=TextTools(artifact.model_dir), adapters=tuple(adapter_names(plan)),
-                      max_queued=admission(plan)[0])
+                      max_queued=max_queued)
 
 
 async def _serve(args, state: FrontState, node) -> None:
