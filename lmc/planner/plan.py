@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from lmc.manifest import digest_json  # the artifact's digests too, and `lmc build --plan`'s check of a reviewed file
 
 
 # Plan sections present only where they apply: kv_cache for continuous plans, vllm for vLLM plans, lora and
@@ -208,10 +209,7 @@ class Plan(_Frozen):
 
     def with_digest(self) -> "Plan":
         """The same plan with plan_sha256 set: the digest of its JSON without that field."""
-        body = self.to_dict()
-        body["plan_sha256"] = ""
-        digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-        return self.model_copy(update={"plan_sha256": digest})
+        return self.model_copy(update={"plan_sha256": digest_json({**self.to_dict(), "plan_sha256": ""})})
 
     def to_json(self) -> str:
         """Stable, readable JSON (key order as in docs/plan.md, 2-space indent, trailing newline)."""
