@@ -123,12 +123,13 @@ def test_the_table_puts_engines_side_by_side_with_device_and_date(loop):
     assert vllm_line.endswith("(NVIDIA H100 80GB HBM3, 2026-11-25 11:00 UTC)")
 
 
-def test_profile_decode_without_cuda_stops_with_one_line():
+@pytest.mark.parametrize("name", ["profile_decode", "step_spread"])
+def test_gpu_scripts_without_cuda_stop_with_one_line(name):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("a GPU is here: the profile would run")
-    script = SCRIPT.parent / "profile_decode.py"
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        pytest.skip("a GPU is here: the script would run")
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / f"{name}.py")], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 1
-    assert result.stderr == "profile_decode: no CUDA GPU here (torch.cuda.is_available() is False); run it on a GPU host\n"
+    assert result.stderr == f"{name}: no CUDA GPU here (torch.cuda.is_available() is False); run it on a GPU host\n"

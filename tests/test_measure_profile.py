@@ -176,6 +176,24 @@ def test_solved_rates_reproduce_the_measured_times():
     assert solve_figures(model, "fp32", 0.3, 0.1, 0.5, tpot_8, ttft, EngineFigures(40e9, 0.5, 0.5)) is None
 
 
+def test_fixed_costs_come_from_the_typical_run_not_the_luckiest():
+    """The plan predicts the typical (p50) step, so the engine's fixed costs come from the median served runs:
+    a host that now and then runs a request fast (or slow) moves the fastest-of-five figures, not these."""
+    from lmc.measure.calibrate import fixed_costs
+
+    step, layer, request = 1.0, 0.5, 4.0  # ms; per token = step + layers · layer
+
+    def runs(layers: int, tokens: int) -> list[float]:
+        typical = request + tokens * (step + layers * layer)
+        return [0.8 * typical, 0.99 * typical, typical, 1.01 * typical, 1.6 * typical]  # one lucky, one stalled
+
+    got = fixed_costs({n: (runs(n, 32), runs(n, 2)) for n in (2, 12)})
+    assert got == pytest.approx((step, layer, request), rel=0.03)
+    # the fastest runs alone would give a step 20 % short: what the figures were taken from before
+    lucky = fixed_costs({n: ([min(runs(n, 32))], [min(runs(n, 2))]) for n in (2, 12)})
+    assert lucky[0] + 8 * lucky[1] < 0.85 * (step + 8 * layer)
+
+
 def test_calibrate_usage_errors_exit_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "lmc", "calibrate", "--dtypes", "int8"], capture_output=True, text=True)
     assert result.returncode == 2

@@ -203,32 +203,39 @@ def serve_and_drive(root: Path, name: str, dtype: str, layers: int, width: dict,
     return ServedRun(samples, peak, weights, result.plan.max_batch_delay_ms)
 
 
-def _fastest(samples: list, key: str) -> float:
-    return min(getattr(s, key) for s in samples) * 1e3
-
-
 def _median(samples: list, key: str) -> float:
     return statistics.median(getattr(s, key) for s in samples) * 1e3
 
 
+def fixed_costs(end_to_end: dict[int, tuple[list[float], list[float]]]) -> tuple[float, float, float]:
+    """(step ms, per-layer ms, request ms) from served batch-1 runs of models that differ only in their layer
+    count: per layer count, the end-to-end times (ms) of its 32-token and of its 2-token requests. Per token =
+    (median end-to-end of 32 tokens − of 2) / 30; the request's own cost (HTTP, tokenizing, the queue, the
+    pipe) is the fewest layers' 2-token median less two tokens.
+    Medians, not the fastest runs: the plan predicts the typical (p50) step, and the fastest of a few runs
+    sits below it by the host's spread (on an H200, 2026-11-28: 6.35 ms for 8 layers from the fastest runs,
+    6.97 from the medians; the 7B-wide model itself served at 8.99 fastest, 9.87 median)."""
+    per_token = {layers: (statistics.median(long) - statistics.median(short)) / 30
+                 for layers, (long, short) in end_to_end.items()}
+    (l1, l2) = sorted(per_token)[0], sorted(per_token)[-1]
+    layer = max((per_token[l2] - per_token[l1]) / (l2 - l1), 0.0)
+    request = max(statistics.median(end_to_end[l1][1]) - 2 * per_token[l1], 0.0)
+    return max(per_token[l1] - l1 * layer, 0.0), layer, request
+
+
 def engine_overheads(root: Path, target: str, device: str) -> tuple[float, float, float, int]:
     """(step ms, per-layer ms, request ms, worker bytes besides the weights) from two tiny models (2 and
-    12 layers, 64 wide) served at batch 1. Per token = (end-to-end of 32 tokens − of 2) / 30, each the
-    fastest of 5: with sub-millisecond steps streamed chunks arrive in bursts, so the time between them
-    says nothing, the end of a request does. The request's own cost (HTTP, tokenizing, the queue, the
-    pipe) is the 2-token end-to-end less two tokens."""
-    per_token, request, memory = {}, 0.0, 0
+    12 layers, 64 wide) served at batch 1, 5 requests of each length (`fixed_costs`). End-to-end times,
+    not the gaps between chunks: with sub-millisecond steps streamed chunks arrive in bursts, so the time
+    between them says nothing, the end of a request does."""
+    end_to_end, memory = {}, 0
     shapes = [("long", 32, 1, 5), ("short", 2, 1, 5)]
     for layers in _OVERHEAD_LAYERS:
         run = serve_and_drive(root, f"tiny{layers}", "fp32", layers, {}, target, device, 16, shapes)
-        long_ms, short_ms = _fastest(run.samples["long"], "e2e_s"), _fastest(run.samples["short"], "e2e_s")
-        per_token[layers] = (long_ms - short_ms) / 30
+        end_to_end[layers] = tuple([s.e2e_s * 1e3 for s in run.samples[label]] for label in ("long", "short"))
         if layers == _OVERHEAD_LAYERS[0]:
-            request = max(short_ms - 2 * per_token[layers], 0.0)
             memory = max(run.worker_peak_bytes - run.weights_bytes, 0)
-    (l1, l2) = _OVERHEAD_LAYERS
-    layer = max((per_token[l2] - per_token[l1]) / (l2 - l1), 0.0)
-    return max(per_token[l1] - l1 * layer, 0.0), layer, request, memory
+    return (*fixed_costs(end_to_end), memory)
 
 
 _DECODE_BATCH = 8

@@ -1,0 +1,130 @@
+"""The hf engine's per-token cost measured as `lmc calibrate` measures it, on its calibration models and on a
+wider one, to see whether the calibrated fixed costs predict the wider model's served steps.
+
+`lmc calibrate` takes the engine's fixed costs from two tiny models (2 and 12 layers, 64 wide) served by
+`lmc runtime` at batch 1: per token = (end-to-end of 32 tokens − of 2) / 30, each the fastest of 5. This
+prints every sample's per-token figure (fastest, median, slowest) for the tiny models, then for a Llama of
+`--layers` layers at Llama-2-7B's width (fp16 on a GPU), then the tiny models again (the host's drift over
+the run), and what step + layers × layer predicts from the fastest and from the median samples.
+
+Usage (a GPU host; `--device cpu` runs it small here): python bench/gpu/step_spread.py [--layers 8] [--requests 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def drive(root: Path, name: str, checkpoint_ready: bool, dtype: str, layers: int, width: dict, target: str,
+          requests: int) -> dict:
+    from lmc.emitters.build import build_artifact
+    from lmc.measure.bench import BenchSetup, open_target
+    from lmc.measure.calibrate import _SPEC, _TORCH_NAMES
+    from lmc.measure.loadgen import _completion_body, build_prompt, make_client, run_level, served_model, word_token
+    from lmc.schema import load_spec
+    from lmc.testing.checkpoints import make_checkpoint
+
+    if not checkpoint_ready:
+        make_checkpoint("llama", root / f"checkpoint-{name}", dtype=_TORCH_NAMES[dtype], num_hidden_layers=layers,
+                        **width)
+    prompt, shapes = 16, [("long", 32), ("short", 2)]
+    (root / f"{name}.toml").write_text(_SPEC.format(name=name, target=target, prompt=prompt, output=32,
+                                                    concurrency=1, dtype=dtype), encoding="utf-8")
+    build_artifact(load_spec(root / f"{name}.toml"), root / f"model-{name}", fmt="dir")
+    setup = BenchSetup(str(root / f"model-{name}"), False, prompt, 32, [1], None, None, None, None, 300.0, 300.0)
+
+    async def run(url: str) -> dict:
+        async with make_client(300.0, 1) as client:
+            model = await served_model(client, url)
+            text, word = await build_prompt(client, url, model, prompt)
+            bias = word_token(root / f"model-{name}" / "tokenizer.json", word)
+            out = {}
+            for label, tokens in shapes:
+                body = _completion_body(text, tokens, model, stream=True, bias_token=bias)
+                samples, _ = await run_level(client, url, body, 1, requests)
+                out[label] = [s for s in samples if s.error is None and s.completion_tokens == tokens]
+            return out
+
+    with open_target(setup, quiet=True) as served:
+        samples = asyncio.run(run(served.url))
+    long_e2e = sorted(s.e2e_s * 1e3 for s in samples["long"])
+    short_e2e = sorted(s.e2e_s * 1e3 for s in samples["short"])
+    tpot = sorted(s.tpot_s * 1e3 for s in samples["long"])
+    row = {"name": name, "layers": layers,
+           "per_token_fastest": (long_e2e[0] - short_e2e[0]) / 30,
+           "per_token_median": (statistics.median(long_e2e) - statistics.median(short_e2e)) / 30,
+           "per_token_slowest": (long_e2e[-1] - short_e2e[-1]) / 30,
+           "stream_tpot_min": tpot[0], "stream_tpot_median": statistics.median(tpot), "stream_tpot_max": tpot[-1],
+           "long_e2e_ms": [round(x, 2) for x in long_e2e], "short_e2e_ms": [round(x, 2) for x in short_e2e]}
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=7)
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = parser.parse_args()
+    gpu = args.device == "cuda"
+    if gpu:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_loop import LLAMA_7B, LoopError, accelerator_for, require_cuda, write_checkpoint
+        try:
+            accelerator = accelerator_for(require_cuda())
+        except LoopError as error:
+            print(str(error).replace("gpu_loop:", "step_spread:", 1), file=sys.stderr)
+            return 1
+        target = f'accelerator = "{accelerator}"\ndevices = 1'
+        wide, wide_dtype = dict(LLAMA_7B), "fp16"
+    else:
+        target = 'instance = "local"'
+        wide, wide_dtype = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
+                                num_key_value_heads=8), "fp32"
+    wide.pop("num_hidden_layers", None)
+    rows = []
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="lmc-step-spread-") as tmp:
+        root = Path(tmp)
+        for rnd in ("before", "after"):
+            for layers in (2, 12):
+                rows.append(dict(drive(root, f"tiny{layers}-{rnd}", False, "fp32", layers, {}, target, args.requests),
+                                 round=rnd))
+                for old in (root / f"checkpoint-tiny{layers}-{rnd}").glob("*.safetensors"):
+                    old.unlink()
+            if rnd == "before":
+                name = "wide"
+                if gpu:
+                    write_checkpoint(root / f"checkpoint-{name}", args.layers)
+                rows.append(dict(drive(root, name, gpu, wide_dtype, args.layers, wide, target, args.requests),
+                                 round="wide"))
+                for old in (root / f"checkpoint-{name}").glob("*.safetensors"):
+                    old.unlink()
+    by = {(r["round"], r["layers"]): r for r in rows if r["name"].startswith("tiny")}
+    wide_row = next(r for r in rows if r["name"] == "wide")
+    print(f"\n{time.perf_counter() - start:.0f} s")
+    for rnd in ("before", "after"):
+        for stat in ("fastest", "median"):
+            t2, t12 = by[(rnd, 2)][f"per_token_{stat}"], by[(rnd, 12)][f"per_token_{stat}"]
+            layer = max((t12 - t2) / 10, 0.0)
+            step = max(t2 - 2 * layer, 0.0)
+            print(f"tiny models {rnd}, {stat}: step {step:.2f} ms + {layer:.3f} ms/layer -> {args.layers} layers "
+                  f"{step + args.layers * layer:.2f} ms (wide model served: fastest {wide_row['per_token_fastest']:.2f}, "
+                  f"median {wide_row['per_token_median']:.2f}, stream TPOT median {wide_row['stream_tpot_median']:.2f})")
+    Path(args.out, "step_spread.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
