@@ -217,7 +217,7 @@ def fixed_costs(end_to_end: dict[int, tuple[list[float], list[float]]]) -> tuple
     6.97 from the medians; the 7B-wide model itself served at 8.99 fastest, 9.87 median)."""
     per_token = {layers: (statistics.median(long) - statistics.median(short)) / 30
                  for layers, (long, short) in end_to_end.items()}
-    (l1, l2) = sorted(per_token)[0], sorted(per_token)[-1]
+    l1, l2 = min(per_token), max(per_token)
     layer = max((per_token[l2] - per_token[l1]) / (l2 - l1), 0.0)
     request = max(statistics.median(end_to_end[l1][1]) - 2 * per_token[l1], 0.0)
     return max(per_token[l1] - l1 * layer, 0.0), layer, request
