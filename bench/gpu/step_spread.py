@@ -13,7 +13,6 @@ Usage (a GPU host; `--device cpu` runs it small here): python bench/gpu/step_spr
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -25,41 +24,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def drive(root: Path, name: str, checkpoint_ready: bool, dtype: str, layers: int, width: dict, target: str,
+def drive(root: Path, name: str, made: bool, dtype: str, layers: int, width: dict, target: str, device: str,
           requests: int) -> dict:
-    from lmc.emitters.build import build_artifact
-    from lmc.measure.bench import BenchSetup, open_target
-    from lmc.measure.calibrate import _SPEC, _TORCH_NAMES
-    from lmc.measure.loadgen import _completion_body, build_prompt, make_client, run_level, served_model, word_token
-    from lmc.schema import load_spec
-    from lmc.testing.checkpoints import make_checkpoint
+    """One model served as `lmc calibrate` serves its fixed-cost models (calibrate.serve_and_drive): `requests`
+    of 32 and of 2 tokens at batch 1; per token from the end-to-end times, fastest, median and slowest."""
+    from lmc.measure.calibrate import serve_and_drive
 
-    if not checkpoint_ready:
-        make_checkpoint("llama", root / f"checkpoint-{name}", dtype=_TORCH_NAMES[dtype], num_hidden_layers=layers,
-                        **width)
-    prompt, shapes = 16, [("long", 32), ("short", 2)]
-    (root / f"{name}.toml").write_text(_SPEC.format(name=name, target=target, prompt=prompt, output=32,
-                                                    concurrency=1, dtype=dtype), encoding="utf-8")
-    build_artifact(load_spec(root / f"{name}.toml"), root / f"model-{name}", fmt="dir")
-    setup = BenchSetup(str(root / f"model-{name}"), False, prompt, 32, [1], None, None, None, None, 300.0, 300.0)
-
-    async def run(url: str) -> dict:
-        async with make_client(300.0, 1) as client:
-            model = await served_model(client, url)
-            text, word = await build_prompt(client, url, model, prompt)
-            bias = word_token(root / f"model-{name}" / "tokenizer.json", word)
-            out = {}
-            for label, tokens in shapes:
-                body = _completion_body(text, tokens, model, stream=True, bias_token=bias)
-                samples, _ = await run_level(client, url, body, 1, requests)
-                out[label] = [s for s in samples if s.error is None and s.completion_tokens == tokens]
-            return out
-
-    with open_target(setup, quiet=True) as served:
-        samples = asyncio.run(run(served.url))
-    long_e2e = sorted(s.e2e_s * 1e3 for s in samples["long"])
-    short_e2e = sorted(s.e2e_s * 1e3 for s in samples["short"])
-    tpot = sorted(s.tpot_s * 1e3 for s in samples["long"])
+    run = serve_and_drive(root, name, dtype, layers, width, target, device, 16,
+                          [("long", 32, 1, requests), ("short", 2, 1, requests)], made=made)
+    long_e2e = sorted(s.e2e_s * 1e3 for s in run.samples["long"])
+    short_e2e = sorted(s.e2e_s * 1e3 for s in run.samples["short"])
+    tpot = sorted(s.tpot_s * 1e3 for s in run.samples["long"])
     row = {"name": name, "layers": layers,
            "per_token_fastest": (long_e2e[0] - short_e2e[0]) / 30,
            "per_token_median": (statistics.median(long_e2e) - statistics.median(short_e2e)) / 30,
@@ -99,18 +74,14 @@ def main() -> int:
         root = Path(tmp)
         for rnd in ("before", "after"):
             for layers in (2, 12):
-                rows.append(dict(drive(root, f"tiny{layers}-{rnd}", False, "fp32", layers, {}, target, args.requests),
-                                 round=rnd))
-                for old in (root / f"checkpoint-tiny{layers}-{rnd}").glob("*.safetensors"):
-                    old.unlink()
+                rows.append(dict(drive(root, f"tiny{layers}-{rnd}", False, "fp32", layers, {}, target, args.device,
+                                       args.requests), round=rnd))
             if rnd == "before":
                 name = "wide"
                 if gpu:
                     write_checkpoint(root / f"checkpoint-{name}", args.layers)
-                rows.append(dict(drive(root, name, gpu, wide_dtype, args.layers, wide, target, args.requests),
-                                 round="wide"))
-                for old in (root / f"checkpoint-{name}").glob("*.safetensors"):
-                    old.unlink()
+                rows.append(dict(drive(root, name, gpu, wide_dtype, args.layers, wide, target, args.device,
+                                       args.requests), round="wide"))
     by = {(r["round"], r["layers"]): r for r in rows if r["name"].startswith("tiny")}
     wide_row = next(r for r in rows if r["name"] == "wide")
     print(f"\n{time.perf_counter() - start:.0f} s")

@@ -157,9 +157,10 @@ class ServedRun:
 
 
 def serve_and_drive(root: Path, name: str, dtype: str, layers: int, width: dict, target: str, device: str,
-                    prompt: int, shapes: list[tuple[str, int, int, int]]) -> ServedRun:
-    """Build a random Llama (`layers` of `width`, in `dtype`) into an artifact under `root`, serve it,
-    and run each shape (label, output tokens, concurrency, requests) after its warm-up round."""
+                    prompt: int, shapes: list[tuple[str, int, int, int]], made: bool = False) -> ServedRun:
+    """Build a random Llama (`layers` of `width`, in `dtype`; `made`: already written to root/checkpoint-NAME,
+    as bench/gpu draws a wide one on the GPU) into an artifact under `root`, serve it, and run each shape
+    (label, output tokens, concurrency, requests) after its warm-up round."""
     import asyncio
 
     from lmc.emitters.build import build_artifact
@@ -169,7 +170,9 @@ def serve_and_drive(root: Path, name: str, dtype: str, layers: int, width: dict,
     from lmc.schema import load_spec
     from lmc.testing.checkpoints import make_checkpoint
 
-    make_checkpoint("llama", root / f"checkpoint-{name}", dtype=_TORCH_NAMES[dtype], num_hidden_layers=layers, **width)
+    if not made:
+        make_checkpoint("llama", root / f"checkpoint-{name}", dtype=_TORCH_NAMES[dtype], num_hidden_layers=layers,
+                        **width)
     output = max(tokens for _, tokens, _, _ in shapes)
     concurrency = max(c for _, _, c, _ in shapes)
     (root / f"{name}.toml").write_text(_SPEC.format(name=name, target=target, prompt=prompt, output=output,
