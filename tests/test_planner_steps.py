@@ -336,3 +336,32 @@ def test_lmcs_own_expert_parallel_step_costs_what_the_measured_data_add_over_spl
         data = data_whole.decode_ms(batch, 1024) / data_split.decode_ms(batch, 1024)
         own = own_whole.decode_ms(batch, 1024) / own_split.decode_ms(batch, 1024)
         assert data > 1.05 and own == pytest.approx(data, rel=0.10), (batch, round(own, 3), round(data, 3))
+
+
+def test_a_prompt_joins_one_data_parallel_group_not_every_group_at_once():
+    # aiconfigurator's prefill with attention_dp_size = G is every group prefilling at once: its MoE blocks carry
+    # G x the tokens. A prompt joins one group; its tokens spread over every rank's experts. The plan took the
+    # every-group figure for one prompt: DeepSeek-V3 as wide EP (DP 16, the spec in specs/) had a TTFT of 5.0 s
+    # and a TPOT of 187 ms ("goal missed") where lmc's own model said 0.53 s and 40 ms.
+    pytest.importorskip("aiconfigurator_core")
+    qwen235 = catalog.model_facts("Qwen/Qwen3-235B-A22B")
+    s = step_times(qwen235, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 1, 8, True))
+    assert isinstance(s, MeasuredSteps) and s.groups == 8
+    handle = s.handle()
+    # The split into per-operation times is aiconfigurator's own: at one group they add up to its prefill.
+    assert steps.one_group_prefill_ms(handle, 4096, 1) == pytest.approx(handle.predict_prefill_latency(1, 4096))
+    every_group, one_group = handle.predict_prefill_latency(1, 4096), s.prefill_ms(4096)
+    # the same experts' load as every group's 512 tokens, and one group's attention over its 4096
+    assert handle.predict_prefill_latency(1, 512) < one_group < every_group / 3, (one_group, every_group)
+    own = RooflineSteps(qwen235, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 1, 8, True))
+    assert one_group == pytest.approx(own.prefill_ms(4096), rel=0.5), (one_group, own.prefill_ms(4096))
+    # A chunk beside the other groups' decodes: the decode step plus the chunk's prefill beyond one token.
+    assert s.mixed_ms(2048, 4, 4096, 4608) == pytest.approx(
+        s.decode_ms(4, 4608) + s.prefill_ms(2048) - s.prefill_ms(1))
+    # The wide-EP spec meets its goal again, with figures near lmc's own model's (0.53 s, 40 ms).
+    deepseek = catalog.model_facts("deepseek-ai/DeepSeek-V3")
+    wide = plan({"target": {"instance": "ml.p5.48xlarge", "instances": 2}, "goal": {"tpot_ms": 80, "ttft_ms": 5000},
+                 "workload": {"max_input_tokens": 4096, "max_output_tokens": 1024, "concurrency": 32},
+                 "pin": {"data_parallel_degree": 16}}, deepseek, H100)
+    assert wide.vllm.data_parallel_size == 16 and wide.goal_met
+    assert wide.predicted.ttft_ms < 1000 and wide.predicted.tpot_ms < 80

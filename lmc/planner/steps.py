@@ -115,9 +115,14 @@ class RooflineSteps:
         return own_server_ms(efficiency, prompt)
 
     def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float:
-        # The chunk's prefill beyond a one-token pass (the weights are read once for the whole step).
-        extra = max(self.prefill_ms(chunk) - self.prefill_ms(1), 0.0)
-        return self.decode_ms(max(batch, 1), context) + extra
+        return chunk_beside_decodes_ms(self, chunk, batch, context)
+
+
+def chunk_beside_decodes_ms(steps: StepTimes, chunk: int, batch: int, context: int) -> float:
+    """A mixed step as the decode step plus the chunk's prefill beyond a one-token pass (the weights are read
+    once for the whole step): lmc's own model, and one data-parallel group's chunk on measured data."""
+    extra = max(steps.prefill_ms(chunk) - steps.prefill_ms(1), 0.0)
+    return steps.decode_ms(max(batch, 1), context) + extra
 
 
 @dataclass
@@ -140,8 +145,16 @@ class MeasuredSteps:
         return (f"aiconfigurator-core {AIC_VERSION} measured data ({self.system}, {self.backend} "
                 f"{self.compile_args['backend_version']})")
 
+    @property
+    def groups(self) -> int:
+        """Data-parallel attention groups (aiconfigurator's attention_dp_size)."""
+        return int(self.compile_args.get("attention_dp_size", 1))
+
     def prefill_ms(self, tokens: int) -> float:
-        return self._ask(f"p{max(tokens, 1)}", lambda h: h.predict_prefill_latency(1, max(tokens, 1)))
+        tokens = max(tokens, 1)
+        if self.groups > 1:  # one group's prompt, not every group's at once (one_group_prefill_ms)
+            return self._ask(f"p{tokens}/{self.groups}", lambda h: one_group_prefill_ms(h, tokens, self.groups))
+        return self._ask(f"p{tokens}", lambda h: h.predict_prefill_latency(1, tokens))
 
     def decode_ms(self, batch: int, context: int) -> float:
         # aiconfigurator's decode step reads the KV cache at isl + osl // 2 + 1 tokens: osl 1 → context + 1.
@@ -157,6 +170,8 @@ class MeasuredSteps:
     def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float:
         if batch <= 0:
             return self.prefill_ms(chunk)
+        if self.groups > 1:  # its mixed step is a chunk in every group: one group's, as lmc's own model adds it
+            return chunk_beside_decodes_ms(self, chunk, batch, context)
         # Its mixed step: the chunk of an `isl`-token prompt beside decodes at isl + osl/2 tokens.
         osl = max(2 * (context - prompt), 2)
         key = f"m{chunk},{batch},{prompt},{osl}"
@@ -197,6 +212,25 @@ class MeasuredSteps:
         if self._handle is None:
             self._handle = _compile(self.model_ref, self.system, self.backend, self.compile_args)
         return self._handle
+
+
+# aiconfigurator's MoE-block operations in a prefill (the experts, then their dispatch and combine).
+MOE_OPS = "context_moe"
+
+
+def one_group_prefill_ms(handle, tokens: int, groups: int) -> float:
+    """One data-parallel group's prefill of `tokens`, from aiconfigurator's data.
+
+    With attention_dp_size > 1 its prefill of `tokens` is every group prefilling that many at once: its MoE
+    blocks (the experts, and the dispatch and combine over every rank) carry groups × tokens. A prompt joins
+    one group, and the other groups go on decoding: its own operations (attention, the dense GEMMs, norms,
+    the router and shared experts) run at `tokens` on its ranks, while its tokens spread over the experts of
+    every rank, i.e. the MoE blocks carry the load of `tokens / groups` from each group. So: the prefill's
+    per-operation times at `tokens`, with the MoE blocks' taken from the prefill at tokens / groups."""
+    own, _ = handle.run_static_per_op(batch_size=1, isl=tokens, osl=2)
+    spread, _ = handle.run_static_per_op(batch_size=1, isl=-(-tokens // groups), osl=2)
+    return (sum(ms for name, ms, *_ in own if not name.startswith(MOE_OPS))
+            + sum(ms for name, ms, *_ in spread if name.startswith(MOE_OPS)))
 
 
 def step_times(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, layout: StepLayout, *,
