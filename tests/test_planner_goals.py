@@ -221,6 +221,36 @@ def test_admission_frees_a_slot_per_request_when_continuous_and_a_batch_at_once_
     assert admission(120.0, 100.0, 10.0, 50, running=8, share=8, continuous=True).waiting == 1  # at least one
 
 
+def test_a_request_waits_only_once_every_slot_is_taken_so_its_turns_are_timed_there():
+    # 8 slots, 2 requests: the workload's TTFT 100 and TPOT 10; with all 8 taken, 150 and 20. A request that waits
+    # does so behind 8 running ones: 150 + 50 x 20 = 1150 ms a request, a slot every 143.75 ms; 850 ms of room.
+    busy = admission(1000.0, 100.0, 10.0, 50, running=8, share=2, continuous=True, busy=(150.0, 20.0))
+    assert (busy.turn_ms, busy.waiting) == (143.75, 5) and "with all 8 slots taken" in busy.reason
+    assert busy.queued_ttft_ms(2) == 100.0  # the workload's own requests find free slots: its TTFT
+    # Timed at the workload's figures, the same queue would have been 12 (75 ms turns): a 13th waiting
+    # request would see its first token at 150 + 13 x 143.75 ms, far past the goal.
+    assert admission(1000.0, 100.0, 10.0, 50, running=8, share=2, continuous=True).waiting == 12
+
+
+def test_the_admission_bound_does_not_depend_on_how_few_requests_the_workload_sends():
+    # DeepSeek-V3 as 16 DP groups of 32 slots: its admission was timed at 32 requests' figures (TPOT 56 ms) while
+    # a queue forms only with all 512 running (TPOT 333 ms), so it admitted 550 where 517 keep the TTFT goal.
+    from lmc.planner import catalog, plan_deployment
+    from lmc.schema.spec import Spec
+
+    model, hardware = catalog.model_facts("deepseek-ai/DeepSeek-V3"), catalog.hardware_facts("ml.p5.48xlarge")
+    bounds = {}
+    for concurrency in (32, 512):
+        body = {"model": {"id": model.id}, "target": {"instance": "ml.p5.48xlarge", "instances": 2},
+                "goal": {"ttft_ms": 5000},
+                "workload": {"max_input_tokens": 4096, "max_output_tokens": 1024, "concurrency": concurrency},
+                "pin": {"data_parallel_degree": 16}}
+        plan = plan_deployment(Spec.model_validate(body), model, hardware, spec_sha256="0" * 64, lmc_version="test")
+        assert plan.vllm.max_num_seqs * plan.vllm.data_parallel_size == 512 and plan.goal_met
+        bounds[concurrency] = plan.vllm.max_num_queued_reqs
+    assert bounds[32] == bounds[512] < 550, bounds
+
+
 def test_the_goal_counts_queueing_and_admission():
     admitted = admission(1000.0, 100.0, 10.0, 50, running=8, share=16, continuous=True)
     met = goal_check(20.0, 1000.0, 10.0, concurrency=16, replicas=1, admitted=admitted)

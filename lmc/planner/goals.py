@@ -67,19 +67,25 @@ class Admission:
 
 
 def admission(ttft_goal_ms: float | None, ttft_ms: float, tpot_ms: float, output_tokens: int, running: int,
-              share: int, continuous: bool) -> Admission:
+              share: int, continuous: bool, busy: tuple[float, float] | None = None) -> Admission:
     """One replica's admission bound (module docstring): `running` decode at once, `share` of the
-    workload's concurrency arrives at it; the waiting it may hold follows from the TTFT goal."""
+    workload's concurrency arrives at it; the waiting it may hold follows from the TTFT goal. `ttft_ms` and
+    `tpot_ms` are the workload's; `busy`, (TTFT, TPOT) with every running slot taken, where that differs
+    (fewer requests than slots): a request waits only then, so the turns are timed there."""
+    own_ttft_ms = ttft_ms
+    if busy is not None:
+        ttft_ms, tpot_ms = busy
     request_ms = ttft_ms + output_tokens * tpot_ms
     per_turn = 1 if continuous else running
     turn_ms = request_ms / running if continuous else request_ms
     retry = max(1, math.ceil(turn_ms / 1000))
     frees = (f"one of {running} running requests ends every {turn_ms:.1f} ms" if continuous else
              f"a batch of {running} ends every {turn_ms:.0f} ms (dynamic batching: it runs to its longest request)")
-    frees += (f" (TTFT {ttft_ms:.1f} + {output_tokens} × TPOT {tpot_ms:.2f} = {request_ms:.0f} ms a request)")
+    frees += (f" (TTFT {ttft_ms:.1f} + {output_tokens} × TPOT {tpot_ms:.2f} = {request_ms:.0f} ms a request"
+              + (f" with all {running} slots taken)" if busy is not None else ")"))
     if ttft_goal_ms is None:
         waiting = max(2 * share, 4 * running)
-        return Admission(running, waiting, turn_ms, per_turn, ttft_ms, retry,
+        return Admission(running, waiting, turn_ms, per_turn, own_ttft_ms, retry,
                          f"no TTFT goal: {running} running + {waiting} waiting (twice the replica's {share} "
                          f"concurrent requests, at least four batches); {frees}; one more is answered 503 with "
                          f"Retry-After {retry} s")
@@ -88,7 +94,7 @@ def admission(ttft_goal_ms: float | None, ttft_ms: float, tpot_ms: float, output
     floor_note = ""
     if waiting < 1:  # a queue of none would refuse every request while a batch runs
         waiting, floor_note = 1, " (the queue holds at least 1)"
-    return Admission(running, waiting, turn_ms, per_turn, ttft_ms, retry,
+    return Admission(running, waiting, turn_ms, per_turn, own_ttft_ms, retry,
                      f"{frees}: {waiting} waiting{floor_note} keep a waiting request's wait + TTFT within the "
                      f"{ttft_goal_ms:g} ms TTFT goal; {running} running + {waiting} waiting = {running + waiting} "
                      f"admitted per replica, one more is answered 503 with Retry-After {retry} s")

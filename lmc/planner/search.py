@@ -665,6 +665,7 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
         # Requests one replica runs at once: its batch in each data-parallel group (and, vLLM across
         # instances, in each stage's micro-batch).
         running = batch * dp * (pp if layout is not None else 1)
+        in_flight = load.concurrency  # the requests `scaled` is predicted at
         over_rate = False
         if load.requests_per_second is not None:
             needed = replicas_for_rate(load.requests_per_second, scaled.requests_per_second / replicas)
@@ -672,12 +673,17 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
             if needed > replicas and pin.replicas is None:
                 # The rate keeps more requests in flight than the stated concurrency: every replica's batch.
                 replicas = needed
-                scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout,
-                                 max(load.concurrency, replicas * running), fits=fits)
+                in_flight = max(load.concurrency, replicas * running)
+                scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout, in_flight,
+                                 fits=fits)
             over_rate = over_rate or scaled.peak_instances > spec.target.instances
         timing = scaled.timing
+        busy = None  # fewer requests than slots: a request waits only once every slot is taken, at their figures
+        if layout is not None and fits and replicas * running > in_flight:
+            full = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout, replicas * running)
+            busy = (full.timing.own_ttft_ms, full.timing.tpot_ms)
         admitted = admission(goal.ttft_ms, timing.own_ttft_ms, timing.tpot_ms, output_tokens, running,
-                             math.ceil(load.concurrency / replicas), continuous)
+                             math.ceil(load.concurrency / replicas), continuous, busy)
         checked = goal_check(goal.tpot_ms, goal.ttft_ms, timing.tpot_ms, load.concurrency, replicas, admitted)
         over_cost = (budget.max_cost_per_hour is not None and timing.cost_per_hour is not None
                      and timing.cost_per_hour > budget.max_cost_per_hour)
