@@ -347,6 +347,7 @@ def test_a_prompt_joins_one_data_parallel_group_not_every_group_at_once():
     qwen235 = catalog.model_facts("Qwen/Qwen3-235B-A22B")
     s = step_times(qwen235, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 1, 8, True))
     assert isinstance(s, MeasuredSteps) and s.groups == 8
+    assert s.source.endswith("a prompt's prefill: one DP group's, from its per-operation times")  # named in the plan
     handle = s.handle()
     # The split into per-operation times is aiconfigurator's own: at one group they add up to its prefill.
     assert steps.one_group_prefill_ms(handle, 4096, 1) == pytest.approx(handle.predict_prefill_latency(1, 4096))

@@ -142,8 +142,9 @@ class MeasuredSteps:
 
     @property
     def source(self) -> str:
-        return (f"aiconfigurator-core {AIC_VERSION} measured data ({self.system}, {self.backend} "
+        data = (f"aiconfigurator-core {AIC_VERSION} measured data ({self.system}, {self.backend} "
                 f"{self.compile_args['backend_version']})")
+        return data + ("; a prompt's prefill: one DP group's, from its per-operation times" if self.groups > 1 else "")
 
     @property
     def groups(self) -> int:
