@@ -82,14 +82,17 @@ def main() -> int:
                     write_checkpoint(root / f"checkpoint-{name}", args.layers)
                 rows.append(dict(drive(root, name, gpu, wide_dtype, args.layers, wide, target, args.device,
                                        args.requests), round="wide"))
+    from lmc.measure.calibrate import fixed_costs
+
     by = {(r["round"], r["layers"]): r for r in rows if r["name"].startswith("tiny")}
     wide_row = next(r for r in rows if r["name"] == "wide")
     print(f"\n{time.perf_counter() - start:.0f} s")
     for rnd in ("before", "after"):
-        for stat in ("fastest", "median"):
-            t2, t12 = by[(rnd, 2)][f"per_token_{stat}"], by[(rnd, 12)][f"per_token_{stat}"]
-            layer = max((t12 - t2) / 10, 0.0)
-            step = max(t2 - 2 * layer, 0.0)
+        e2e = {n: (by[(rnd, n)]["long_e2e_ms"], by[(rnd, n)]["short_e2e_ms"]) for n in (2, 12)}
+        # calibrate's own derivation, from the median runs (what it takes) and from the fastest (what it took)
+        for stat, runs in (("fastest", {n: ([min(long)], [min(short)]) for n, (long, short) in e2e.items()}),
+                           ("median", e2e)):
+            step, layer, _ = fixed_costs(runs)
             print(f"tiny models {rnd}, {stat}: step {step:.2f} ms + {layer:.3f} ms/layer -> {args.layers} layers "
                   f"{step + args.layers * layer:.2f} ms (wide model served: fastest {wide_row['per_token_fastest']:.2f}, "
                   f"median {wide_row['per_token_median']:.2f}, stream TPOT median {wide_row['stream_tpot_median']:.2f})")
