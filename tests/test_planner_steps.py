@@ -366,3 +366,39 @@ def test_a_prompt_joins_one_data_parallel_group_not_every_group_at_once():
                  "pin": {"data_parallel_degree": 16}}, deepseek, H100)
     assert wide.vllm.data_parallel_size == 16 and wide.goal_met
     assert wide.predicted.ttft_ms < 1000 and wide.predicted.tpot_ms < 80
+
+
+def test_an_architecture_vllm_runs_as_llama_is_stepped_on_aiconfigurators_llama_data():
+    # aiconfigurator names no MistralForCausalLM, though vLLM serves it with Llama's layers: its data answer for
+    # the same shapes read as LlamaForCausalLM, and the plan says so.
+    pytest.importorskip("aiconfigurator_core")
+    mistral = catalog.model_facts("mistralai/Mistral-Small-24B-Instruct-2501")
+    s = step_times(mistral, H100, VLLM, BF16)
+    assert isinstance(s, MeasuredSteps)
+    assert s.source == ("aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0; MistralForCausalLM read "
+                        "as LlamaForCausalLM)")
+    as_llama = step_times(mistral.model_copy(update={"architecture": "LlamaForCausalLM"}), H100, VLLM, BF16)
+    assert as_llama.source == "aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0)"
+    for batch in (1, 32):
+        assert s.decode_ms(batch, 2048) == as_llama.decode_ms(batch, 2048)
+    assert s.prefill_ms(4096) == as_llama.prefill_ms(4096) and s.prefill_ms(4096) > 2 * s.prefill_ms(1024)
+    # A layer aiconfigurator's Llama has not (Mistral-7B-v0.1 slides a 4096-token window) stays lmc's, and why;
+    # an architecture vLLM does not run as Llama stays unknown to it.
+    sliding = step_times(catalog.model_facts("mistralai/Mistral-7B-v0.1"), H100, VLLM, BF16)
+    assert sliding.source == ("lmc roofline (latency.py); aiconfigurator's model of MistralForCausalLM has no "
+                              "sliding-window layers")
+    glm = catalog.model_facts("zai-org/GLM-4.7")
+    assert step_times(glm, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8)).source == (
+        "lmc roofline (latency.py); aiconfigurator has no model of Glm4MoeForCausalLM")
+
+
+def test_the_architectures_read_as_llama_are_the_ones_vllm_runs_on_its_llama_model():
+    registry = pytest.importorskip("vllm.model_executor.models.registry")
+    from importlib import import_module
+
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    for architecture in sorted(steps.LLAMA_LAYOUT):
+        module, name = registry._TEXT_GENERATION_MODELS[architecture]
+        served = getattr(import_module(f"vllm.model_executor.models.{module}"), name)
+        assert issubclass(served, LlamaForCausalLM), (architecture, module, name)

@@ -45,6 +45,13 @@ AIC_SYSTEMS = {"a100-40gb": "a100_sxm", "a100-80gb": "a100_sxm", "h100-80gb": "h
                "l40s": "l40s", "b200": "b200_sxm"}
 # lmc's engines aiconfigurator measured (lmc's vllm engine; SGLang and TensorRT-LLM are not lmc engines).
 AIC_BACKENDS = {"vllm": "vllm"}
+# Architectures vLLM serves with its Llama decoder layers, which aiconfigurator has no name for: its registry
+# (vllm/model_executor/models/registry.py, 0.32) maps them to llama.py's LlamaForCausalLM, or to a subclass of
+# it that keeps Llama's attention and gated MLP (mistral.py: Mistral's RoPE scaling only; phi3.py: Phi-3's fused
+# checkpoint names only). Their GEMMs and attention are those of aiconfigurator's Llama family, so its data
+# answer for them, read as LlamaForCausalLM (aic_config) and named so in the plan (MeasuredSteps.source).
+LLAMA_LAYOUT = frozenset({"InternLM3ForCausalLM", "IQuestCoderForCausalLM", "LLaMAForCausalLM", "Ministral3ForCausalLM",
+                          "MistralForCausalLM", "Phi3ForCausalLM", "TeleChat3ForCausalLM"})
 # Set LMC_STEP_TIMES=lmc to plan with lmc's own model everywhere (comparisons, calibration).
 FORCE_ENV = "LMC_STEP_TIMES"
 
@@ -135,6 +142,7 @@ class MeasuredSteps:
     compile_args: dict
     cache_file: Path | None
     layers: int = 0  # the model's decoder layers (aiconfigurator's per-request dispatch overhead scales with them)
+    read_as: str = ""  # "<architecture> read as <aiconfigurator's>" where lmc named the layout for it (LLAMA_LAYOUT)
     _answers: dict = field(default_factory=dict)  # query key → ms; "error" → why it cannot answer
     _handle: object | None = None
     _loaded: bool = False
@@ -143,7 +151,7 @@ class MeasuredSteps:
     @property
     def source(self) -> str:
         data = (f"aiconfigurator-core {AIC_VERSION} measured data ({self.system}, {self.backend} "
-                f"{self.compile_args['backend_version']})")
+                f"{self.compile_args['backend_version']}{'; ' + self.read_as if self.read_as else ''})")
         return data + ("; a prompt's prefill: one DP group's, from its per-operation times" if self.groups > 1 else "")
 
     @property
@@ -185,8 +193,8 @@ class MeasuredSteps:
             self.decode_ms(1, 2)
         except Exception as exc:  # its own errors: unsupported quantization, missing tables, ...
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            # Its messages name files on this machine: the plan keeps what is true anywhere.
-            first = re.sub(r" at /[^\s;]+", "", first).split("; available")[0]
+            # Its messages name files on this machine, and list what it tried: the plan keeps what is missing.
+            first = re.sub(r" at /[^\s;]+", "", first).split("; available")[0].split(": tried lane_order")[0]
             self._answers["error"] = first[:200]
             _write_cache(self.cache_file, self._answers)
         error = self._answers.get("error")
@@ -261,7 +269,7 @@ def measured_unavailable(model: ModelFacts, hardware: HardwareFacts, engine: Eng
         return f"the target's lmc calibrate profile measured {engine.name} on this machine"
     if _aic_architectures() is None:
         return "aiconfigurator-core is not installed"
-    if model.architecture not in _aic_architectures() and _bundled_config(model.id) is None:
+    if _aic_family(model.architecture) is None and _bundled_config(model.id) is None:
         return f"aiconfigurator has no model of {model.architecture}"
     return None
 
@@ -274,7 +282,7 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     bundled = _bundled_config(model.id)
     config = bundled if bundled is not None else aic_config(model)
     if config is None:
-        return f"aiconfigurator has no model of {model.architecture}"
+        return _no_config_why(model)
     quant = aic_quant_modes(model, hardware, layout, bundled is not None)
     if isinstance(quant, str):
         return quant
@@ -292,13 +300,17 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
         ref = str(_config_folder(folder, config))
     except OSError as exc:
         return f"no writable folder for the model's config under HF_HOME ({exc.strerror})"
-    if digest not in _MEASURED:  # one per layout per process: its answers and compiled engine are reused
+    read_as = config["architectures"][0] if bundled is None else model.architecture
+    named = "" if read_as == model.architecture else f"{model.architecture} read as {read_as}"
+    # One per layout and name per process: its answers and compiled engine are reused (the disk cache is per
+    # layout: the same shapes under another name have the same step times).
+    if (digest, named) not in _MEASURED:
         cache_file = folder / f"{system}--{backend}" / f"{digest}.json"
-        _MEASURED[digest] = MeasuredSteps(system, backend, ref, args, cache_file, model.layers)
-    return _MEASURED[digest]
+        _MEASURED[digest, named] = MeasuredSteps(system, backend, ref, args, cache_file, model.layers, named)
+    return _MEASURED[digest, named]
 
 
-_MEASURED: dict[str, MeasuredSteps] = {}
+_MEASURED: dict[tuple[str, str], MeasuredSteps] = {}
 
 
 def save_step_times() -> None:
@@ -353,13 +365,14 @@ def aic_quant_modes(model: ModelFacts, hardware: HardwareFacts, layout: StepLayo
 
 def aic_config(model: ModelFacts) -> dict | None:
     """A config.json aiconfigurator reads, from lmc's facts (dense and MoE decoders of the Llama and Qwen
-    layouts: the architectures whose every figure the facts hold)."""
-    archs = _aic_architectures() or {}
-    family = archs.get(model.architecture)
+    layouts: the architectures whose every figure the facts hold). An architecture of Llama's layout that
+    aiconfigurator does not name (LLAMA_LAYOUT) is written as LlamaForCausalLM."""
+    family = _aic_family(model.architecture)
     if family not in ("LLAMA", "MOE") or model.kv_lora_rank or model.sliding_window_layers:
         return None
+    named = model.architecture in (_aic_architectures() or {})
     config = {
-        "architectures": [model.architecture], "hidden_size": model.hidden_size,
+        "architectures": [model.architecture if named else "LlamaForCausalLM"], "hidden_size": model.hidden_size,
         "num_hidden_layers": model.layers, "num_attention_heads": model.attention_heads,
         "num_key_value_heads": model.kv_heads, "head_dim": model.head_dim,
         "intermediate_size": model.intermediate_size, "vocab_size": model.vocab_size,
@@ -375,6 +388,16 @@ def aic_config(model: ModelFacts) -> dict | None:
     return config
 
 
+def _no_config_why(model: ModelFacts) -> str:
+    """Why aic_config has no config.json for this model."""
+    if _aic_family(model.architecture) in ("LLAMA", "MOE"):
+        if model.kv_lora_rank:
+            return f"aiconfigurator's model of {model.architecture} has no latent (MLA) attention"
+        if model.sliding_window_layers:
+            return f"aiconfigurator's model of {model.architecture} has no sliding-window layers"
+    return f"aiconfigurator has no model of {model.architecture}"
+
+
 @functools.cache
 def _backend_version(system: str, backend: str) -> str:
     """The engine version whose data aiconfigurator answers with by default for `system` (its 'current'
@@ -386,6 +409,15 @@ def _backend_version(system: str, backend: str) -> str:
     slots = yaml.safe_load((Path(spec.origin).parent / "systems" / "query_versions.yaml").read_text())
     chosen = (slots.get("overrides") or {}).get(system, {}).get(backend) or slots["defaults"][backend]
     return str(chosen["current"])
+
+
+def _aic_family(architecture: str) -> str | None:
+    """aiconfigurator's model family for an architecture: its own name for it, else LLAMA for an architecture
+    vLLM runs as Llama (LLAMA_LAYOUT); None where it has neither (or is not installed)."""
+    archs = _aic_architectures()
+    if archs is None:
+        return None
+    return archs.get(architecture) or ("LLAMA" if architecture in LLAMA_LAYOUT else None)
 
 
 def _aic_architectures() -> dict[str, str] | None:
