@@ -402,3 +402,37 @@ def test_the_architectures_read_as_llama_are_the_ones_vllm_runs_on_its_llama_mod
         module, name = registry._TEXT_GENERATION_MODELS[architecture]
         served = getattr(import_module(f"vllm.model_executor.models.{module}"), name)
         assert issubclass(served, LlamaForCausalLM), (architecture, module, name)
+
+
+def test_the_shared_experts_aiconfigurators_moe_families_leave_out_are_added_from_its_gemm_data():
+    # Llama 4 runs a shared expert as wide as a routed one beside them in every MoE block (vLLM's llama4.py);
+    # aiconfigurator's hybrid-MoE family builds the block without it. The plan adds it from its GEMM data.
+    pytest.importorskip("aiconfigurator_core")
+    scout = catalog.model_facts("meta-llama/Llama-4-Scout-17B-16E-Instruct")
+    s = step_times(scout, H100, VLLM, StepLayout("vllm", "bf16", "bf16", 4))
+    assert isinstance(s, MeasuredSteps) and s.shared_ffn == (48, 5120, 8192 // 4, "bfloat16")
+    assert s.source == ("aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0); the shared experts its "
+                        "model leaves out: from its GEMM data")
+    handle = s.handle()
+    # A decode step of 16: on vLLM's second stream beside the routed block, which takes longer: hidden.
+    shared = steps.shared_experts_ms(handle, s.shared_ffn, 16)
+    routed = steps.routed_moe_ms(handle.decode_step_per_op(16, 8191, 1))
+    assert 0 < shared < routed and s.decode_ms(16, 8192) == handle.decode_step_latency(16, 8191, 1)
+    # A prompt of 8192 tokens: after the routed experts. Each token passes one routed expert as wide as the
+    # shared one: the same FLOPs, which one dense GEMM runs at least as fast as the grouped experts' kernel
+    # (the data: about twice as fast). Not split over the 4 ranks, or not in all 48 blocks, it would be out.
+    added = s.prefill_ms(8192) - handle.predict_prefill_latency(1, 8192)
+    own, _ = handle.run_static_per_op(batch_size=1, isl=8192, osl=2)
+    experts = sum(ms for name, ms, *_ in own if name.endswith("_moe"))
+    assert added == pytest.approx(steps.shared_experts_ms(handle, s.shared_ffn, 8192))
+    assert 0.3 < added / experts <= 1, (added, experts)
+    # Families that model their shared experts (DeepSeek) or models without them get nothing added.
+    deepseek = step_times(catalog.model_facts("deepseek-ai/DeepSeek-V3"), H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8))
+    qwen = step_times(catalog.model_facts("Qwen/Qwen3-30B-A3B"), H100, VLLM, BF16)
+    assert deepseek.shared_ffn == () and qwen.shared_ffn == ()
+    assert qwen.prefill_ms(4096) == qwen.handle().predict_prefill_latency(1, 4096)
+
+
+def test_the_shared_experts_stream_threshold_is_vllms():
+    envs = pytest.importorskip("vllm.envs")
+    assert steps.SHARED_STREAM_TOKENS == envs.VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD

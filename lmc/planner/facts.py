@@ -59,6 +59,7 @@ class ModelFacts(_Facts):
     num_experts: int = Field(default=1, ge=1, description="MoE routed experts per layer (1 for dense).")
     experts_per_token: int = Field(default=1, ge=1, description="Experts each token is routed to.")
     shared_experts: int = Field(default=0, ge=0, description="Experts every token passes through besides the routed ones (DeepSeek, Llama 4).")
+    shared_expert_width: int = Field(default=0, ge=0, description="MLP width of the shared experts together (n_shared_experts × the expert width, Qwen2-MoE's shared_expert_intermediate_size, Llama 4's one as wide as a routed one); 0 = none.")
     moe_layers: int | None = Field(default=None, ge=0, description="Blocks with experts (the rest are dense, as DeepSeek's first three); None = every block of an MoE model.")
     expert_parameters: int = Field(default=0, ge=0, description="Parameters of all routed experts together (0 for dense): what a token reads only k/E of.")
     active_parameters: int = Field(default=0, ge=0, description="Parameters one token multiplies through (routed experts at k/E); 0 = all of them.")

@@ -52,6 +52,13 @@ AIC_BACKENDS = {"vllm": "vllm"}
 # answer for them, read as LlamaForCausalLM (aic_config) and named so in the plan (MeasuredSteps.source).
 LLAMA_LAYOUT = frozenset({"InternLM3ForCausalLM", "IQuestCoderForCausalLM", "LLaMAForCausalLM", "Ministral3ForCausalLM",
                           "MistralForCausalLM", "Phi3ForCausalLM", "TeleChat3ForCausalLM"})
+# aiconfigurator's model families that leave shared experts out (0.12.0: models/moe.py and models/hybrid_moe.py
+# build their MoE blocks with num_shared_experts=0), though vLLM runs them (Llama 4's shared_expert, Qwen2-MoE's):
+# lmc adds them from its GEMM data, as its MoE-block builder emits them for DeepSeek (models/blocks/moe.py).
+NO_SHARED_EXPERTS = frozenset({"MOE", "HYBRIDMOE"})
+# vLLM runs the shared experts on a second CUDA stream beside the routed ones in a step of at most this many tokens,
+# one after the other above it (VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD, fused_moe/runner/shared_experts.py).
+SHARED_STREAM_TOKENS = 256
 # Set LMC_STEP_TIMES=lmc to plan with lmc's own model everywhere (comparisons, calibration).
 FORCE_ENV = "LMC_STEP_TIMES"
 
@@ -143,6 +150,7 @@ class MeasuredSteps:
     cache_file: Path | None
     layers: int = 0  # the model's decoder layers (aiconfigurator's per-request dispatch overhead scales with them)
     read_as: str = ""  # "<architecture> read as <aiconfigurator's>" where lmc named the layout for it (LLAMA_LAYOUT)
+    shared_ffn: tuple = ()  # the shared experts aiconfigurator's family leaves out (added_shared_experts)
     _answers: dict = field(default_factory=dict)  # query key → ms; "error" → why it cannot answer
     _handle: object | None = None
     _loaded: bool = False
@@ -152,7 +160,8 @@ class MeasuredSteps:
     def source(self) -> str:
         data = (f"aiconfigurator-core {AIC_VERSION} measured data ({self.system}, {self.backend} "
                 f"{self.compile_args['backend_version']}{'; ' + self.read_as if self.read_as else ''})")
-        return data + ("; a prompt's prefill: one DP group's, from its per-operation times" if self.groups > 1 else "")
+        return (data + ("; a prompt's prefill: one DP group's, from its per-operation times" if self.groups > 1 else "")
+                + ("; the shared experts its model leaves out: from its GEMM data" if self.shared_ffn else ""))
 
     @property
     def groups(self) -> int:
@@ -160,15 +169,30 @@ class MeasuredSteps:
         return int(self.compile_args.get("attention_dp_size", 1))
 
     def prefill_ms(self, tokens: int) -> float:
-        tokens = max(tokens, 1)
-        if self.groups > 1:  # one group's prompt, not every group's at once (one_group_prefill_ms)
-            return self._ask(f"p{tokens}/{self.groups}", lambda h: one_group_prefill_ms(h, tokens, self.groups))
-        return self._ask(f"p{tokens}", lambda h: h.predict_prefill_latency(1, tokens))
+        tokens, groups = max(tokens, 1), self.groups
+        if groups > 1:  # one group's prompt, not every group's at once (one_group_prefill_ms)
+            step = self._ask(f"p{tokens}/{groups}", lambda h: one_group_prefill_ms(h, tokens, groups))
+        else:
+            step = self._ask(f"p{tokens}", lambda h: h.predict_prefill_latency(1, tokens))
+        return step + self._shared_extra(tokens, lambda h: routed_moe_ms(one_group_prefill_ops(h, tokens, groups)))
 
     def decode_ms(self, batch: int, context: int) -> float:
         # aiconfigurator's decode step reads the KV cache at isl + osl // 2 + 1 tokens: osl 1 → context + 1.
-        ctx = max(context - 1, 1)
-        return self._ask(f"d{batch},{ctx}", lambda h: h.decode_step_latency(max(batch, 1), ctx, 1))
+        batch, ctx = max(batch, 1), max(context - 1, 1)
+        step = self._ask(f"d{batch},{ctx}", lambda h: h.decode_step_latency(batch, ctx, 1))
+        return step + self._shared_extra(batch, lambda h: routed_moe_ms(h.decode_step_per_op(batch, ctx, 1)), f"d{batch},{ctx}")
+
+    def _shared_extra(self, tokens: int, routed, at: str = "") -> float:
+        """What the shared experts aiconfigurator's family leaves out add to a step of `tokens` tokens: their
+        GEMMs from its data, all of them above SHARED_STREAM_TOKENS (after the routed experts), and below it what
+        they take beyond the routed experts' block (`routed(handle)`, ms) beside which they run on their own
+        stream (its convention for two streams, OverlapOp: the longer of the two)."""
+        if not self.shared_ffn:
+            return 0.0
+        shared = self._ask(f"s{tokens}", lambda h: shared_experts_ms(h, self.shared_ffn, tokens))
+        if tokens > SHARED_STREAM_TOKENS:
+            return shared
+        return max(shared - self._ask(f"r{at or tokens}", routed), 0.0)
 
     def server_ms(self, efficiency: EngineEfficiency, prompt: int) -> float:
         """aiconfigurator's own per-request overhead for its engine instead of engines.toml's fixed term (its
@@ -182,9 +206,11 @@ class MeasuredSteps:
         if self.groups > 1:  # its mixed step is a chunk in every group: one group's, as lmc's own model adds it
             return chunk_beside_decodes_ms(self, chunk, batch, context)
         # Its mixed step: the chunk of an `isl`-token prompt beside decodes at isl + osl/2 tokens.
-        osl = max(2 * (context - prompt), 2)
+        chunk, prompt, osl = max(chunk, 1), max(prompt, 1), max(2 * (context - prompt), 2)
         key = f"m{chunk},{batch},{prompt},{osl}"
-        return self._ask(key, lambda h: h.mixed_step_latency(max(chunk, 1), batch, max(prompt, 1), osl))
+        step = self._ask(key, lambda h: h.mixed_step_latency(chunk, batch, prompt, osl))
+        return step + self._shared_extra(
+            chunk + batch, lambda h: routed_moe_ms(h.mixed_step_breakdown_per_op(chunk, batch, prompt, osl)[0]), key)
 
     def unavailable(self) -> str | None:
         """Why aiconfigurator cannot model this layout (it raised on a one-sequence decode step), remembered
@@ -223,8 +249,11 @@ class MeasuredSteps:
         return self._handle
 
 
-# aiconfigurator's MoE-block operations in a prefill (the experts, then their dispatch and combine).
-MOE_OPS = "context_moe"
+def moe_op(name: str) -> bool:
+    """An operation of aiconfigurator's routed-expert block: the experts, their dispatch and combine
+    (`context_moe*`, `generation_moe*`, Llama 4's `context_global_moe*`, ...), not the norm before it."""
+    return "_moe" in name and not name.endswith("_norm")
+
 
 
 def one_group_prefill_ms(handle, tokens: int, groups: int) -> float:
@@ -236,10 +265,40 @@ def one_group_prefill_ms(handle, tokens: int, groups: int) -> float:
     the router and shared experts) run at `tokens` on its ranks, while its tokens spread over the experts of
     every rank, i.e. the MoE blocks carry the load of `tokens / groups` from each group. So: the prefill's
     per-operation times at `tokens`, with the MoE blocks' taken from the prefill at tokens / groups."""
+    return sum(op[1] for op in one_group_prefill_ops(handle, tokens, groups))
+
+
+def one_group_prefill_ops(handle, tokens: int, groups: int) -> list:
+    """The per-operation times of one_group_prefill_ms: its own operations at `tokens`, the MoE blocks' at
+    tokens / groups."""
     own, _ = handle.run_static_per_op(batch_size=1, isl=tokens, osl=2)
+    if groups == 1:
+        return own
     spread, _ = handle.run_static_per_op(batch_size=1, isl=-(-tokens // groups), osl=2)
-    return (sum(ms for name, ms, *_ in own if not name.startswith(MOE_OPS))
-            + sum(ms for name, ms, *_ in spread if name.startswith(MOE_OPS)))
+    return [op for op in own if not moe_op(op[0])] + [op for op in spread if moe_op(op[0])]
+
+
+def routed_moe_ms(per_op: list) -> float:
+    """The routed experts' block in aiconfigurator's per-operation times of one step: the router, the dispatch,
+    the experts and the combine (its `*_router_gemm` and `*_moe*` operations, less the norms)."""
+    return sum(op[1] for op in per_op if op[0].endswith("router_gemm") or moe_op(op[0]))
+
+
+def shared_experts_ms(handle, shared_ffn: tuple, tokens: int) -> float:
+    """The shared experts of `tokens` tokens in every MoE block, from aiconfigurator's GEMM data: the operations
+    its MoE-block builder emits for them (a fused gate and up GEMM, the gated activation, the down GEMM), split
+    over the TP ranks, evaluated by its engine (`evaluate_ops_json`)."""
+    import aiconfigurator_core.sdk.operations as ops
+    from aiconfigurator_core.sdk import common
+    from aiconfigurator_core.sdk.engine import build_ops_json
+
+    blocks, hidden, width, quant = shared_ffn
+    mode = common.GEMMQuantMode[quant]
+    block = [ops.GEMM("generation_shared_gate_up_gemm", blocks, 2 * width, hidden, mode),
+             ops.ElementWise("generation_shared_act_gate", blocks, 2 * width, width, 0.8),
+             ops.GEMM("generation_shared_ffn2_gemm", blocks, hidden, width, mode)]
+    answer = handle.evaluate_ops_json(build_ops_json(block), is_context=False, batch_size=tokens, s=1, x=tokens)
+    return sum(op[1] for op in answer)
 
 
 def step_times(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, layout: StepLayout, *,
@@ -291,8 +350,9 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     if model.num_experts > 1:  # vLLM: experts split over the TP ranks, or whole over tp × dp with expert parallelism
         args.update({"moe_tp_size": 1, "moe_ep_size": layout.tp * layout.dp} if layout.ep or layout.dp > 1
                     else {"moe_tp_size": layout.tp, "moe_ep_size": 1})
-    key = json.dumps({"aic": AIC_VERSION, "system": system, "backend": backend, "config": config, "args": args},
-                     sort_keys=True)
+    shared = added_shared_experts(model, layout, args)
+    key = json.dumps({"aic": AIC_VERSION, "system": system, "backend": backend, "config": config, "args": args,
+                      **({"shared_ffn": list(shared)} if shared else {})}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     folder = _cache_root()
     # Always a folder of lmc's own: aiconfigurator reads any other model path from the Hub.
@@ -306,7 +366,7 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     # layout: the same shapes under another name have the same step times).
     if (digest, named) not in _MEASURED:
         cache_file = folder / f"{system}--{backend}" / f"{digest}.json"
-        _MEASURED[digest, named] = MeasuredSteps(system, backend, ref, args, cache_file, model.layers, named)
+        _MEASURED[digest, named] = MeasuredSteps(system, backend, ref, args, cache_file, model.layers, named, shared)
     return _MEASURED[digest, named]
 
 
@@ -386,6 +446,17 @@ def aic_config(model: ModelFacts) -> dict | None:
         config.update(num_experts=model.num_experts, num_experts_per_tok=model.experts_per_token,
                       moe_intermediate_size=model.intermediate_size)
     return config
+
+
+def added_shared_experts(model: ModelFacts, layout: StepLayout, args: dict) -> tuple:
+    """(MoE blocks, hidden size, the shared experts' width per rank, GEMM quantization) where aiconfigurator's
+    family of the model leaves its shared experts out (NO_SHARED_EXPERTS); () elsewhere. vLLM splits them over
+    the TP ranks of the model's (or its data-parallel group's) attention."""
+    if _aic_family(model.architecture) not in NO_SHARED_EXPERTS or not model.shared_expert_width:
+        return ()
+    quant = args.get("gemm_quant_mode") or CHECKPOINT_MODES.get(model.checkpoint_quantization or "", {}).get(
+        "gemm_quant_mode", "bfloat16")
+    return (model.moe_layers or model.layers, model.hidden_size, model.shared_expert_width // layout.tp, quant)
 
 
 def _no_config_why(model: ModelFacts) -> str:
