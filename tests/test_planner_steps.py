@@ -410,7 +410,7 @@ def test_the_shared_experts_aiconfigurators_moe_families_leave_out_are_added_fro
     pytest.importorskip("aiconfigurator_core")
     scout = catalog.model_facts("meta-llama/Llama-4-Scout-17B-16E-Instruct")
     s = step_times(scout, H100, VLLM, StepLayout("vllm", "bf16", "bf16", 4))
-    assert isinstance(s, MeasuredSteps) and s.shared_ffn == (48, 5120, 8192 // 4, "bfloat16")
+    assert isinstance(s, MeasuredSteps) and s.shared_ffn == (48, 5120, 8192 // 4, "bfloat16", 1)
     assert s.source == ("aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0); the shared experts its "
                         "model leaves out: from its GEMM data")
     handle = s.handle()
@@ -426,6 +426,10 @@ def test_the_shared_experts_aiconfigurators_moe_families_leave_out_are_added_fro
     experts = sum(ms for name, ms, *_ in own if name.endswith("_moe"))
     assert added == pytest.approx(steps.shared_experts_ms(handle, s.shared_ffn, 8192))
     assert 0.3 < added / experts <= 1, (added, experts)
+    # Data-parallel groups of 4 ranks with expert parallelism: vLLM's MoE is sequence parallel, each rank runs
+    # the shared expert whole on a quarter of the tokens.
+    dp = step_times(scout, H100, VLLM, StepLayout("vllm", "bf16", "bf16", 4, 2, True))
+    assert dp.shared_ffn == (48, 5120, 8192, "bfloat16", 4)
     # Families that model their shared experts (DeepSeek) or models without them get nothing added.
     deepseek = step_times(catalog.model_facts("deepseek-ai/DeepSeek-V3"), H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8))
     qwen = step_times(catalog.model_facts("Qwen/Qwen3-30B-A3B"), H100, VLLM, BF16)

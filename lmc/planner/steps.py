@@ -286,14 +286,14 @@ def routed_moe_ms(per_op: list) -> float:
 
 def shared_experts_ms(handle, shared_ffn: tuple, tokens: int) -> float:
     """The shared experts of `tokens` tokens in every MoE block, from aiconfigurator's GEMM data: the operations
-    its MoE-block builder emits for them (a fused gate and up GEMM, the gated activation, the down GEMM), split
-    over the TP ranks, evaluated by its engine (`evaluate_ops_json`)."""
+    its MoE-block builder emits for them (a fused gate and up GEMM, the gated activation, the down GEMM), at one
+    rank's width and share of the tokens (added_shared_experts), evaluated by its engine (`evaluate_ops_json`)."""
     import aiconfigurator_core.sdk.operations as ops
     from aiconfigurator_core.sdk import common
     from aiconfigurator_core.sdk.engine import build_ops_json
 
-    blocks, hidden, width, quant = shared_ffn
-    mode = common.GEMMQuantMode[quant]
+    blocks, hidden, width, quant, token_ranks = shared_ffn
+    mode, tokens = common.GEMMQuantMode[quant], -(-tokens // token_ranks)
     block = [ops.GEMM("generation_shared_gate_up_gemm", blocks, 2 * width, hidden, mode),
              ops.ElementWise("generation_shared_act_gate", blocks, 2 * width, width, 0.8),
              ops.GEMM("generation_shared_ffn2_gemm", blocks, hidden, width, mode)]
@@ -449,14 +449,20 @@ def aic_config(model: ModelFacts) -> dict | None:
 
 
 def added_shared_experts(model: ModelFacts, layout: StepLayout, args: dict) -> tuple:
-    """(MoE blocks, hidden size, the shared experts' width per rank, GEMM quantization) where aiconfigurator's
-    family of the model leaves its shared experts out (NO_SHARED_EXPERTS); () elsewhere. vLLM splits them over
-    the TP ranks of the model's (or its data-parallel group's) attention."""
+    """(MoE blocks, hidden size, the shared experts' width per rank, GEMM quantization, the ranks a step's tokens
+    are split over) where aiconfigurator's family of the model leaves its shared experts out (NO_SHARED_EXPERTS);
+    () elsewhere. vLLM splits them over the TP ranks of the attention, except with data-parallel groups of
+    more than one rank and expert parallelism, where its MoE is sequence parallel (ParallelConfig
+    .use_sequence_parallel_moe, with the default all2all backend): each rank runs them whole on its share of
+    the tokens (llama4.py: `disable_tp=self.is_sequence_parallel`)."""
     if _aic_family(model.architecture) not in NO_SHARED_EXPERTS or not model.shared_expert_width:
         return ()
     quant = args.get("gemm_quant_mode") or CHECKPOINT_MODES.get(model.checkpoint_quantization or "", {}).get(
         "gemm_quant_mode", "bfloat16")
-    return (model.moe_layers or model.layers, model.hidden_size, model.shared_expert_width // layout.tp, quant)
+    blocks, width = model.moe_layers or model.layers, model.shared_expert_width
+    if layout.dp > 1 and layout.tp > 1:
+        return (blocks, model.hidden_size, width, quant, layout.tp)
+    return (blocks, model.hidden_size, width // layout.tp, quant, 1)
 
 
 def _no_config_why(model: ModelFacts) -> str:
