@@ -431,7 +431,8 @@ def test_the_shared_experts_aiconfigurators_moe_families_leave_out_are_added_fro
     dp = step_times(scout, H100, VLLM, StepLayout("vllm", "bf16", "bf16", 4, 2, True))
     assert dp.shared_ffn == (48, 5120, 8192, "bfloat16", 4)
     # Families that model their shared experts (DeepSeek) or models without them get nothing added.
-    deepseek = step_times(catalog.model_facts("deepseek-ai/DeepSeek-V3"), H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8))
+    deepseek = step_times(catalog.model_facts("deepseek-ai/DeepSeek-V3"), H100, VLLM,
+                          StepLayout("vllm", "fp8", "bf16", 8))
     qwen = step_times(catalog.model_facts("Qwen/Qwen3-30B-A3B"), H100, VLLM, BF16)
     assert deepseek.shared_ffn == () and qwen.shared_ffn == ()
     assert qwen.prefill_ms(4096) == qwen.handle().predict_prefill_latency(1, 4096)

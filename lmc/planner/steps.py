@@ -180,7 +180,10 @@ class MeasuredSteps:
         # aiconfigurator's decode step reads the KV cache at isl + osl // 2 + 1 tokens: osl 1 → context + 1.
         batch, ctx = max(batch, 1), max(context - 1, 1)
         step = self._ask(f"d{batch},{ctx}", lambda h: h.decode_step_latency(batch, ctx, 1))
-        return step + self._shared_extra(batch, lambda h: routed_moe_ms(h.decode_step_per_op(batch, ctx, 1)), f"d{batch},{ctx}")
+        def routed(handle) -> float:
+            return routed_moe_ms(handle.decode_step_per_op(batch, ctx, 1))
+
+        return step + self._shared_extra(batch, routed, f"d{batch},{ctx}")
 
     def _shared_extra(self, tokens: int, routed, at: str = "") -> float:
         """What the shared experts aiconfigurator's family leaves out add to a step of `tokens` tokens: their
@@ -253,7 +256,6 @@ def moe_op(name: str) -> bool:
     """An operation of aiconfigurator's routed-expert block: the experts, their dispatch and combine
     (`context_moe*`, `generation_moe*`, Llama 4's `context_global_moe*`, ...), not the norm before it."""
     return "_moe" in name and not name.endswith("_norm")
-
 
 
 def one_group_prefill_ms(handle, tokens: int, groups: int) -> float:
