@@ -343,7 +343,7 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     bundled = _bundled_config(model.id)
     config = bundled if bundled is not None else aic_config(model)
     if config is None:
-        return _no_config_why(model)
+        return _config_refusal(model) or f"aiconfigurator has no model of {model.architecture}"
     quant = aic_quant_modes(model, hardware, layout, bundled is not None)
     if isinstance(quant, str):
         return quant
@@ -429,8 +429,7 @@ def aic_config(model: ModelFacts) -> dict | None:
     """A config.json aiconfigurator reads, from lmc's facts (dense and MoE decoders of the Llama and Qwen
     layouts: the architectures whose every figure the facts hold). An architecture of Llama's layout that
     aiconfigurator does not name (LLAMA_LAYOUT) is written as LlamaForCausalLM."""
-    family = _aic_family(model.architecture)
-    if family not in ("LLAMA", "MOE") or model.kv_lora_rank or model.sliding_window_layers:
+    if _config_refusal(model) is not None:
         return None
     named = model.architecture in (_aic_architectures() or {})
     config = {
@@ -443,8 +442,6 @@ def aic_config(model: ModelFacts) -> dict | None:
         "torch_dtype": {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(model.torch_dtype, "bfloat16"),
     }
     if model.num_experts > 1:
-        if family != "MOE":
-            return None
         config.update(num_experts=model.num_experts, num_experts_per_tok=model.experts_per_token,
                       moe_intermediate_size=model.intermediate_size)
     return config
@@ -467,14 +464,17 @@ def added_shared_experts(model: ModelFacts, layout: StepLayout, args: dict) -> t
     return (blocks, model.hidden_size, width // layout.tp, quant, 1)
 
 
-def _no_config_why(model: ModelFacts) -> str:
-    """Why aic_config has no config.json for this model."""
-    if _aic_family(model.architecture) in ("LLAMA", "MOE"):
-        if model.kv_lora_rank:
-            return f"aiconfigurator's model of {model.architecture} has no latent (MLA) attention"
-        if model.sliding_window_layers:
-            return f"aiconfigurator's model of {model.architecture} has no sliding-window layers"
-    return f"aiconfigurator has no model of {model.architecture}"
+def _config_refusal(model: ModelFacts) -> str | None:
+    """Why aic_config writes no config.json for this model (None when it does): a family other than its Llama
+    and MoE decoders, or layers they have not."""
+    family = _aic_family(model.architecture)
+    if family not in ("LLAMA", "MOE") or (model.num_experts > 1 and family != "MOE"):
+        return f"aiconfigurator has no model of {model.architecture}"
+    if model.kv_lora_rank:
+        return f"aiconfigurator's model of {model.architecture} has no latent (MLA) attention"
+    if model.sliding_window_layers:
+        return f"aiconfigurator's model of {model.architecture} has no sliding-window layers"
+    return None
 
 
 @functools.cache
