@@ -2,7 +2,7 @@
 
 lmc plans from aiconfigurator-core's per-operation data wherever it has the GPU, the engine and the model
 (planner/steps.py), and from its own model (latency.py) elsewhere: GPUs it has no data for, engines it does
-not model, architectures it lacks (GLM-4.7, docs/fidelity.md). This bench shows how far the second is from
+not model, architectures it lacks (Gemma 3, docs/planner.md). This bench shows how far the second is from
 the first where both exist, per layout, weight dtype and batch, so the own model's error on the targets it
 alone serves can be judged from measured kernels rather than guessed. Nothing is fitted here.
 

@@ -387,9 +387,59 @@ def test_an_architecture_vllm_runs_as_llama_is_stepped_on_aiconfigurators_llama_
     sliding = step_times(catalog.model_facts("mistralai/Mistral-7B-v0.1"), H100, VLLM, BF16)
     assert sliding.source == ("lmc roofline (latency.py); aiconfigurator's model of MistralForCausalLM has no "
                               "sliding-window layers")
+    lite = catalog.model_facts("zai-org/GLM-4.7").model_copy(update={"architecture": "Glm4MoeLiteForCausalLM"})
+    assert step_times(lite, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8, ep=True)).source == (
+        "lmc roofline (latency.py); aiconfigurator has no model of Glm4MoeLiteForCausalLM")
+
+
+def test_glm4s_moe_layout_is_stepped_as_aiconfigurators_step_family_with_its_unmeasured_experts_transferred():
+    # GLM-4.7: 3 dense blocks, then 89 of 160 experts (8 a token, 1536 wide) beside a shared one, full GQA attention.
+    # aiconfigurator names no Glm4MoeForCausalLM; its Step-3.5 family builds those blocks. Its MoE tables hold no
+    # 160 x 5120 x 1536 shape, so its measured data alone refuse the step, and its HYBRID mode answers from the
+    # nearest measured shape (XSHAPE); the plan says both.
+    pytest.importorskip("aiconfigurator_core")
     glm = catalog.model_facts("zai-org/GLM-4.7")
-    assert step_times(glm, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8)).source == (
-        "lmc roofline (latency.py); aiconfigurator has no model of Glm4MoeForCausalLM")
+    assert (glm.moe_layers, glm.dense_intermediate_size, glm.shared_expert_width) == (89, 12288, 1536)
+    config = steps.aic_config(glm)
+    assert config["architectures"] == ["Step3p5ForCausalLM"] and config["first_k_dense_replace"] == 3
+    assert set(config["layer_types"]) == {"full_attention"} and len(config["layer_types"]) == 92
+    assert (config["intermediate_size"], config["moe_intermediate_size"], config["share_expert_dim"]) == (
+        12288, 1536, 1536)
+    s = step_times(glm, H100, VLLM, StepLayout("vllm", "fp8", "fp8", 8, ep=True))
+    assert isinstance(s, MeasuredSteps)
+    assert s.source == ("aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0; Glm4MoeForCausalLM read as "
+                        "Step3p5ForCausalLM); shapes it has not measured from its nearest measured ones (xshape)")
+    assert s.shared_ffn == ()  # the family's own shared-expert GEMMs: lmc adds none
+    assert "MoE data missing" in str(s._silicon_error()) and "num_experts: 160" in str(s._silicon_error())
+    # Its op graph: the dense MLP in 3 blocks, the routed and the shared experts in 89.
+    ops, _ = s.handle().run_static_per_op(batch_size=1, isl=1024, osl=2)
+    names = {op[0] for op in ops}
+    assert any("shared_expert" in name for name in names) and any(steps.moe_op(name) for name in names)
+    # The answers grow as a decode step's should, and the transfer does not touch measured shapes: a model the
+    # tables hold answers the same as on its measured data alone (test_measured_steps_are_aiconfigurators_own_numbers).
+    assert s.decode_ms(1, 1024) < s.decode_ms(16, 1024) < s.decode_ms(64, 1024)
+    assert s.prefill_ms(4096) > 2 * s.prefill_ms(1024)
+    # vLLM serves it from glm4_moe.py: dense blocks below first_k_dense_replace, then experts with shared ones.
+    registry = pytest.importorskip("vllm.model_executor.models.registry")
+    assert registry._TEXT_GENERATION_MODELS["Glm4MoeForCausalLM"] == ("glm4_moe", "Glm4MoeForCausalLM")
+
+
+def test_which_transfer_answered_is_cached_with_the_answers(tmp_path, monkeypatch):
+    pytest.importorskip("aiconfigurator_core")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HOME", str(tmp_path))
+    monkeypatch.setattr(steps, "_MEASURED", {})
+    glm, layout = catalog.model_facts("zai-org/GLM-4.7"), StepLayout("vllm", "fp8", "fp8", 8, ep=True)
+    first = step_times(glm, H100, VLLM, layout)
+    qwen = step_times(QWEN8, H100, VLLM, BF16)
+    answer = first.decode_ms(16, 2000)
+    steps.save_step_times()
+    monkeypatch.setattr(steps, "_MEASURED", {})  # a new process
+    monkeypatch.setattr(steps, "_compile", lambda *args: pytest.fail("compiled although the answer was cached"))
+    second = step_times(glm, H100, VLLM, layout)
+    assert second.source == first.source and second.source.endswith("(xshape)") and second.decode_ms(16, 2000) == answer
+    assert step_times(QWEN8, H100, VLLM, BF16).source == qwen.source == (
+        "aiconfigurator-core 0.12.0 measured data (h100_sxm, vllm 0.24.0)")
 
 
 def test_the_architectures_read_as_llama_are_the_ones_vllm_runs_on_its_llama_model():

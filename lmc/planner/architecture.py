@@ -309,7 +309,8 @@ def decoder_fields(config: dict[str, Any], where: str) -> tuple[dict[str, Any], 
     )
     if moe is not None:
         fields.update(num_experts=moe.experts, experts_per_token=moe.top_k, shared_experts=moe.shared_experts,
-                      shared_expert_width=moe.shared_width, moe_layers=moe.moe_layers)
+                      shared_expert_width=moe.shared_width, moe_layers=moe.moe_layers,
+                      dense_intermediate_size=moe.dense_width if moe.moe_layers < layers else 0)
     return fields, Counts(total=total, experts=experts, embedding=embedding)
 
 

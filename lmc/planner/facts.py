@@ -61,6 +61,7 @@ class ModelFacts(_Facts):
     shared_experts: int = Field(default=0, ge=0, description="Experts every token passes through besides the routed ones (DeepSeek, Llama 4).")
     shared_expert_width: int = Field(default=0, ge=0, description="MLP width of the shared experts together (n_shared_experts × the expert width, Qwen2-MoE's shared_expert_intermediate_size, Llama 4's one as wide as a routed one); 0 = none.")
     moe_layers: int | None = Field(default=None, ge=0, description="Blocks with experts (the rest are dense, as DeepSeek's first three); None = every block of an MoE model.")
+    dense_intermediate_size: int = Field(default=0, ge=0, description="MLP width of an MoE model's dense blocks (DeepSeek's and GLM-4's first ones); 0 = every block has experts, or not known.")
     expert_parameters: int = Field(default=0, ge=0, description="Parameters of all routed experts together (0 for dense): what a token reads only k/E of.")
     active_parameters: int = Field(default=0, ge=0, description="Parameters one token multiplies through (routed experts at k/E); 0 = all of them.")
     kv_lora_rank: int = Field(default=0, ge=0, description="MLA (DeepSeek-V2/V3, Kimi K2): width of the compressed KV latent; 0 for other attention.")

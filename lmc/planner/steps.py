@@ -10,7 +10,8 @@ Two implementations, chosen in one place (`step_times`):
 
 - `MeasuredSteps`: aiconfigurator-core's per-operation silicon data (GEMMs, attention, all-reduce, MoE,
   measured per GPU and engine version by NVIDIA; Apache-2.0, github.com/ai-dynamo/aiconfigurator), for the
-  GPUs, engines and architectures it has data for. Its answers are cached on disk beside lmc's Hub
+  GPUs, engines and architectures it has data for (a shape its tables lack from the nearest measured one, by
+  its HYBRID mode, named in the plan where it answered). Its answers are cached on disk beside lmc's Hub
   summaries ($HF_HOME/lmc/step_times/), per GPU, engine version, model and layout, so a second plan of the
   same deployment never loads its tables.
 - `RooflineSteps`: lmc's own model (latency.py: bytes over bandwidth, FLOPs over TFLOPS, collectives over
@@ -52,6 +53,19 @@ AIC_BACKENDS = {"vllm": "vllm"}
 # answer for them, read as LlamaForCausalLM (aic_config) and named so in the plan (MeasuredSteps.source).
 LLAMA_LAYOUT = frozenset({"InternLM3ForCausalLM", "IQuestCoderForCausalLM", "LLaMAForCausalLM", "Ministral3ForCausalLM",
                           "MistralForCausalLM", "Phi3ForCausalLM", "TeleChat3ForCausalLM"})
+# Architectures of a dense-first, then MoE decoder with full GQA attention and shared experts that aiconfigurator has
+# no name for, and the family of its own with those layers: vLLM's glm4_moe.py (GLM-4.5/4.6/4.7: the first
+# `first_k_dense_replace` blocks dense, then routed experts beside shared ones, each block's attention full GQA with
+# an optional q/k norm) builds the blocks aiconfigurator's Step-3.5 family builds from a config whose layers all
+# attend globally (models/step3p7.py: its hybrid-MoE pipeline with a dense prefix, and the shared experts' GEMMs).
+# Written as Step3p5ForCausalLM (aic_config) and named so in the plan.
+GLM_MOE_LAYOUT = frozenset({"Glm4MoeForCausalLM"})
+# Where aiconfigurator has not measured a shape the model needs (an MoE table is per expert shape, an attention
+# table per KV-head count), its HYBRID database mode answers with the utilisation of its nearest measured shape of
+# the same kernel and quantization applied to the missing shape's speed-of-light time (transfer kind XSHAPE, its
+# "conservative" policy; common.DatabaseMode, TransferKind). Silicon answers are unchanged by it. The plan names
+# it where it fired (MeasuredSteps.source).
+AIC_DATABASE_MODE, AIC_TRANSFERS = "HYBRID", "conservative"
 # aiconfigurator's model families that leave shared experts out (0.12.0: models/moe.py and models/hybrid_moe.py
 # build their MoE blocks with num_shared_experts=0), though vLLM runs them (Llama 4's shared_expert, Qwen2-MoE's):
 # lmc adds them from its GEMM data, as its MoE-block builder emits them for DeepSeek (models/blocks/moe.py).
@@ -151,7 +165,8 @@ class MeasuredSteps:
     layers: int = 0  # the model's decoder layers (aiconfigurator's per-request dispatch overhead scales with them)
     read_as: str = ""  # "<architecture> read as <aiconfigurator's>" where lmc named the layout for it (LLAMA_LAYOUT)
     shared_ffn: tuple = ()  # the shared experts aiconfigurator's family leaves out (added_shared_experts)
-    _answers: dict = field(default_factory=dict)  # query key → ms; "error" → why it cannot answer
+    # query key → ms; "error" → why it cannot answer; "transfer" → its transfer tiers for unmeasured shapes
+    _answers: dict = field(default_factory=dict)
     _handle: object | None = None
     _loaded: bool = False
     _dirty: bool = False
@@ -160,6 +175,9 @@ class MeasuredSteps:
     def source(self) -> str:
         data = (f"aiconfigurator-core {AIC_VERSION} measured data ({self.system}, {self.backend} "
                 f"{self.compile_args['backend_version']}{'; ' + self.read_as if self.read_as else ''})")
+        transfer = self._answers.get("transfer")
+        if transfer:  # unavailable() asked which; "" = every probed operation measured
+            data += f"; shapes it has not measured from its nearest measured ones ({transfer})"
         return (data + ("; a prompt's prefill: one DP group's, from its per-operation times" if self.groups > 1 else "")
                 + ("; the shared experts its model leaves out: from its GEMM data" if self.shared_ffn else ""))
 
@@ -220,7 +238,10 @@ class MeasuredSteps:
         in the cache like its answers; None when it can."""
         try:
             self.decode_ms(1, 2)
+            self._probe_transfer()
         except Exception as exc:  # its own errors: unsupported quantization, missing tables, ...
+            # Its measured tables' own error names what is missing; the transfer's only that it found no neighbour.
+            exc = self._silicon_error() or exc
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             # Its messages name files on this machine, and list what it tried: the plan keeps what is missing.
             first = re.sub(r" at /[^\s;]+", "", first).split("; available")[0].split(": tried lane_order")[0]
@@ -228,6 +249,28 @@ class MeasuredSteps:
             _write_cache(self.cache_file, self._answers)
         error = self._answers.get("error")
         return None if error is None else f"aiconfigurator could not model this layout: {error}"
+
+    def _silicon_error(self) -> Exception | None:
+        """The error of aiconfigurator's measured data alone (its SILICON mode) for a one-sequence decode step."""
+        try:
+            _compile(self.model_ref, self.system, self.backend, self.compile_args, "SILICON").decode_step_latency(1, 1, 1)
+        except Exception as exc:
+            return exc
+        return None
+
+    def _probe_transfer(self) -> None:
+        """Whether aiconfigurator answers this layout from shapes it has not measured (AIC_DATABASE_MODE): the
+        transfer tiers its engine reports (`last_provenance`) for a decode step and a prefill, remembered in the
+        cache with the answers, so that the plan names them the same way whether its figures were cached or not."""
+        if "transfer" in self._answers:
+            return
+        handle = self.handle()
+        tiers = set()
+        for query in (lambda: handle.decode_step_latency(1, 1, 1), lambda: handle.predict_prefill_latency(1, 16)):
+            query()
+            tiers.add(handle.last_provenance() or "")
+        self._answers["transfer"] = ", ".join(sorted(tiers - {""}))
+        self._dirty = True
 
     def _ask(self, key: str, query) -> float:
         if not self._loaded:
@@ -354,6 +397,7 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
                     else {"moe_tp_size": layout.tp, "moe_ep_size": 1})
     shared = added_shared_experts(model, layout, args)
     key = json.dumps({"aic": AIC_VERSION, "system": system, "backend": backend, "config": config, "args": args,
+                      "database": [AIC_DATABASE_MODE, AIC_TRANSFERS],
                       **({"shared_ffn": list(shared)} if shared else {})}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     folder = _cache_root()
@@ -428,12 +472,15 @@ def aic_quant_modes(model: ModelFacts, hardware: HardwareFacts, layout: StepLayo
 def aic_config(model: ModelFacts) -> dict | None:
     """A config.json aiconfigurator reads, from lmc's facts (dense and MoE decoders of the Llama and Qwen
     layouts: the architectures whose every figure the facts hold). An architecture of Llama's layout that
-    aiconfigurator does not name (LLAMA_LAYOUT) is written as LlamaForCausalLM."""
+    aiconfigurator does not name (LLAMA_LAYOUT) is written as LlamaForCausalLM, one of GLM-4's MoE layout
+    (GLM_MOE_LAYOUT) as Step3p5ForCausalLM with every layer attending globally."""
     if _config_refusal(model) is not None:
         return None
     named = model.architecture in (_aic_architectures() or {})
+    glm = model.architecture in GLM_MOE_LAYOUT
     config = {
-        "architectures": [model.architecture if named else "LlamaForCausalLM"], "hidden_size": model.hidden_size,
+        "architectures": [model.architecture if named else "Step3p5ForCausalLM" if glm else "LlamaForCausalLM"],
+        "hidden_size": model.hidden_size,
         "num_hidden_layers": model.layers, "num_attention_heads": model.attention_heads,
         "num_key_value_heads": model.kv_heads, "head_dim": model.head_dim,
         "intermediate_size": model.intermediate_size, "vocab_size": model.vocab_size,
@@ -444,6 +491,10 @@ def aic_config(model: ModelFacts) -> dict | None:
     if model.num_experts > 1:
         config.update(num_experts=model.num_experts, num_experts_per_tok=model.experts_per_token,
                       moe_intermediate_size=model.intermediate_size)
+    if glm:  # its dense blocks first, then the MoE ones, each with the shared experts (models/step3p7.py)
+        config.update(layer_types=["full_attention"] * model.layers, share_expert_dim=model.shared_expert_width,
+                      first_k_dense_replace=model.layers - (model.moe_layers or model.layers),
+                      intermediate_size=model.dense_intermediate_size or model.intermediate_size)
     return config
 
 
@@ -468,7 +519,8 @@ def _config_refusal(model: ModelFacts) -> str | None:
     """Why aic_config writes no config.json for this model (None when it does): a family other than its Llama
     and MoE decoders, or layers they have not."""
     family = _aic_family(model.architecture)
-    if family not in ("LLAMA", "MOE") or (model.num_experts > 1 and family != "MOE"):
+    glm = model.architecture in GLM_MOE_LAYOUT and model.num_experts > 1
+    if (family not in ("LLAMA", "MOE") or (model.num_experts > 1 and family != "MOE")) and not glm:
         return f"aiconfigurator has no model of {model.architecture}"
     if model.kv_lora_rank:
         return f"aiconfigurator's model of {model.architecture} has no latent (MLA) attention"
@@ -492,11 +544,13 @@ def _backend_version(system: str, backend: str) -> str:
 
 def _aic_family(architecture: str) -> str | None:
     """aiconfigurator's model family for an architecture: its own name for it, else LLAMA for an architecture
-    vLLM runs as Llama (LLAMA_LAYOUT); None where it has neither (or is not installed)."""
+    vLLM runs as Llama (LLAMA_LAYOUT), STEP3P7 for GLM-4's MoE layout (GLM_MOE_LAYOUT); None where it has
+    neither (or is not installed)."""
     archs = _aic_architectures()
     if archs is None:
         return None
-    return archs.get(architecture) or ("LLAMA" if architecture in LLAMA_LAYOUT else None)
+    return archs.get(architecture) or ("LLAMA" if architecture in LLAMA_LAYOUT else
+                                       "STEP3P7" if architecture in GLM_MOE_LAYOUT else None)
 
 
 def _aic_architectures() -> dict[str, str] | None:
@@ -538,14 +592,30 @@ def _dispatch_overhead_ms(backend: str, layers: int) -> float:
     return AIC_DISPATCH_MS_PER_LAYER[backend] * layers
 
 
-def _compile(model_ref: str, system: str, backend: str, args: dict):
+def _compile(model_ref: str, system: str, backend: str, args: dict, mode: str = AIC_DATABASE_MODE):
+    """aiconfigurator's engine for one model and layout, on its database in `mode`: its own
+    `compile_engine` (sdk/engine.py) with the database view that mode names, which that function does not take
+    (it loads the default, SILICON)."""
     import logging
 
-    from aiconfigurator_core.sdk.engine import EngineHandle
+    import aiconfigurator_core
+    from aiconfigurator_core.sdk import perf_database
+    from aiconfigurator_core.sdk.config_builders import apply_nextn, build_model_config
+    from aiconfigurator_core.sdk.engine import EngineHandle, build_engine_spec_json
+    from aiconfigurator_core.sdk.models import get_model
 
     # Its table loader logs a warning per low-fidelity fallback table: not lmc's user's concern.
     logging.getLogger("aiconfigurator_core").setLevel(logging.ERROR)
-    return EngineHandle.compile(model_ref, system, backend, **args)
+    args = dict(args)
+    version = args.pop("backend_version")
+    config = build_model_config(pp_size=1, **{"moe_tp_size": 1, "moe_ep_size": 1, **args})
+    apply_nextn(config, 0)
+    model = get_model(model_ref, config, backend)
+    database = perf_database.get_database_view(system, backend, version, database_mode=mode,
+                                               transfer_policy=AIC_TRANSFERS)
+    spec = build_engine_spec_json(model, model_path=model_ref, system=system, backend=backend, backend_version=version,
+                                  kv_block_size=None, systems_path=None, nextn=config.nextn, database=database)
+    return EngineHandle(aiconfigurator_core.engine_spec_bincode_from_json(spec))
 
 
 # --- the disk cache ---------------------------------------------------------------------------------
@@ -578,8 +648,9 @@ def _read_cache(path: Path | None) -> dict:
     except (OSError, ValueError):
         return {}  # a damaged cache costs one recomputation, never a wrong figure
     answers: dict = {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-    if isinstance(data.get("error"), str):
-        answers["error"] = data["error"]
+    for text in ("error", "transfer"):
+        if isinstance(data.get(text), str):
+            answers[text] = data[text]
     return answers
 
 
