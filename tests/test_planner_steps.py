@@ -268,6 +268,27 @@ def test_online_fp8_experts_are_stepped_as_the_triton_kernel_vllm_runs_for_them(
     assert all(0.7 <= ratio <= 1.3 for ratio in ratios), [round(ratio, 2) for ratio in ratios]
 
 
+def test_online_fp8_experts_split_at_any_width_as_vllms_per_tensor_scales_allow(tmp_path):
+    # Qwen3-235B-A22B's 1536-wide experts split 8 ways are 192 columns a rank: vLLM's online fp8 (one scale per
+    # tensor) runs them; aiconfigurator's models refuse fp8_block experts that are not whole 128-column blocks
+    # unless the config says the checkpoint's blocks are narrower. lmc's config says so for an unquantized
+    # checkpoint: the split layout is answered from the table's nearest shape, and the whole-block layouts as before.
+    pytest.importorskip("aiconfigurator_core")
+    qwen = catalog.model_facts("Qwen/Qwen3-235B-A22B")
+    split = step_times(qwen, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8))
+    assert isinstance(split, MeasuredSteps) and split.source.endswith("(xshape)")
+    assert split.compile_args["moe_tp_size"] == 8 and split.compile_args["moe_quant_mode"] == "fp8_block"
+    assert split.decode_ms(32, 2048) < step_times(qwen, H100, VLLM, StepLayout("vllm", "bf16", "bf16", 8)).decode_ms(
+        32, 2048)  # fp8 experts read half the bytes of bf16 ones
+    plain = str(steps._config_folder(tmp_path, steps._bundled_config(qwen.id)))
+    with pytest.raises(ValueError, match="weight_block_size=128"):
+        steps._compile(plain, "h100_sxm", "vllm", split.compile_args)
+    whole = step_times(qwen, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8, 1, True))  # EP: whole experts
+    as_before = steps._compile(plain, "h100_sxm", "vllm", whole.compile_args)
+    for batch in (1, 32):
+        assert whole.decode_ms(batch, 2048) == as_before.decode_step_latency(batch, 2047, 1)
+
+
 def test_lmcs_own_moe_decode_step_stays_near_the_measured_data_at_small_batches():
     # Without the MoE blocks' kernel floor (latency.moe_floor_ms) lmc's model put a batch-1 step of these layouts
     # 34-56 % under aiconfigurator's measured data for all but Mixtral (it reads only the few experts' bytes);

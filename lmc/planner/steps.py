@@ -66,6 +66,14 @@ GLM_MOE_LAYOUT = frozenset({"Glm4MoeForCausalLM"})
 # "conservative" policy; common.DatabaseMode, TransferKind). Silicon answers are unchanged by it. The plan names
 # it where it fired (MeasuredSteps.source).
 AIC_DATABASE_MODE, AIC_TRANSFERS = "HYBRID", "conservative"
+# vLLM's online fp8 (an unquantized checkpoint, quantized at load) scales each weight tensor whole, so its experts
+# split over TP ranks at any width (Triton's fused fp8 MoE masks a partial tile). aiconfigurator steps them on its
+# fp8_block table (aic_quant_modes), whose models refuse a rank's expert width that is not a whole number of the
+# checkpoint's weight blocks, 128 where its config names none (models/moe.py, hybrid_moe.py:
+# _validate_fp8_block_quantized_moe_config). The config lmc hands it for such a checkpoint says its blocks are
+# one column wide, which is what per-tensor scales constrain; it changes no answer where the widths are whole
+# blocks (tests/test_planner_steps.py), and where they are not the table's nearest shape answers (XSHAPE).
+ONLINE_FP8_BLOCKS = {"weight_block_size": [1, 1]}
 # aiconfigurator's model families that leave shared experts out (0.12.0: models/moe.py and models/hybrid_moe.py
 # build their MoE blocks with num_shared_experts=0), though vLLM runs them (Llama 4's shared_expert, Qwen2-MoE's):
 # lmc adds them from its GEMM data, as its MoE-block builder emits them for DeepSeek (models/blocks/moe.py).
@@ -387,6 +395,8 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     config = bundled if bundled is not None else aic_config(model)
     if config is None:
         return _config_refusal(model) or f"aiconfigurator has no model of {model.architecture}"
+    if model.checkpoint_quantization is None:
+        config = {**config, "quantization_config": ONLINE_FP8_BLOCKS}
     quant = aic_quant_modes(model, hardware, layout, bundled is not None)
     if isinstance(quant, str):
         return quant
