@@ -147,6 +147,19 @@ def test_the_plan_names_the_model_behind_its_figures(monkeypatch):
         "lmc roofline (latency.py); LMC_STEP_TIMES=lmc")
 
 
+def test_an_alternative_on_another_step_time_model_than_the_plan_says_which():
+    # The plan is stepped on measured data; an fp32 alternative has none (lmc's own model): its figures say so,
+    # the alternatives on the same data as the plan do not repeat it.
+    pytest.importorskip("aiconfigurator_core")
+    p = plan({"target": {"instance": "ml.p5.48xlarge"}}, QWEN8, H100)
+    assert p.predicted.step_times.startswith("aiconfigurator-core")
+    feasible = [a for a in p.alternatives if a.verdict == "feasible"]
+    fp32 = [a for a in feasible if a.dtype == "fp32"]
+    assert fp32 and all(a.reason.endswith("; step times: lmc roofline (latency.py); aiconfigurator has no fp32 data "
+                                          "for vLLM") for a in fp32)
+    assert all("step times" not in a.reason for a in feasible if a.dtype != "fp32")
+
+
 def test_queueing_past_the_running_slots_follows_littles_law():
     # 8 clients on 4 slots: each round trip is 8/4 of a slot's (TTFT 100 + 10 more tokens at 10 ms = 200 ms),
     # 400 ms, of which 100 ms decode: 300 ms to the first token.

@@ -1083,7 +1083,7 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
                       key=lambda c: sort_key(spec, model, hardware, c, goal_met))
     out = []
     for c in feasible:
-        verdict, reason = "feasible", _describe(spec, model, hardware, c)
+        verdict, reason = "feasible", _describe(spec, model, hardware, c) + _other_predictor(chosen, c)
         if c.goal_gap > 1.0 and goal_met:
             verdict, reason = "rejected", "goal missed: " + reason
         out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, data_parallel_degree=c.dp,
@@ -1123,6 +1123,15 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
         out.append(Alternative(engine=r.engine, dtype=r.dtype, tensor_parallel_degree=r.tp, replicas=r.replicas,
                                verdict="rejected", reason=r.reason))
     return out[:ALTERNATIVES]
+
+
+def _other_predictor(chosen: Config, c: Config) -> str:
+    """An alternative's step-time source where it is another model than the chosen plan's (measured data beside
+    lmc's own model, or the other way round), so figures of different origins are not compared unawares."""
+    def own(config: Config) -> bool:
+        return (config.timing.step_times or "").startswith("lmc roofline")
+
+    return f"; step times: {c.timing.step_times}" if c.timing.step_times and own(c) != own(chosen) else ""
 
 
 def _describe(spec, model: ModelFacts, hardware: HardwareFacts, c: Config) -> str:
