@@ -3,8 +3,8 @@
 lmc opens aiconfigurator-core's database in its HYBRID mode with only the cross-shape transfer (planner/steps.py,
 `AIC_DATABASE_MODE`, `AIC_TRANSFERS`), so a model whose expert shape its tables lack (GLM-4.7) is answered from the
 nearest measured shape. This bench measures that transfer's error where the answer is known: for each model below it
-copies aiconfigurator's vLLM data for H100 into a scratch folder, deletes the rows of that model's own expert shape
-from the MoE table, and compares the model's decode steps and prefills on the copy (transferred) with those on the
+copies aiconfigurator's vLLM data for a GPU (H100 by default) into a scratch folder, deletes the rows of that
+model's own expert shape from its MoE tables (every vLLM version's), and compares the model's decode steps and prefills on the copy (transferred) with those on the
 full data (measured). Nothing is fitted: the figures are printed, per model, layout and step.
 
 Usage:
@@ -35,7 +35,8 @@ MODELS = [
 ]
 
 
-def handle(model: str, tp: int, ep: bool, quant: str, mode: str, systems: str | None, configs: Path):
+def handle(model: str, tp: int, ep: bool, quant: str, mode: str, systems: str | None, configs: Path,
+           system: str = SYSTEM, version: str = VERSION):
     """aiconfigurator's engine for the layout, on its database in `mode` read from `systems` (None: its own), the
     model's config written under `configs`."""
     import aiconfigurator_core
@@ -54,35 +55,36 @@ def handle(model: str, tp: int, ep: bool, quant: str, mode: str, systems: str | 
                                 moe_ep_size=tp if ep else 1, gemm_quant_mode=gemm, moe_quant_mode=quant)
     apply_nextn(config, 0)
     built = get_model(model, config, BACKEND)
-    database = perf_database.get_database_view(SYSTEM, BACKEND, VERSION, systems_paths=systems, database_mode=mode,
+    database = perf_database.get_database_view(system, BACKEND, version, systems_paths=systems, database_mode=mode,
                                                transfer_policy="conservative")
-    spec = build_engine_spec_json(built, model_path=model, system=SYSTEM, backend=BACKEND, backend_version=VERSION,
+    spec = build_engine_spec_json(built, model_path=model, system=system, backend=BACKEND, backend_version=version,
                                   kv_block_size=None, systems_path=systems, nextn=config.nextn, database=database)
     return EngineHandle(aiconfigurator_core.engine_spec_bincode_from_json(spec), systems_path=systems)
 
 
-def held_out_copy(root: Path, shape: tuple[int, int, int, int]) -> str:
-    """aiconfigurator's systems folder copied under `root`, the vLLM H100 MoE table without `shape`'s rows."""
+def held_out_copy(root: Path, shape: tuple[int, int, int, int], system: str = SYSTEM, version: str = VERSION) -> str:
+    """aiconfigurator's systems folder copied under `root` (its yaml files and `system`'s data), its vLLM MoE table
+    for `system` without `shape`'s rows."""
     import pandas as pd
 
     spec = importlib.util.find_spec("aiconfigurator_core")
     assert spec is not None and spec.origin is not None
-    # A folder per shape: aiconfigurator caches a database per systems folder.
-    source, systems = Path(spec.origin).parent / "systems", root / "-".join(map(str, shape)) / "systems"
+    # A folder per GPU and shape: aiconfigurator caches a database per systems folder.
+    source, systems = Path(spec.origin).parent / "systems", root / system / "-".join(map(str, shape)) / "systems"
     if systems.exists():
         return str(systems)
     systems.mkdir(parents=True)
     for path in source.iterdir():  # its yaml files, and the one GPU's data
         if path.is_file():
             shutil.copy(path, systems / path.name)
-    shutil.copytree(source / "data" / SYSTEM, systems / "data" / SYSTEM)
-    table = systems / "data" / SYSTEM / "moe" / BACKEND / VERSION / "moe_perf.parquet"
-    original = Path(spec.origin).parent / "systems" / "data" / SYSTEM / "moe" / BACKEND / VERSION / "moe_perf.parquet"
-    frame = pd.read_parquet(original)
+    shutil.copytree(source / "data" / system, systems / "data" / system)
+    # Every engine version's table: its database fills a shape the current one lacks from an older one's rows.
     experts, hidden, width, top_k = shape
-    drop = ((frame.num_experts == experts) & (frame.hidden_size == hidden) & (frame.inter_size == width)
-            & (frame.topk == top_k))
-    frame[~drop].to_parquet(table)
+    for table in (systems / "data" / system / "moe" / BACKEND).glob("*/moe_perf.parquet"):
+        frame = pd.read_parquet(table)
+        drop = ((frame.num_experts == experts) & (frame.hidden_size == hidden) & (frame.inter_size == width)
+                & (frame.topk == top_k))
+        frame[~drop].to_parquet(table)
     return str(systems)
 
 
@@ -90,6 +92,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--prompts", default="1024,4096")
+    parser.add_argument("--system", default=SYSTEM, help="aiconfigurator's GPU (h100_sxm, h200_sxm, a100_sxm, l40s, ...)")
     args = parser.parse_args()
     if importlib.util.find_spec("aiconfigurator_core") is None:
         print("aiconfigurator-core is not installed", file=sys.stderr)
@@ -97,18 +100,27 @@ def main() -> int:
     logging.disable(logging.WARNING)
     batches = [int(b) for b in args.batches.split(",")]
     prompts = [int(p) for p in args.prompts.split(",")]
+    from lmc.planner.steps import _backend_version
+
+    system = args.system
+    version = _backend_version(system, BACKEND)  # the data lmc plans with on that GPU
     ratios: list[float] = []
-    print(f"{SYSTEM}, {BACKEND} {VERSION}: each model's expert shape held out of the MoE table; "
+    print(f"{system}, {BACKEND} {version}: each model's expert shape held out of the MoE table; "
           "transferred / measured step time")
     print(f"{'model':30} {'TP':>3} {'EP':>3} {'experts':10} | "
           + " ".join(f"{'d' + str(b):>6}" for b in batches) + " | " + " ".join(f"{'p' + str(p):>6}" for p in prompts)
           + " | provenance")
     with tempfile.TemporaryDirectory() as scratch:
         for model, shape, tp, ep, quant in MODELS:
-            measured = handle(model, tp, ep, quant, "SILICON", None, Path(scratch))
-            systems = held_out_copy(Path(scratch), shape)
             try:
-                transferred = handle(model, tp, ep, quant, "HYBRID", systems, Path(scratch))
+                measured = handle(model, tp, ep, quant, "SILICON", None, Path(scratch), system, version)
+                measured.decode_step_latency(1, 1024, 1)
+            except Exception as exc:  # not measured on this GPU: nothing to hold out
+                print(f"{model:30} {tp:>3} {'yes' if ep else 'no':>3} {quant:10} | not measured: {str(exc)[:70]}")
+                continue
+            systems = held_out_copy(Path(scratch), shape, system, version)
+            try:
+                transferred = handle(model, tp, ep, quant, "HYBRID", systems, Path(scratch), system, version)
                 row = [transferred.decode_step_latency(b, 1024, 1) / measured.decode_step_latency(b, 1024, 1)
                        for b in batches]
                 tier = transferred.last_provenance()

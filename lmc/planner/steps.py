@@ -74,6 +74,11 @@ AIC_DATABASE_MODE, AIC_TRANSFERS = "HYBRID", "conservative"
 # one column wide, which is what per-tensor scales constrain; it changes no answer where the widths are whole
 # blocks (tests/test_planner_steps.py), and where they are not the table's nearest shape answers (XSHAPE).
 ONLINE_FP8_BLOCKS = {"weight_block_size": [1, 1]}
+# A transferred answer more than this many times from lmc's own model is not planned on (implausible_transfer), at
+# these decode batches (context 1024) and prompt lengths.
+TRANSFER_BOUND = 3.0
+TRANSFER_PROBE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TRANSFER_PROBE_PROMPTS = (16, 128, 1024, 8192)
 # aiconfigurator's model families that leave shared experts out (0.12.0: models/moe.py and models/hybrid_moe.py
 # build their MoE blocks with num_shared_experts=0), though vLLM runs them (Llama 4's shared_expert, Qwen2-MoE's):
 # lmc adds them from its GEMM data, as its MoE-block builder emits them for DeepSeek (models/blocks/moe.py).
@@ -188,6 +193,11 @@ class MeasuredSteps:
             data += f"; shapes it has not measured from its nearest measured ones ({transfer})"
         return (data + ("; a prompt's prefill: one DP group's, from its per-operation times" if self.groups > 1 else "")
                 + ("; the shared experts its model leaves out: from its GEMM data" if self.shared_ffn else ""))
+
+    @property
+    def transferred(self) -> bool:
+        """Whether aiconfigurator answered this layout's probe from shapes it has not measured (unavailable())."""
+        return bool(self._answers.get("transfer"))
 
     @property
     def groups(self) -> int:
@@ -364,9 +374,29 @@ def step_times(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, 
     if why is None:
         measured = _measured(model, hardware, engine, layout)
         why = measured if isinstance(measured, str) else measured.unavailable()
+        if why is None and measured.transferred:
+            why = implausible_transfer(measured, RooflineSteps(model, hardware, engine, layout))
         if why is None:
             return measured
     return RooflineSteps(model, hardware, engine, layout, why)
+
+
+def implausible_transfer(measured: MeasuredSteps, own: RooflineSteps) -> str | None:
+    """Why a layout aiconfigurator answers by transfer (unmeasured shapes from the nearest measured ones) is not
+    planned on it: a step it puts more than TRANSFER_BOUND times from lmc's own model, over a grid of decode
+    batches and prompt lengths. Its transfers are usually within 0.5-1.8x of the measurement they stand in for
+    (bench/xshape_holdout.py), and lmc's own model within 0.37-2.3x of measured data (bench/own_model_vs_data.py),
+    but a transfer can be absurd where the nearest shape was measured at other token counts (A100, Qwen3-235B-A22B's
+    experts held out: a one-token decode step 132x the measured one)."""
+    probes = [(f"a decode step of {batch} at 1024 tokens", lambda s, b=batch: s.decode_ms(b, 1024))
+              for batch in TRANSFER_PROBE_BATCHES]
+    probes += [(f"a prefill of {tokens} tokens", lambda s, n=tokens: s.prefill_ms(n)) for tokens in TRANSFER_PROBE_PROMPTS]
+    for what, ask in probes:
+        theirs, ours = ask(measured), ask(own)
+        if not 1 / TRANSFER_BOUND <= theirs / ours <= TRANSFER_BOUND:
+            return (f"aiconfigurator's transfer from its nearest measured shapes put {what} at {theirs:.1f} ms, "
+                    f"{theirs / ours:.1f}x lmc's own model ({ours:.1f} ms): not used")
+    return None
 
 
 def measured_unavailable(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts) -> str | None:
