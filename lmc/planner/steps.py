@@ -271,7 +271,8 @@ class MeasuredSteps:
     def _silicon_error(self) -> Exception | None:
         """The error of aiconfigurator's measured data alone (its SILICON mode) for a one-sequence decode step."""
         try:
-            _compile(self.model_ref, self.system, self.backend, self.compile_args, "SILICON").decode_step_latency(1, 1, 1)
+            silicon = _compile(self.model_ref, self.system, self.backend, self.compile_args, "SILICON")
+            silicon.decode_step_latency(1, 1, 1)
         except Exception as exc:
             return exc
         return None
@@ -390,7 +391,8 @@ def implausible_transfer(measured: MeasuredSteps, own: RooflineSteps) -> str | N
     experts held out: a one-token decode step 132x the measured one)."""
     probes = [(f"a decode step of {batch} at 1024 tokens", lambda s, b=batch: s.decode_ms(b, 1024))
               for batch in TRANSFER_PROBE_BATCHES]
-    probes += [(f"a prefill of {tokens} tokens", lambda s, n=tokens: s.prefill_ms(n)) for tokens in TRANSFER_PROBE_PROMPTS]
+    probes += [(f"a prefill of {tokens} tokens", lambda s, n=tokens: s.prefill_ms(n))
+               for tokens in TRANSFER_PROBE_PROMPTS]
     for what, ask in probes:
         theirs, ours = ask(measured), ask(own)
         if not 1 / TRANSFER_BOUND <= theirs / ours <= TRANSFER_BOUND:
