@@ -4,11 +4,12 @@ lmc opens aiconfigurator-core's database in its HYBRID mode with only the cross-
 `AIC_DATABASE_MODE`, `AIC_TRANSFERS`), so a model whose expert shape its tables lack (GLM-4.7) is answered from the
 nearest measured shape. This bench measures that transfer's error where the answer is known: for each model below it
 copies aiconfigurator's vLLM data for a GPU (H100 by default) into a scratch folder, deletes the rows of that
-model's own expert shape from its MoE tables (every vLLM version's), and compares the model's decode steps and prefills on the copy (transferred) with those on the
-full data (measured). Nothing is fitted: the figures are printed, per model, layout and step.
+model's own expert shape from its MoE tables (every vLLM version's), and compares the model's decode steps and
+prefills on the copy (transferred) with those on the full data (measured). Nothing is fitted: the figures are
+printed, per model, layout and step.
 
 Usage:
-    python bench/xshape_holdout.py [--batches 1,4,16,64] [--prompts 1024,4096]
+    python bench/xshape_holdout.py [--system h100_sxm] [--batches 1,4,16,64] [--prompts 1024,4096]
 """
 
 from __future__ import annotations
@@ -37,29 +38,16 @@ MODELS = [
 
 def handle(model: str, tp: int, ep: bool, quant: str, mode: str, systems: str | None, configs: Path,
            system: str = SYSTEM, version: str = VERSION):
-    """aiconfigurator's engine for the layout, on its database in `mode` read from `systems` (None: its own), the
-    model's config written under `configs`."""
-    import aiconfigurator_core
-    from aiconfigurator_core.sdk import perf_database
-    from aiconfigurator_core.sdk.config_builders import apply_nextn, build_model_config
-    from aiconfigurator_core.sdk.engine import EngineHandle, build_engine_spec_json
-    from aiconfigurator_core.sdk.models import get_model
-
+    """aiconfigurator's engine for the layout, as lmc compiles it (steps._compile), on its database in `mode` read
+    from `systems` (None: its own), the model's config written under `configs`."""
     from lmc.planner import catalog, steps
 
     facts = catalog.model_facts(model)  # the config lmc writes for it, or the one aiconfigurator bundles
-    model = str(steps._config_folder(configs,
-                                     steps._bundled_config(facts.id) or steps.aic_config(facts)))
-    gemm = "fp8" if quant == "fp8_block" else "bfloat16"
-    config = build_model_config(tp_size=tp, pp_size=1, attention_dp_size=1, moe_tp_size=1 if ep else tp,
-                                moe_ep_size=tp if ep else 1, gemm_quant_mode=gemm, moe_quant_mode=quant)
-    apply_nextn(config, 0)
-    built = get_model(model, config, BACKEND)
-    database = perf_database.get_database_view(system, BACKEND, version, systems_paths=systems, database_mode=mode,
-                                               transfer_policy="conservative")
-    spec = build_engine_spec_json(built, model_path=model, system=system, backend=BACKEND, backend_version=version,
-                                  kv_block_size=None, systems_path=systems, nextn=config.nextn, database=database)
-    return EngineHandle(aiconfigurator_core.engine_spec_bincode_from_json(spec), systems_path=systems)
+    ref = str(steps._config_folder(configs, steps._bundled_config(facts.id) or steps.aic_config(facts)))
+    args = {"tp_size": tp, "attention_dp_size": 1, "backend_version": version, "moe_tp_size": 1 if ep else tp,
+            "moe_ep_size": tp if ep else 1, "gemm_quant_mode": "fp8" if quant == "fp8_block" else "bfloat16",
+            "moe_quant_mode": quant}
+    return steps._compile(ref, system, BACKEND, args, mode, systems)
 
 
 def held_out_copy(root: Path, shape: tuple[int, int, int, int], system: str = SYSTEM, version: str = VERSION) -> str:
@@ -92,7 +80,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--prompts", default="1024,4096")
-    parser.add_argument("--system", default=SYSTEM, help="aiconfigurator's GPU (h100_sxm, h200_sxm, a100_sxm, l40s, ...)")
+    parser.add_argument("--system", default=SYSTEM,
+                        help="aiconfigurator's GPU (h100_sxm, h200_sxm, a100_sxm, l40s, ...)")
     args = parser.parse_args()
     if importlib.util.find_spec("aiconfigurator_core") is None:
         print("aiconfigurator-core is not installed", file=sys.stderr)

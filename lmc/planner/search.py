@@ -53,7 +53,7 @@ from lmc.planner.plan import (
     Predicted,
 )
 from lmc.planner.scheduling import choose_scheduling, schedules_continuously
-from lmc.planner.steps import StepLayout, step_times
+from lmc.planner.steps import OWN_MODEL, StepLayout, step_times
 from lmc.planner.vllm import (
     VllmLayout,
     fp8_kv_cache,
@@ -1129,7 +1129,7 @@ def _other_predictor(chosen: Config, c: Config) -> str:
     """An alternative's step-time source where it is another model than the chosen plan's (measured data beside
     lmc's own model, or the other way round), so figures of different origins are not compared unawares."""
     def own(config: Config) -> bool:
-        return (config.timing.step_times or "").startswith("lmc roofline")
+        return (config.timing.step_times or "").startswith(OWN_MODEL)
 
     return f"; step times: {c.timing.step_times}" if c.timing.step_times and own(c) != own(chosen) else ""
 

@@ -86,6 +86,8 @@ NO_SHARED_EXPERTS = frozenset({"MOE", "HYBRIDMOE"})
 # vLLM runs the shared experts on a second CUDA stream beside the routed ones in a step of at most this many tokens,
 # one after the other above it (VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD, fused_moe/runner/shared_experts.py).
 SHARED_STREAM_TOKENS = 256
+# How RooflineSteps.source begins: a plan's figures are lmc's own model's where its step times say so (search.py).
+OWN_MODEL = "lmc roofline"
 # Set LMC_STEP_TIMES=lmc to plan with lmc's own model everywhere (comparisons, calibration).
 FORCE_ENV = "LMC_STEP_TIMES"
 
@@ -141,7 +143,7 @@ class RooflineSteps:
     @property
     def source(self) -> str:
         calibrated = " corrected by a lmc calibrate profile" if self.engine.name in self.hardware.measured else ""
-        return f"lmc roofline (latency.py{calibrated})" + (f"; {self.why}" if self.why else "")
+        return f"{OWN_MODEL} (latency.py{calibrated})" + (f"; {self.why}" if self.why else "")
 
     def prefill_ms(self, tokens: int) -> float:
         lay = self.layout
@@ -634,10 +636,12 @@ def _dispatch_overhead_ms(backend: str, layers: int) -> float:
     return AIC_DISPATCH_MS_PER_LAYER[backend] * layers
 
 
-def _compile(model_ref: str, system: str, backend: str, args: dict, mode: str = AIC_DATABASE_MODE):
+def _compile(model_ref: str, system: str, backend: str, args: dict, mode: str = AIC_DATABASE_MODE,
+             systems: str | None = None):
     """aiconfigurator's engine for one model and layout, on its database in `mode`: its own
     `compile_engine` (sdk/engine.py) with the database view that mode names, which that function does not take
-    (it loads the default, SILICON)."""
+    (it loads the default, SILICON). `systems`: a copy of its systems folder to read instead of its own
+    (bench/xshape_holdout.py)."""
     import logging
 
     import aiconfigurator_core
@@ -653,11 +657,11 @@ def _compile(model_ref: str, system: str, backend: str, args: dict, mode: str = 
     config = build_model_config(pp_size=1, **{"moe_tp_size": 1, "moe_ep_size": 1, **args})
     apply_nextn(config, 0)
     model = get_model(model_ref, config, backend)
-    database = perf_database.get_database_view(system, backend, version, database_mode=mode,
+    database = perf_database.get_database_view(system, backend, version, systems_paths=systems, database_mode=mode,
                                                transfer_policy=AIC_TRANSFERS)
     spec = build_engine_spec_json(model, model_path=model_ref, system=system, backend=backend, backend_version=version,
-                                  kv_block_size=None, systems_path=None, nextn=config.nextn, database=database)
-    return EngineHandle(aiconfigurator_core.engine_spec_bincode_from_json(spec))
+                                  kv_block_size=None, systems_path=systems, nextn=config.nextn, database=database)
+    return EngineHandle(aiconfigurator_core.engine_spec_bincode_from_json(spec), systems_path=systems)
 
 
 # --- the disk cache ---------------------------------------------------------------------------------
