@@ -3,7 +3,9 @@ model on top (planner/vllm.py); the fp8 KV cache as a planned choice."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -551,3 +553,53 @@ def test_the_shared_experts_aiconfigurators_moe_families_leave_out_are_added_fro
 def test_the_shared_experts_stream_threshold_is_vllms():
     envs = pytest.importorskip("vllm.envs")
     assert steps.SHARED_STREAM_TOKENS == envs.VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD
+
+
+def test_a_block_fp8_checkpoint_is_read_as_aiconfigurator_reads_it():
+    deepseek = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    assert steps.block_fp8_gemms(deepseek, {"tp_size": 8})
+    assert not steps.block_fp8_gemms(deepseek, {"gemm_quant_mode": "fp8"})  # lmc's own mode for its GEMMs
+    assert not steps.block_fp8_gemms({"quantization_config": steps.ONLINE_FP8_BLOCKS}, {})  # online fp8
+    assert not steps.block_fp8_gemms({"quantization_config": {"quant_method": "fp8"}}, {})  # per-tensor scales
+    assert not steps.block_fp8_gemms({}, {})
+    compressed = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+        "group_0": {"weights": {"type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128, 128]}}}}}
+    assert steps.block_fp8_gemms(compressed, {})
+
+
+def test_block_fp8_gemms_come_from_a_graph_timed_table_of_the_same_gpu(step_cache, monkeypatch):
+    pd = pytest.importorskip("pandas")
+    monkeypatch.setattr(steps, "_cache_root", lambda: step_cache / "lmc" / "step_times")
+    steps.graph_timed_systems.cache_clear()
+    try:
+        folder, donor = steps.graph_timed_systems("h100_sxm")
+    finally:
+        steps.graph_timed_systems.cache_clear()
+    assert donor.startswith("sglang ") and folder.startswith(str(step_cache))
+    version = donor.split()[1]
+    source = Path(importlib.util.find_spec("aiconfigurator_core").origin).parent / "systems" / "data" / "h100_sxm"
+    before = pd.read_parquet(next((source / "gemm" / "vllm").glob("*/gemm_perf.parquet")))
+    after = pd.read_parquet(next((Path(folder) / "data" / "h100_sxm" / "gemm" / "vllm").glob("*/gemm_perf.parquet")))
+    donated = pd.read_parquet(source / "gemm" / "sglang" / version / "gemm_perf.parquet")
+    block = lambda frame: frame[frame.gemm_dtype == "fp8_block"].set_index(["m", "n", "k"]).latency.sort_index()  # noqa: E731
+    # every other GEMM as it was; the block-fp8 ones are the SGLang table's, under vLLM's name
+    assert len(after[after.gemm_dtype != "fp8_block"]) == len(before[before.gemm_dtype != "fp8_block"])
+    assert block(after).equals(block(donated)) and set(after.framework) == set(before.framework)
+    # the eager timing it replaces: a one-token 1024 x 3072 GEMM 7x the graph-timed one
+    assert block(before).loc[(1, 1024, 3072)].min() > 5 * block(after).loc[(1, 1024, 3072)].min()
+
+
+def test_a_block_fp8_checkpoints_decode_step_drops_the_eager_launches_and_says_so():
+    pytest.importorskip("aiconfigurator_core")
+    minimax = catalog.model_facts("MiniMaxAI/MiniMax-M2.5")
+    layout = StepLayout("vllm", "fp8", "bf16", 8, ep=True)
+    graph_timed = step_times(minimax, H100, VLLM, layout)
+    assert isinstance(graph_timed, MeasuredSteps) and graph_timed.systems is not None
+    assert graph_timed.source.endswith("; block-fp8 GEMMs from its sglang 0.5.14 table (its vLLM one is timed without "
+                                       "CUDA graphs)")
+    eager = MeasuredSteps(graph_timed.system, graph_timed.backend, graph_timed.model_ref, graph_timed.compile_args,
+                          None, graph_timed.layers)
+    # 62 layers x two block-fp8 GEMMs (QKV, output) of ~60 µs eagerly, ~7 µs in a graph: ~6 ms of a one-token step
+    assert 4.0 < eager.decode_ms(1, 1024) - graph_timed.decode_ms(1, 1024) < 8.0
+    # an unquantized checkpoint's layouts read aiconfigurator's own folder
+    assert step_times(QWEN8, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 1)).systems is None

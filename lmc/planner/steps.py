@@ -74,6 +74,15 @@ AIC_DATABASE_MODE, AIC_TRANSFERS = "HYBRID", "conservative"
 # one column wide, which is what per-tensor scales constrain; it changes no answer where the widths are whole
 # blocks (tests/test_planner_steps.py), and where they are not the table's nearest shape answers (XSHAPE).
 ONLINE_FP8_BLOCKS = {"weight_block_size": [1, 1]}
+# aiconfigurator-core 0.12.0's vLLM collector times its block-fp8 GEMMs eagerly and every other GEMM inside a CUDA
+# graph (collector/vllm/collect_gemm.py: `use_cuda_graph=gemm_type != "fp8_block"`), so its vLLM fp8_block table
+# carries the host's launch of vLLM's linear layer: on an H100 a 1024 x 3072 GEMM of one token is 57 µs there,
+# against 7.0 µs for bf16 and per-tensor fp8 in the same table and 8.1 / 7.7 µs in its SGLang and TensorRT-LLM
+# fp8_block tables, which time the same per-token-group quantization and DeepGEMM kernel in a graph (4.7-6.4x theirs
+# at 1-128 tokens, 1.4x at 1k-8k; bench/fp8_block_gemms.py). vLLM replays its decode steps as CUDA graphs, so
+# that launch is not paid; a block-fp8 checkpoint's linear layers are read from the same GPU's fp8_block table of
+# the first of these engines that has one (graph_timed_systems), and the plan says so.
+GRAPH_TIMED_FP8_BLOCK = ("sglang", "trtllm")
 # A transferred answer more than this many times from lmc's own model is not planned on (implausible_transfer), at
 # these decode batches (context 1024) and prompt lengths.
 TRANSFER_BOUND = 3.0
@@ -180,6 +189,8 @@ class MeasuredSteps:
     layers: int = 0  # the model's decoder layers (aiconfigurator's per-request dispatch overhead scales with them)
     read_as: str = ""  # "<architecture> read as <aiconfigurator's>" where lmc named the layout for it (LLAMA_LAYOUT)
     shared_ffn: tuple = ()  # the shared experts aiconfigurator's family leaves out (added_shared_experts)
+    systems: str | None = None  # its systems folder with graph-timed fp8_block GEMMs (graph_timed_systems), or its own
+    fp8_block_gemms: str = ""  # where those come from ("sglang 0.5.14"), when they replace its vLLM table's
     # query key → ms; "error" → why it cannot answer; "transfer" → its transfer tiers for unmeasured shapes
     _answers: dict = field(default_factory=dict)
     _handle: object | None = None
@@ -194,7 +205,9 @@ class MeasuredSteps:
         if transfer:  # unavailable() asked which; "" = every probed operation measured
             data += f"; shapes it has not measured from its nearest measured ones ({transfer})"
         return (data + ("; a prompt's prefill: one DP group's, from its per-operation times" if self.groups > 1 else "")
-                + ("; the shared experts its model leaves out: from its GEMM data" if self.shared_ffn else ""))
+                + ("; the shared experts its model leaves out: from its GEMM data" if self.shared_ffn else "")
+                + (f"; block-fp8 GEMMs from its {self.fp8_block_gemms} table (its vLLM one is timed without CUDA "
+                   "graphs)" if self.fp8_block_gemms else ""))
 
     @property
     def transferred(self) -> bool:
@@ -273,7 +286,7 @@ class MeasuredSteps:
     def _silicon_error(self) -> Exception | None:
         """The error of aiconfigurator's measured data alone (its SILICON mode) for a one-sequence decode step."""
         try:
-            silicon = _compile(self.model_ref, self.system, self.backend, self.compile_args, "SILICON")
+            silicon = _compile(self.model_ref, self.system, self.backend, self.compile_args, "SILICON", self.systems)
             silicon.decode_step_latency(1, 1, 1)
         except Exception as exc:
             return exc
@@ -312,7 +325,7 @@ class MeasuredSteps:
 
     def handle(self):
         if self._handle is None:
-            self._handle = _compile(self.model_ref, self.system, self.backend, self.compile_args)
+            self._handle = _compile(self.model_ref, self.system, self.backend, self.compile_args, systems=self.systems)
         return self._handle
 
 
@@ -440,9 +453,11 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
         args.update({"moe_tp_size": 1, "moe_ep_size": layout.tp * layout.dp} if layout.ep or layout.dp > 1
                     else {"moe_tp_size": layout.tp, "moe_ep_size": 1})
     shared = added_shared_experts(model, layout, args)
+    systems, donor = graph_timed_systems(system) if block_fp8_gemms(config, args) and backend == "vllm" else (None, "")
     key = json.dumps({"aic": AIC_VERSION, "system": system, "backend": backend, "config": config, "args": args,
                       "database": [AIC_DATABASE_MODE, AIC_TRANSFERS],
-                      **({"shared_ffn": list(shared)} if shared else {})}, sort_keys=True)
+                      **({"shared_ffn": list(shared)} if shared else {}),
+                      **({"fp8_block_gemms": donor} if donor else {})}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     folder = _cache_root()
     # Always a folder of lmc's own: aiconfigurator reads any other model path from the Hub.
@@ -456,7 +471,8 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     # layout: the same shapes under another name have the same step times).
     if (digest, named) not in _MEASURED:
         cache_file = folder / f"{system}--{backend}" / f"{digest}.json"
-        _MEASURED[digest, named] = MeasuredSteps(system, backend, ref, args, cache_file, model.layers, named, shared)
+        _MEASURED[digest, named] = MeasuredSteps(system, backend, ref, args, cache_file, model.layers, named, shared,
+                                                 systems, donor)
     return _MEASURED[digest, named]
 
 
@@ -571,6 +587,99 @@ def _config_refusal(model: ModelFacts) -> str | None:
     if model.sliding_window_layers:
         return f"aiconfigurator's model of {model.architecture} has no sliding-window layers"
     return None
+
+
+def block_fp8_gemms(config: dict, args: dict) -> bool:
+    """Whether aiconfigurator reads the layout's linear layers from its fp8_block GEMM table: a checkpoint
+    quantized in fp8 blocks (its config's `weight_block_size` beside quant_method fp8, or compressed-tensors'
+    "block" strategy: aiconfigurator's own reading, sdk/utils.py), with no GEMM mode of lmc's."""
+    if "gemm_quant_mode" in args:
+        return False
+    quant = config.get("quantization_config") or {}
+    blocks = quant.get("weight_block_size") or []
+    if quant.get("quant_method") == "fp8" and len(blocks) == 2 and min(blocks) > 1:
+        return True
+    groups = quant.get("config_groups") or {}
+    return any(isinstance(group, dict) and (group.get("weights") or {}).get("strategy") == "block"
+               and (group.get("weights") or {}).get("type") == "float" for group in groups.values())
+
+
+@functools.cache
+def graph_timed_systems(system: str) -> tuple[str | None, str]:
+    """A copy of aiconfigurator's systems folder (its yaml files and `system`'s data) whose vLLM GEMM tables take
+    their fp8_block rows from the newest table of the first engine in GRAPH_TIMED_FP8_BLOCK that has them for the
+    same GPU, made once under $HF_HOME/lmc/aic_systems; and that table's name ("sglang 0.5.14"). (None, "") where
+    there is nothing to replace or no folder can be written: aiconfigurator's own folder then answers."""
+    spec = importlib.util.find_spec("aiconfigurator_core")
+    assert spec is not None and spec.origin is not None  # measured_unavailable checked
+    source = Path(spec.origin).parent / "systems"
+    gemm = source / "data" / system / "gemm"
+    donor = next(((engine, version) for engine in GRAPH_TIMED_FP8_BLOCK
+                  for version in _versions_newest_first(gemm / engine) if _has_fp8_block(gemm / engine / version)),
+                 None)
+    if donor is None or not any(_has_fp8_block(path) for path in (gemm / "vllm").glob("*")):
+        return None, ""
+    label = " ".join(donor)
+    target = _cache_root().parent / "aic_systems" / AIC_VERSION / system / donor[0] / donor[1] / "systems"
+    if not target.is_dir():
+        try:
+            _copy_graph_timed(source, system, gemm / donor[0] / donor[1] / "gemm_perf.parquet", target)
+        except OSError:
+            return None, ""
+    return str(target), label
+
+
+def _versions_newest_first(folder: Path) -> list[str]:
+    from packaging.version import InvalidVersion, Version
+
+    def order(name: str):
+        try:
+            return (1, Version(name))
+        except InvalidVersion:
+            return (0, Version("0"))
+
+    names = [path.name for path in folder.iterdir() if path.is_dir()] if folder.is_dir() else []
+    return sorted(names, key=order, reverse=True)
+
+
+def _has_fp8_block(version_folder: Path) -> bool:
+    import pyarrow.parquet as pq
+
+    table = version_folder / "gemm_perf.parquet"
+    if not table.is_file():
+        return False
+    return "fp8_block" in set(pq.read_table(table, columns=["gemm_dtype"]).column("gemm_dtype").to_pylist())
+
+
+def _copy_graph_timed(source: Path, system: str, donor_table: Path, target: Path) -> None:
+    """Write graph_timed_systems's folder at `target`, atomically (a folder beside it, renamed)."""
+    import shutil
+
+    import pandas as pd
+
+    staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        for path in source.iterdir():  # its yaml files, and the one GPU's data
+            if path.is_file():
+                shutil.copy(path, staging / path.name)
+        shutil.copytree(source / "data" / system, staging / "data" / system)
+        donated = pd.read_parquet(donor_table)
+        donated = donated[donated.gemm_dtype == "fp8_block"]
+        for table in (staging / "data" / system / "gemm" / "vllm").glob("*/gemm_perf.parquet"):
+            frame = pd.read_parquet(table)
+            if not (frame.gemm_dtype == "fp8_block").any():
+                continue
+            rows = donated.assign(framework=frame.framework.iloc[0], version=frame.version.iloc[0])
+            pd.concat([frame[frame.gemm_dtype != "fp8_block"], rows], ignore_index=True).to_parquet(table)
+        try:
+            staging.replace(target)
+        except OSError:  # another process made it first
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 @functools.cache
