@@ -256,12 +256,13 @@ def aic_model_path(model: str, bundled: dict[str, str]) -> str:
 
 
 def aic_args(row: dict, bundled: dict[str, str]) -> list[str]:
-    """aiconfigurator's `cli estimate` arguments for the row (agg serving at the row's concurrency)."""
+    """aiconfigurator's `cli estimate` arguments for the row (agg serving at the row's concurrency; with attention
+    DP, the concurrency over the groups, rounded up: its base_backend counts `bs x attention_dp_size` requests)."""
     args = ["cli", "estimate", "--model-path", aic_model_path(row["model"], bundled),
             "--system", GPU_AIC_SYSTEM[row["gpu"]], "--backend", ENGINE_AIC_BACKEND[row["engine"]],
             "--isl", str(row["input_len"]), "--osl", str(row["output_len"]),
-            "--batch-size", str(row["concurrency"] or 1), "--tp-size", str(row["tp"])]
-    if row["dp"] > 1:
+            "--batch-size", str(-(-(row["concurrency"] or 1) // row["dp"])), "--tp-size", str(row["tp"])]
+    if row["dp"] > 1:  # its batch size is per attention-DP group (global_bs = bs x attention_dp_size)
         args += ["--attention-dp-size", str(row["dp"])]
     if _is_moe(row["model"]):
         ranks = row["tp"] * row["dp"]
@@ -320,6 +321,7 @@ def aic_estimate(row: dict, executable: str, bundled: dict[str, str], cache: dic
     args = aic_args(row, bundled)
     shown = portable_args(args)
     key = hashlib.sha256(json.dumps(shown).encode()).hexdigest()[:16]
+    USED_AIC_KEYS.add(key)
     if key in cache["results"]:
         return cache["results"][key]["estimate"]
     try:
@@ -329,6 +331,14 @@ def aic_estimate(row: dict, executable: str, bundled: dict[str, str], cache: dic
         estimate = {"error": "timed out after 600 s"}
     cache["results"][key] = {"row": row["id"], "args": shown, "estimate": estimate}
     return estimate
+
+
+USED_AIC_KEYS: set[str] = set()  # the cache entries this run read or wrote
+
+
+def prune_aic_cache(cache: dict) -> dict:
+    """The cache without the answers no row asked for this run (rows whose layout or lengths were corrected since)."""
+    return {**cache, "results": {key: value for key, value in cache["results"].items() if key in USED_AIC_KEYS}}
 
 
 def load_aic_cache(path: Path, version: str) -> dict:
@@ -581,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results, cache = run(rows, args.aiconfigurator, args.aic_cache)
     if cache is not None:
+        if args.csv == DEFAULT_CSV:  # every row ran: what none of them asked for is stale
+            cache = prune_aic_cache(cache)
         args.aic_cache.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     stats = summary(results, with_aic, args.since)
     import lmc

@@ -111,6 +111,11 @@ def test_aiconfigurator_command_follows_the_row():
     assert flags["--backend"] == "trtllm" and flags["--tp-size"] == "8"
     assert (flags["--moe-tp-size"], flags["--moe-ep-size"]) == ("2", "4")  # 8 ranks: EP 4 x TP 2
     assert flags["--batch-size"] == str(trtllm["concurrency"]) and flags["--kvcache-quant-mode"] == "bfloat16"
+    # attention DP (SGLang's --enable-dp-attention: MoE TP 8 under 8 DP groups): its batch size is per group
+    dp_row = next(row for row in ROWS if row["engine"] == "sglang" and row["dp"] == 8 and row["concurrency"] == 64)
+    flags = dict(zip(*[iter(fidelity.aic_args(dp_row, bundled={})[2:])] * 2))
+    assert (flags["--tp-size"], flags["--attention-dp-size"], flags["--batch-size"]) == ("1", "8", "8")
+    assert (flags["--moe-tp-size"], flags["--moe-ep-size"]) == ("8", "1")
     dense_fp8 = next(row for row in ROWS if row["model"] == "meta-llama/Llama-3.1-405B")
     flags = dict(zip(*[iter(fidelity.aic_args(dense_fp8, bundled={})[2:])] * 2))
     assert "--moe-tp-size" not in flags and flags["--gemm-quant-mode"] == "fp8"  # bf16 checkpoint served in fp8
