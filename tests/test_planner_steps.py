@@ -581,7 +581,9 @@ def test_block_fp8_gemms_come_from_a_graph_timed_table_of_the_same_gpu(step_cach
     before = pd.read_parquet(next((source / "gemm" / "vllm").glob("*/gemm_perf.parquet")))
     after = pd.read_parquet(next((Path(folder) / "data" / "h100_sxm" / "gemm" / "vllm").glob("*/gemm_perf.parquet")))
     donated = pd.read_parquet(source / "gemm" / "sglang" / version / "gemm_perf.parquet")
-    block = lambda frame: frame[frame.gemm_dtype == "fp8_block"].set_index(["m", "n", "k"]).latency.sort_index()  # noqa: E731
+    def block(frame):
+        return frame[frame.gemm_dtype == "fp8_block"].set_index(["m", "n", "k"]).latency.sort_index()
+
     # every other GEMM as it was; the block-fp8 ones are the SGLang table's, under vLLM's name
     assert len(after[after.gemm_dtype != "fp8_block"]) == len(before[before.gemm_dtype != "fp8_block"])
     assert block(after).equals(block(donated)) and set(after.framework) == set(before.framework)

@@ -608,25 +608,75 @@ def block_fp8_gemms(config: dict, args: dict) -> bool:
 def graph_timed_systems(system: str) -> tuple[str | None, str]:
     """A copy of aiconfigurator's systems folder (its yaml files and `system`'s data) whose vLLM GEMM tables take
     their fp8_block rows from the newest table of the first engine in GRAPH_TIMED_FP8_BLOCK that has them for the
-    same GPU, made once under $HF_HOME/lmc/aic_systems; and that table's name ("sglang 0.5.14"). (None, "") where
-    there is nothing to replace or no folder can be written: aiconfigurator's own folder then answers."""
-    spec = importlib.util.find_spec("aiconfigurator_core")
-    assert spec is not None and spec.origin is not None  # measured_unavailable checked
-    source = Path(spec.origin).parent / "systems"
-    gemm = source / "data" / system / "gemm"
-    donor = next(((engine, version) for engine in GRAPH_TIMED_FP8_BLOCK
-                  for version in _versions_newest_first(gemm / engine) if _has_fp8_block(gemm / engine / version)),
-                 None)
-    if donor is None or not any(_has_fp8_block(path) for path in (gemm / "vllm").glob("*")):
-        return None, ""
-    label = " ".join(donor)
-    target = _cache_root().parent / "aic_systems" / AIC_VERSION / system / donor[0] / donor[1] / "systems"
-    if not target.is_dir():
+    same GPU, and that table's name ("sglang 0.5.14"); (None, "") where there is nothing to replace or the copy
+    cannot be made (aiconfigurator's own folder then answers). Made once under $HF_HOME/lmc/aic_systems, by a
+    child process: rewriting the tables takes pandas, which `lmc plan` never imports."""
+    target = _cache_root().parent / "aic_systems" / AIC_VERSION / system / "systems"
+    marker = target / GRAPH_TIMED_MARKER
+    if not marker.is_file():
+        import subprocess
+        import sys
+
+        code = "import sys; from lmc.planner.steps import build_graph_timed; build_graph_timed(*sys.argv[1:])"
         try:
-            _copy_graph_timed(source, system, gemm / donor[0] / donor[1] / "gemm_perf.parquet", target)
-        except OSError:
+            subprocess.run([sys.executable, "-c", code, system, str(target)], check=True, capture_output=True,
+                           timeout=300)
+        except (OSError, subprocess.SubprocessError):
             return None, ""
-    return str(target), label
+    try:
+        donor = json.loads(marker.read_text()).get("fp8_block_gemms") or ""
+    except (OSError, ValueError):
+        return None, ""
+    return (str(target), donor) if donor else (None, "")
+
+
+GRAPH_TIMED_MARKER = "lmc-graph-timed.json"  # in graph_timed_systems's folder: where its fp8_block rows came from
+
+
+def build_graph_timed(system: str, target: str) -> None:
+    """Write graph_timed_systems's folder at `target`, atomically (a folder beside it, renamed), with its marker;
+    a marker alone (no donor) where aiconfigurator has no vLLM fp8_block table or no other engine's for `system`."""
+    import shutil
+
+    import pandas as pd
+
+    spec = importlib.util.find_spec("aiconfigurator_core")
+    assert spec is not None and spec.origin is not None
+    source, final = Path(spec.origin).parent / "systems", Path(target)
+    gemm = source / "data" / system / "gemm"
+
+    def block_rows(table: Path):
+        frame = pd.read_parquet(table) if table.is_file() else None
+        return None if frame is None or not (frame.gemm_dtype == "fp8_block").any() else frame
+
+    donor = next(((f"{engine} {version}", rows) for engine in GRAPH_TIMED_FP8_BLOCK
+                  for version in _versions_newest_first(gemm / engine)
+                  if (rows := block_rows(gemm / engine / version / "gemm_perf.parquet")) is not None), None)
+    eager = [table for table in (gemm / "vllm").glob("*/gemm_perf.parquet") if block_rows(table) is not None]
+    staging = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        if donor is not None and eager:
+            for path in source.iterdir():  # its yaml files, and the one GPU's data
+                if path.is_file():
+                    shutil.copy(path, staging / path.name)
+            shutil.copytree(source / "data" / system, staging / "data" / system)
+            rows = donor[1][donor[1].gemm_dtype == "fp8_block"]
+            for table in eager:
+                copy = staging / table.relative_to(source)
+                frame = pd.read_parquet(copy)
+                rows = rows.assign(framework=frame.framework.iloc[0], version=frame.version.iloc[0])
+                pd.concat([frame[frame.gemm_dtype != "fp8_block"], rows], ignore_index=True).to_parquet(copy)
+        label = donor[0] if donor is not None and eager else ""
+        (staging / GRAPH_TIMED_MARKER).write_text(json.dumps({"fp8_block_gemms": label}))
+        try:
+            staging.replace(final)
+        except OSError:  # another process made it first
+            if not (final / GRAPH_TIMED_MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _versions_newest_first(folder: Path) -> list[str]:
@@ -640,46 +690,6 @@ def _versions_newest_first(folder: Path) -> list[str]:
 
     names = [path.name for path in folder.iterdir() if path.is_dir()] if folder.is_dir() else []
     return sorted(names, key=order, reverse=True)
-
-
-def _has_fp8_block(version_folder: Path) -> bool:
-    import pyarrow.parquet as pq
-
-    table = version_folder / "gemm_perf.parquet"
-    if not table.is_file():
-        return False
-    return "fp8_block" in set(pq.read_table(table, columns=["gemm_dtype"]).column("gemm_dtype").to_pylist())
-
-
-def _copy_graph_timed(source: Path, system: str, donor_table: Path, target: Path) -> None:
-    """Write graph_timed_systems's folder at `target`, atomically (a folder beside it, renamed)."""
-    import shutil
-
-    import pandas as pd
-
-    staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        for path in source.iterdir():  # its yaml files, and the one GPU's data
-            if path.is_file():
-                shutil.copy(path, staging / path.name)
-        shutil.copytree(source / "data" / system, staging / "data" / system)
-        donated = pd.read_parquet(donor_table)
-        donated = donated[donated.gemm_dtype == "fp8_block"]
-        for table in (staging / "data" / system / "gemm" / "vllm").glob("*/gemm_perf.parquet"):
-            frame = pd.read_parquet(table)
-            if not (frame.gemm_dtype == "fp8_block").any():
-                continue
-            rows = donated.assign(framework=frame.framework.iloc[0], version=frame.version.iloc[0])
-            pd.concat([frame[frame.gemm_dtype != "fp8_block"], rows], ignore_index=True).to_parquet(table)
-        try:
-            staging.replace(target)
-        except OSError:  # another process made it first
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 @functools.cache
