@@ -75,12 +75,13 @@ AIC_DATABASE_MODE, AIC_TRANSFERS = "HYBRID", "conservative"
 # blocks (tests/test_planner_steps.py), and where they are not the table's nearest shape answers (XSHAPE).
 ONLINE_FP8_BLOCKS = {"weight_block_size": [1, 1]}
 # aiconfigurator-core 0.12.0's vLLM collector times its block-fp8 GEMMs eagerly and every other GEMM inside a CUDA
-# graph (collector/vllm/collect_gemm.py: `use_cuda_graph=gemm_type != "fp8_block"`), so its vLLM fp8_block table
-# carries the host's launch of vLLM's linear layer: on an H100 a 1024 x 3072 GEMM of one token is 57 µs there,
-# against 7.0 µs for bf16 and per-tensor fp8 in the same table and 8.1 / 7.7 µs in its SGLang and TensorRT-LLM
-# fp8_block tables, which time the same per-token-group quantization and DeepGEMM kernel in a graph (4.7-6.4x theirs
-# at 1-128 tokens, 1.4x at 1k-8k; bench/fp8_block_gemms.py). vLLM replays its decode steps as CUDA graphs, so
-# that launch is not paid; a block-fp8 checkpoint's linear layers are read from the same GPU's fp8_block table of
+# graph (collector/vllm/collect_gemm.py: `use_cuda_graph=gemm_type != "fp8_block"`, one layer per timed call, since
+# its commit 4bed48d9 of 2026-05-11, "add RTX PRO 6000 vLLM 0.19.0 data", which gives no reason), so its vLLM
+# fp8_block table carries the host's launch of vLLM's linear layer: on an H100 a 1024 x 3072 GEMM of one token is
+# 57 µs there, against 7.0 µs for bf16 and per-tensor fp8 in the same table and 8.1 / 7.7 µs in its SGLang and
+# TensorRT-LLM fp8_block tables, which time the same per-token-group quantization and DeepGEMM kernel in a graph
+# (4.7-6.4x theirs at 1-128 tokens, 1.4x at 1k-8k; bench/fp8_block_gemms.py). vLLM replays its decode steps as
+# CUDA graphs, so that launch is not paid; a block-fp8 checkpoint's linear layers are read from the same GPU's fp8_block table of
 # the first of these engines that has one (graph_timed_systems), and the plan says so.
 GRAPH_TIMED_FP8_BLOCK = ("sglang", "trtllm")
 # A transferred answer more than this many times from lmc's own model is not planned on (implausible_transfer), at
