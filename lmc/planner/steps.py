@@ -81,8 +81,8 @@ ONLINE_FP8_BLOCKS = {"weight_block_size": [1, 1]}
 # 57 µs there, against 7.0 µs for bf16 and per-tensor fp8 in the same table and 8.1 / 7.7 µs in its SGLang and
 # TensorRT-LLM fp8_block tables, which time the same per-token-group quantization and DeepGEMM kernel in a graph
 # (4.7-6.4x theirs at 1-128 tokens, 1.4x at 1k-8k; bench/fp8_block_gemms.py). vLLM replays its decode steps as
-# CUDA graphs, so that launch is not paid; a block-fp8 checkpoint's linear layers are read from the same GPU's fp8_block table of
-# the first of these engines that has one (graph_timed_systems), and the plan says so.
+# CUDA graphs, so that launch is not paid; a block-fp8 checkpoint's linear layers are read from the same GPU's
+# fp8_block table of the first of these engines that has one (graph_timed_systems), and the plan says so.
 GRAPH_TIMED_FP8_BLOCK = ("sglang", "trtllm")
 # A transferred answer more than this many times from lmc's own model is not planned on (implausible_transfer), at
 # these decode batches (context 1024) and prompt lengths.
