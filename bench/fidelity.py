@@ -390,7 +390,8 @@ def row_group(row: dict) -> str:
 
 def summary(results: list[RowResult], with_aic: bool, since: str | None = None) -> dict:
     """Rows planned/answered and the median and worst absolute % errors, overall, per source group and, with
-    `since` (an ISO date), over the rows whose source is that recent (today's engines)."""
+    `since` (an ISO date), over the rows whose source is that recent (today's engines), and over those of them
+    measured on vLLM, the engine every row is planned as."""
     out = _summary_of(results, with_aic)
     groups = sorted({row_group(r.row) for r in results})
     if len(groups) > 1:
@@ -399,6 +400,9 @@ def summary(results: list[RowResult], with_aic: bool, since: str | None = None) 
     if since:
         recent = [r for r in results if (r.row.get("source_date") or "") >= since]
         out.setdefault("groups", {})[f"since {since}"] = _summary_of(recent, with_aic)
+        # the rows measured on the engine each row is planned as (lmc's vllm): no engine gap in their errors
+        out["groups"][f"since {since}, vllm rows"] = _summary_of([r for r in recent if r.row["engine"] == "vllm"],
+                                                                 with_aic)
     if with_aic:  # like with like: each figure over the rows where both lmc and aiconfigurator give it
         out.setdefault("groups", {})["both answer"] = _summary_of(results, with_aic, paired=True)
         if since:

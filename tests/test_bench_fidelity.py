@@ -183,14 +183,19 @@ def test_a_row_with_its_prompts_is_compared_with_the_run_its_client_measured():
 
 
 def test_since_summarises_the_recent_rows_besides_all_rows():
-    def result(row_id, date, tpot):
-        row = {"id": row_id, "source_date": date, "tpot_ms": 10.0, "ttft_ms": None, "output_throughput_tok_s": None}
+    def result(row_id, date, tpot, engine="vllm"):
+        row = {"id": row_id, "source_date": date, "engine": engine, "tpot_ms": 10.0, "ttft_ms": None,
+               "output_throughput_tok_s": None}
         return fidelity.RowResult(row, lmc={"tpot_ms": tpot, "ttft_ms": None, "output_throughput_tok_s": None})
 
-    results = [result("old-1", "2024-12-05", 20.0), result("new-1", "2026-01-18", 11.0)]
+    results = [result("old-1", "2024-12-05", 20.0), result("new-1", "2026-01-18", 11.0),
+               result("new-2", "2026-02-17", 13.0, engine="trtllm")]
     stats = fidelity.summary(results, with_aic=False, since="2025-08-01")
-    assert stats["lmc_tpot_ms"]["median_abs_pct"] == 55.0  # (100 % + 10 %) / 2
-    assert stats["groups"]["since 2025-08-01"]["lmc_tpot_ms"] == {"median_abs_pct": 10.0, "worst_abs_pct": 10.0, "n": 1}
+    assert stats["lmc_tpot_ms"]["median_abs_pct"] == 30.0  # of 100, 10 and 30 %
+    assert stats["groups"]["since 2025-08-01"]["lmc_tpot_ms"] == {"median_abs_pct": 20.0, "worst_abs_pct": 30.0, "n": 2}
+    # the recent rows measured on vLLM, the engine every row is planned as
+    assert stats["groups"]["since 2025-08-01, vllm rows"]["lmc_tpot_ms"] == {"median_abs_pct": 10.0,
+                                                                             "worst_abs_pct": 10.0, "n": 1}
 
 
 def test_a_rows_data_parallel_degree_is_pinned_even_when_it_is_one():
