@@ -605,14 +605,17 @@ def block_fp8_gemms(config: dict, args: dict) -> bool:
                and (group.get("weights") or {}).get("type") == "float" for group in groups.values())
 
 
-@functools.cache
 def graph_timed_systems(system: str) -> tuple[str | None, str]:
     """A copy of aiconfigurator's systems folder (its yaml files and `system`'s data) whose vLLM GEMM tables take
     their fp8_block rows from the newest table of the first engine in GRAPH_TIMED_FP8_BLOCK that has them for the
     same GPU, and that table's name ("sglang 0.5.14"); (None, "") where there is nothing to replace or the copy
     cannot be made (aiconfigurator's own folder then answers). Made once under $HF_HOME/lmc/aic_systems, by a
     child process: rewriting the tables takes pandas, which `lmc plan` never imports."""
-    target = _cache_root().parent / "aic_systems" / AIC_VERSION / system / "systems"
+    return _graph_timed_systems(system, _cache_root().parent / "aic_systems" / AIC_VERSION / system / "systems")
+
+
+@functools.cache
+def _graph_timed_systems(system: str, target: Path) -> tuple[str | None, str]:
     marker = target / GRAPH_TIMED_MARKER
     if not marker.is_file():
         import subprocess
