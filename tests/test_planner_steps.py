@@ -601,3 +601,17 @@ def test_a_block_fp8_checkpoints_decode_step_drops_the_eager_launches_and_says_s
     assert 4.0 < eager.decode_ms(1, 1024) - graph_timed.decode_ms(1, 1024) < 8.0
     # an unquantized checkpoint's layouts read aiconfigurator's own folder
     assert step_times(QWEN8, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 1)).systems is None
+
+
+def test_where_the_graph_timed_copy_cannot_be_made_the_plan_says_which_table_it_read(step_cache, monkeypatch):
+    pytest.importorskip("aiconfigurator_core")
+    monkeypatch.setattr(steps, "_cache_root", lambda: step_cache / "lmc" / "step_times")
+    (step_cache / "lmc").mkdir(parents=True)
+    (step_cache / "lmc" / "aic_systems").write_text("not a folder")  # nothing can be written under it
+    folder, donor = steps.graph_timed_systems("h100_sxm")
+    assert folder is None and donor.startswith("!its graph-timed copy could not be made under ")
+    minimax = catalog.model_facts("MiniMaxAI/MiniMax-M2.5")
+    eager = step_times(minimax, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8, ep=True))
+    assert isinstance(eager, MeasuredSteps) and eager.systems is None
+    assert "; block-fp8 GEMMs from its vLLM table, timed without CUDA graphs (its graph-timed copy could not" \
+        in eager.source

@@ -191,7 +191,7 @@ class MeasuredSteps:
     read_as: str = ""  # "<architecture> read as <aiconfigurator's>" where lmc named the layout for it (LLAMA_LAYOUT)
     shared_ffn: tuple = ()  # the shared experts aiconfigurator's family leaves out (added_shared_experts)
     systems: str | None = None  # its systems folder with graph-timed fp8_block GEMMs (graph_timed_systems), or its own
-    fp8_block_gemms: str = ""  # where those come from ("sglang 0.5.14"), when they replace its vLLM table's
+    fp8_block_gemms: str = ""  # where those come from ("sglang 0.5.14"), or "!" and why its vLLM table's answer
     # query key → ms; "error" → why it cannot answer; "transfer" → its transfer tiers for unmeasured shapes
     _answers: dict = field(default_factory=dict)
     _handle: object | None = None
@@ -208,7 +208,9 @@ class MeasuredSteps:
         return (data + ("; a prompt's prefill: one DP group's, from its per-operation times" if self.groups > 1 else "")
                 + ("; the shared experts its model leaves out: from its GEMM data" if self.shared_ffn else "")
                 + (f"; block-fp8 GEMMs from its {self.fp8_block_gemms} table (its vLLM one is timed without CUDA "
-                   "graphs)" if self.fp8_block_gemms else ""))
+                   "graphs)" if self.fp8_block_gemms and not self.fp8_block_gemms.startswith("!") else "")
+                + (f"; block-fp8 GEMMs from its vLLM table, timed without CUDA graphs ({self.fp8_block_gemms[1:]})"
+                   if self.fp8_block_gemms.startswith("!") else ""))
 
     @property
     def transferred(self) -> bool:
@@ -458,7 +460,7 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     key = json.dumps({"aic": AIC_VERSION, "system": system, "backend": backend, "config": config, "args": args,
                       "database": [AIC_DATABASE_MODE, AIC_TRANSFERS],
                       **({"shared_ffn": list(shared)} if shared else {}),
-                      **({"fp8_block_gemms": donor} if donor else {})}, sort_keys=True)
+                      **({"fp8_block_gemms": donor} if systems else {})}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     folder = _cache_root()
     # Always a folder of lmc's own: aiconfigurator reads any other model path from the Hub.
@@ -608,9 +610,10 @@ def block_fp8_gemms(config: dict, args: dict) -> bool:
 def graph_timed_systems(system: str) -> tuple[str | None, str]:
     """A copy of aiconfigurator's systems folder (its yaml files and `system`'s data) whose vLLM GEMM tables take
     their fp8_block rows from the newest table of the first engine in GRAPH_TIMED_FP8_BLOCK that has them for the
-    same GPU, and that table's name ("sglang 0.5.14"); (None, "") where there is nothing to replace or the copy
-    cannot be made (aiconfigurator's own folder then answers). Made once under $HF_HOME/lmc/aic_systems, by a
-    child process: rewriting the tables takes pandas, which `lmc plan` never imports."""
+    same GPU, and that table's name ("sglang 0.5.14"); (None, "") where there is nothing to replace, and
+    (None, "!<why>") where the copy cannot be made: aiconfigurator's own folder then answers, and the plan says
+    which table it read. Made once under $HF_HOME/lmc/aic_systems, by a child process: rewriting the tables takes
+    pandas, which `lmc plan` never imports."""
     return _graph_timed_systems(system, _cache_root().parent / "aic_systems" / AIC_VERSION / system / "systems")
 
 
@@ -624,13 +627,16 @@ def _graph_timed_systems(system: str, target: Path) -> tuple[str | None, str]:
         code = "import sys; from lmc.planner.steps import build_graph_timed; build_graph_timed(*sys.argv[1:])"
         try:
             subprocess.run([sys.executable, "-c", code, system, str(target)], check=True, capture_output=True,
-                           timeout=300)
-        except (OSError, subprocess.SubprocessError):
-            return None, ""
+                           text=True, timeout=300)
+        except subprocess.CalledProcessError as exc:
+            last = (exc.stderr or "").strip().splitlines()
+            return None, f"!its graph-timed copy could not be made under {target.parent}: {last[-1] if last else exc}"
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"!its graph-timed copy could not be made under {target.parent}: {exc}"
     try:
         donor = json.loads(marker.read_text()).get("fp8_block_gemms") or ""
-    except (OSError, ValueError):
-        return None, ""
+    except (OSError, ValueError) as exc:
+        return None, f"!its graph-timed copy's marker is unreadable: {exc}"
     return (str(target), donor) if donor else (None, "")
 
 
