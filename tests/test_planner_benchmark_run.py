@@ -4,14 +4,14 @@ against hand-derived ones with step times that are constants."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
 from lmc.planner import catalog
 from lmc.planner.benchmark_run import burst, list_schedule_ms, vllm_benchmark_run
 from lmc.planner.engines import engine_facts
-from lmc.planner.steps import own_server_ms
+from lmc.planner.steps import chunked_prompt_attention_ms, own_server_ms
 from lmc.planner.vllm import VllmLayout, vllm_predict
 
 VLLM = engine_facts()["vllm"]
@@ -153,3 +153,47 @@ def test_output_lengths_drawn_from_a_range_end_the_run_later_than_fixed_ones_of_
     alone_spread = vllm_benchmark_run(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 1, 10, steps,
                                       output_range=(1, 21))
     assert alone_spread.duration_s == pytest.approx(alone.duration_s, rel=0.1)
+
+
+@dataclass(frozen=True)
+class QuadraticSteps:
+    """A prefill whose attention grows with the square of the prompt (5 ms + 0.02 ms a token + 1 µs · tokens²),
+    and a mixed step as the decode plus the chunk's prefill beyond a one-token pass (steps.chunk_beside_decodes_ms)."""
+
+    source: str = "quadratic"
+
+    def prefill_ms(self, tokens: int) -> float:
+        return 5.0 + 0.02 * tokens + 1e-6 * tokens ** 2
+
+    def decode_ms(self, batch: int, context: int) -> float:
+        return 20.0
+
+    def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float:
+        return self.decode_ms(batch, context) + self.prefill_ms(chunk) - self.prefill_ms(1)
+
+    def server_ms(self, efficiency, prompt: int) -> float:
+        return own_server_ms(efficiency, prompt)
+
+
+def test_a_prompt_read_in_chunks_costs_its_whole_prefill_its_later_chunks_attending_to_the_earlier():
+    steps = QuadraticSteps()
+    # One 20000-token prompt, budget 8192: three steps of 8192, 8192 and 3616 tokens. Each later chunk also reads
+    # the chunks before it, so the three cost the whole prompt's prefill, plus a one-token pass per extra step.
+    wave = burst(steps, 1, 20000, 8192)
+    assert len(wave.step_ms) == 3
+    assert wave.first_token_ms[0] == pytest.approx(steps.prefill_ms(20000) + 2 * steps.prefill_ms(1))
+    assert wave.step_ms[2] > steps.prefill_ms(3616) + 15.0  # the last chunk's attention over 16384 earlier tokens
+    assert chunked_prompt_attention_ms(steps, 20000, 8192) == pytest.approx(
+        steps.prefill_ms(20000) - 2 * steps.prefill_ms(8192) - steps.prefill_ms(3616) + 2 * steps.prefill_ms(1))
+    assert chunked_prompt_attention_ms(steps, 8192, 8192) == 0.0  # one step: nothing earlier to read
+
+
+def test_in_the_steady_state_a_chunked_prompt_adds_its_whole_prefill_to_the_steps_it_joins():
+    steps = QuadraticSteps()
+    running = 4
+    layout = replace(LAYOUT, max_num_batched_tokens=8192 + running)  # a budget of 8192 prompt tokens a step
+    timing = vllm_predict(QWEN8, H100, VLLM, "bf16", 1, 1, layout, 16384, 100, running, steps)
+    joins = running / 100  # prompts per step
+    # a prompt of two 8192-token chunks adds what its whole prefill costs beyond a one-token pass
+    assert (timing.tpot_ms - 20.0) / joins == pytest.approx(steps.prefill_ms(16384) - steps.prefill_ms(1))
+    assert (timing.tpot_ms - 20.0) / joins > 2 * (steps.prefill_ms(8192) - steps.prefill_ms(1)) + 60.0

@@ -43,7 +43,7 @@ import statistics
 from dataclasses import dataclass
 
 from lmc.planner.facts import EngineFacts, HardwareFacts, ModelFacts
-from lmc.planner.steps import StepTimes
+from lmc.planner.steps import StepTimes, prefix_attention_ms
 from lmc.planner.vllm import VllmLayout, decode_context, layout_steps, running_sequences, vllm_predict
 
 
@@ -73,7 +73,8 @@ class Burst:
 def burst(steps: StepTimes, prompts: int, input_tokens: int, budget: int, cached: int = 0) -> Burst:
     """`prompts` prompts of `input_tokens` each, arriving together into an idle engine: each step carries the
     decodes of the prompts already answered (one token each, scheduled first), then the next prompt tokens in
-    arrival order up to the step's token budget. The first `cached` prompts are in the engine's prefix cache:
+    arrival order up to the step's token budget, a prompt's chunk after its first with its attention over the
+    prompt's earlier tokens (steps.prefix_attention_ms). The first `cached` prompts are in the engine's prefix cache:
     each costs the one token vLLM computes even on a full hit (the last, to sample from)."""
     first_step, first_token, durations = [], [], []
     ends, total = [], 0  # where each prompt's tokens end in the arrival-ordered stream
@@ -84,6 +85,7 @@ def burst(steps: StepTimes, prompts: int, input_tokens: int, budget: int, cached
     while done < prompts:
         chunk = min(max(budget - done, 1), total - consumed)
         ms = steps.mixed_ms(chunk, done, input_tokens, input_tokens + 1) if done else steps.prefill_ms(chunk)
+        ms += _prefix_attention_in(steps, ends, consumed, chunk)
         consumed += chunk
         clock += ms
         durations.append(ms)
@@ -92,6 +94,21 @@ def burst(steps: StepTimes, prompts: int, input_tokens: int, budget: int, cached
             first_token.append(clock)
             done += 1
     return Burst(first_step, first_token, durations)
+
+
+def _prefix_attention_in(steps: StepTimes, ends: list[int], consumed: int, chunk: int) -> float:
+    """The attention a step's `chunk` tokens (from `consumed` on in the prompts' stream; `ends`: where each
+    prompt ends in it) spend on the earlier tokens of their own prompts (steps.prefix_attention_ms): a
+    prompt's chunk after its first."""
+    extra, start = 0.0, 0
+    for end in ends:
+        low, high = max(consumed, start), min(consumed + chunk, end)
+        if low < high and low > start:
+            extra += prefix_attention_ms(steps, low - start, high - low)
+        if end >= consumed + chunk:
+            break
+        start = end
+    return extra
 
 
 def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,

@@ -178,6 +178,30 @@ def chunk_beside_decodes_ms(steps: StepTimes, chunk: int, batch: int, context: i
     return steps.decode_ms(max(batch, 1), context) + extra
 
 
+def prefix_attention_ms(steps: StepTimes, position: int, chunk: int) -> float:
+    """What `chunk` tokens of a prompt cost beyond the same tokens at the prompt's start, when `position` of its
+    tokens are already in the KV cache: their attention over those. Neither step time knows where in its prompt
+    a chunk lies (aiconfigurator's mixed step prefills the chunk as a prompt of its own, lmc's own model
+    likewise), but a chunk's causal attention reads every earlier token of its prompt (vLLM's chunked prefill).
+    It is the chunk's cost within the whole prompt, prefill(position + chunk) − prefill(position), less its cost
+    from the start, prefill(chunk) − prefill(1): the GEMMs, the same at any position, cancel."""
+    if position <= 0 or chunk <= 0:
+        return 0.0
+    within = steps.prefill_ms(position + chunk) - steps.prefill_ms(position)
+    return max(within - (steps.prefill_ms(chunk) - steps.prefill_ms(1)), 0.0)
+
+
+def chunked_prompt_attention_ms(steps: StepTimes, prompt: int, chunk: int) -> float:
+    """prefix_attention_ms over a `prompt`-token prompt prefilled `chunk` tokens a step: what its chunks after
+    the first cost beyond as many fresh prompts of their size (0 when the prompt fits one step)."""
+    total, position = 0.0, max(chunk, 1)
+    while position < prompt:
+        size = min(chunk, prompt - position)
+        total += prefix_attention_ms(steps, position, size)
+        position += size
+    return total
+
+
 @dataclass
 class MeasuredSteps:
     """aiconfigurator-core's step times for one (GPU, engine version, model, layout), cached on disk."""

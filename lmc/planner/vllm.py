@@ -57,7 +57,7 @@ from lmc.planner.memory import (
 from lmc.planner.lora import lora_step_ms, slot_bytes
 from lmc.planner.plan import Decision, KvCache, MemoryPerDevice, VllmConfig
 from lmc.planner.speculative import decode_ms as speculative_decode_ms, draft_bytes, proposer_kv_share
-from lmc.planner.steps import StepLayout, StepTimes, step_times
+from lmc.planner.steps import StepLayout, StepTimes, chunked_prompt_attention_ms, step_times
 
 GIB = 2**30
 # Tokens per KV block: vLLM's default on GPU (CacheConfig.DEFAULT_BLOCK_SIZE) and on CPU (the CPU
@@ -299,9 +299,11 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     chunk = min(input_tokens, budget)
     joins = running * (dp if model.num_experts > 1 else 1) / output_tokens  # prompts per step
     per_prompt_token = max(steps.mixed_ms(chunk, running, input_tokens, context) - decode, 0.0) / chunk
+    # A prompt longer than the budget is read in chunks, each attending to the chunks before it.
+    prefix = chunked_prompt_attention_ms(steps, input_tokens, chunk)
     # Every step pays its share of the prompts: vLLM's TPOT, (end-to-end − TTFT) / (output − 1) per
     # request, averages over exactly these steps, and throughput is the running sequences over them.
-    step = decode + joins * input_tokens * per_prompt_token
+    step = decode + joins * (input_tokens * per_prompt_token + prefix)
 
     ttft = first_token_ms(steps, engine.efficiency[hardware.kind], running, step, budget, input_tokens,
                           context, joins)
@@ -324,7 +326,8 @@ def first_token_ms(steps: StepTimes, efficiency: EngineEfficiency, running: int,
     """A prompt's time to first token with a free slot: the server's own work (HTTP, tokenizing, the hop to
     the engine core), half a step's wait for the running step to end (none when nothing runs), then the
     prompt's chunks, each a step that also carries the other running decodes and the other prompts joining
-    (`joins` · input tokens a step, steady state) within the step's token budget."""
+    (`joins` · input tokens a step, steady state) within the step's token budget, its chunks after the first
+    with their attention over the ones before (steps.chunked_prompt_attention_ms)."""
     server = steps.server_ms(efficiency, input_tokens)
     others = running - 1
     if others == 0:
@@ -332,7 +335,9 @@ def first_token_ms(steps: StepTimes, efficiency: EngineEfficiency, running: int,
     tokens = input_tokens * (1 + joins)  # this prompt and the share of others' that lands beside it
     chunks = max(math.ceil(tokens / budget), 1)
     per_chunk = steps.mixed_ms(min(math.ceil(tokens / chunks), budget), others, input_tokens, context)
-    return server + step / 2 + chunks * per_chunk
+    # its chunks after the first attend to the ones before them
+    prefix = chunked_prompt_attention_ms(steps, input_tokens, math.ceil(input_tokens / chunks))
+    return server + step / 2 + chunks * per_chunk + prefix
 
 
 def queued_ttft_ms(ttft: float, step: float, running: int, clients: int, output_tokens: int) -> float:
