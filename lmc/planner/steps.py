@@ -4,7 +4,9 @@ them into TTFT, TPOT and throughput; this module only answers three questions, i
     prefill_ms(tokens)                       a prefill of `tokens` prompt tokens (one sequence)
     decode_ms(batch, context)                a decode step of `batch` sequences at `context` tokens each
     mixed_ms(chunk, batch, prompt, context)  a chunked-prefill step: `chunk` tokens of a `prompt`-token
-                                             prompt beside `batch` decodes at `context` tokens
+                                             prompt beside `batch` decodes at `context` tokens, the chunk
+                                             priced as if its prompt began there (a later chunk's attention
+                                             over the earlier ones: prefix_attention_ms)
 
 Two implementations, chosen in one place (`step_times`):
 
@@ -180,9 +182,9 @@ def chunk_beside_decodes_ms(steps: StepTimes, chunk: int, batch: int, context: i
 
 def prefix_attention_ms(steps: StepTimes, position: int, chunk: int) -> float:
     """What `chunk` tokens of a prompt cost beyond the same tokens at the prompt's start, when `position` of its
-    tokens are already in the KV cache: their attention over those. Neither step time knows where in its prompt
-    a chunk lies (aiconfigurator's mixed step prefills the chunk as a prompt of its own, lmc's own model
-    likewise), but a chunk's causal attention reads every earlier token of its prompt (vLLM's chunked prefill).
+    tokens are already in the KV cache: their attention over those. A mixed step prices its chunk as a prompt of
+    its own (lmc's own model; aiconfigurator's as lmc asks it, MeasuredSteps.mixed_ms), but a chunk's causal
+    attention reads every earlier token of its prompt (vLLM's chunked prefill), later chunks more.
     It is the chunk's cost within the whole prompt, prefill(position + chunk) − prefill(position), less its cost
     from the start, prefill(chunk) − prefill(1): the GEMMs, the same at any position, cancel."""
     if position <= 0 or chunk <= 0:
@@ -286,12 +288,17 @@ class MeasuredSteps:
             return self.prefill_ms(chunk)
         if self.groups > 1:  # its mixed step is a chunk in every group: one group's, as lmc's own model adds it
             return chunk_beside_decodes_ms(self, chunk, batch, context)
-        # Its mixed step: the chunk of an `isl`-token prompt beside decodes at isl + osl/2 tokens.
-        chunk, prompt, osl = max(chunk, 1), max(prompt, 1), max(2 * (context - prompt), 2)
-        key = f"m{chunk},{batch},{prompt},{osl}"
-        step = self._ask(key, lambda h: h.mixed_step_latency(chunk, batch, prompt, osl))
+        # Its mixed step: the chunk of an `isl`-token prompt beside decodes at isl + osl/2 tokens. A chunk of a
+        # longer prompt is asked as a prompt of its own (isl = chunk): its step spreads a prompt's attention
+        # over earlier chunks evenly over the chunks, which the serving model adds where it falls instead
+        # (prefix_attention_ms); a chunk of shorter prompts is that many prompts (isl = prompt).
+        chunk = max(chunk, 1)
+        isl = min(max(prompt, 1), chunk)
+        osl = max(2 * (context - isl), 2)
+        key = f"m{chunk},{batch},{isl},{osl}"
+        step = self._ask(key, lambda h: h.mixed_step_latency(chunk, batch, isl, osl))
         return step + self._shared_extra(
-            chunk + batch, lambda h: routed_moe_ms(h.mixed_step_breakdown_per_op(chunk, batch, prompt, osl)[0]), key)
+            chunk + batch, lambda h: routed_moe_ms(h.mixed_step_breakdown_per_op(chunk, batch, isl, osl)[0]), key)
 
     def unavailable(self) -> str | None:
         """Why aiconfigurator cannot model this layout (it raised on a one-sequence decode step), remembered
