@@ -208,3 +208,12 @@ def test_glm_4_7_reconstructed_config_counts_as_transformers_builds():
     path = catalog.MODELS_DIR / "zai-org--glm-4.7"
     config, meta = _published(path)
     assert catalog.model_facts(meta["id"]).parameters == transformers_parameters(config)
+
+
+def test_a_qk_norm_over_all_heads_is_read_where_vllm_all_reduces_it():
+    config = json.loads((catalog.MODELS_DIR / "minimaxai--minimax-m2.5" / "config.json").read_text())
+    assert architecture.decoder_fields(config, "minimax")[0]["qk_norm_allreduce"]
+    for change in ({"use_qk_norm": False}, {"qk_norm_type": "per_head"}):  # per head: each rank's heads alone
+        assert not architecture.decoder_fields({**config, **change}, "minimax")[0]["qk_norm_allreduce"]
+    # OLMo 2's norm spans all heads too, but vLLM 0.32 runs it through its Transformers backend (registry.py)
+    assert not architecture.decoder_fields(CONFIGS["olmo2"], "olmo2")[0]["qk_norm_allreduce"]

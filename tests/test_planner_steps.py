@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmc.errors import SpecValueError
-from lmc.planner import catalog, plan_deployment, steps
+from lmc.planner import catalog, latency, plan_deployment, steps
 from lmc.planner.engines import engine_facts
 from lmc.planner.latency import tpot_ms, ttft_ms
 from lmc.planner.steps import MeasuredSteps, RooflineSteps, StepLayout, step_times
@@ -593,10 +593,10 @@ def test_a_block_fp8_checkpoints_decode_step_drops_the_eager_launches_and_says_s
     layout = StepLayout("vllm", "fp8", "bf16", 8, ep=True)
     graph_timed = step_times(minimax, H100, VLLM, layout)
     assert isinstance(graph_timed, MeasuredSteps) and graph_timed.systems is not None
-    assert graph_timed.source.endswith("; block-fp8 GEMMs from its sglang 0.5.14 table (its vLLM one is timed without "
-                                       "CUDA graphs)")
+    assert ("; block-fp8 GEMMs from its sglang 0.5.14 table (its vLLM one is timed without CUDA graphs)"
+            in graph_timed.source)
     eager = MeasuredSteps(graph_timed.system, graph_timed.backend, graph_timed.model_ref, graph_timed.compile_args,
-                          None, graph_timed.layers)
+                          None, graph_timed.layers, qk_norm_ranks=graph_timed.qk_norm_ranks)
     # 62 layers x two block-fp8 GEMMs (QKV, output) of ~60 µs eagerly, ~7 µs in a graph: ~6 ms of a one-token step
     assert 4.0 < eager.decode_ms(1, 1024) - graph_timed.decode_ms(1, 1024) < 8.0
     # an unquantized checkpoint's layouts read aiconfigurator's own folder
@@ -615,3 +615,24 @@ def test_where_the_graph_timed_copy_cannot_be_made_the_plan_says_which_table_it_
     assert isinstance(eager, MeasuredSteps) and eager.systems is None
     assert "; block-fp8 GEMMs from its vLLM table, timed without CUDA graphs (its graph-timed copy could not" \
         in eager.source
+
+
+def test_a_qk_norm_over_all_heads_costs_vllm_an_all_reduce_a_block_at_tp_above_one():
+    pytest.importorskip("aiconfigurator_core")
+    minimax = catalog.model_facts("MiniMaxAI/MiniMax-M2.5")
+    assert minimax.qk_norm_allreduce and not QWEN8.qk_norm_allreduce  # Qwen3's per-head norm needs none
+    plain = minimax.model_copy(update={"qk_norm_allreduce": False})
+    # lmc's own model: one all-reduce of two fp32 numbers a token in every block, nothing at TP 1
+    own = [RooflineSteps(facts, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8, ep=True)).decode_ms(16, 1024)
+           for facts in (minimax, plain)]
+    assert own[0] - own[1] == pytest.approx(
+        minimax.layers * latency.allreduce_ms(H100, VLLM.efficiency["gpu"], 8, 16 * 8))
+    assert (RooflineSteps(minimax, H100, VLLM, BF16).decode_ms(1, 1024)
+            == RooflineSteps(plain, H100, VLLM, BF16).decode_ms(1, 1024))
+    # on measured data: aiconfigurator's MiniMax model has no such op; its custom all-reduce data add it
+    layout = StepLayout("vllm", "fp8", "bf16", 8, ep=True)
+    measured = step_times(minimax, H100, VLLM, layout)
+    assert measured.qk_norm_ranks == 8 and "the q/k norm's all-reduce its model leaves out" in measured.source
+    without = step_times(plain, H100, VLLM, layout)
+    extra = measured.decode_ms(1, 1024) - without.decode_ms(1, 1024)
+    assert 62 * 0.003 < extra < 62 * 0.008  # a few µs a block: the kernel's floor at 8 ranks, not a scaled-down nothing

@@ -45,6 +45,8 @@ _QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
 # config says qk_norm_type "per_layer", span all heads).
 _QK_NORM_HEAD = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "qwen3_next")
 _QK_NORM_ALL = ("olmo2", "olmo3", "minimax_m2")
+# model_types whose all-heads q/k norm vLLM computes at TP > 1 with an all-reduce of the variances (ModelFacts).
+_QK_NORM_TP_ALLREDUCE = ("minimax_m2",)
 # model_types whose per-head q/k RMSNorm is switched by `use_qk_norm` (GLM-4.5/4.6/4.7 set it, GLM-4.5-Air not).
 _QK_NORM_HEAD_IF_SET = ("glm4_moe",)
 # model_types whose `attention_bias` puts biases on q/k/v only, never on o_proj.
@@ -306,6 +308,8 @@ def decoder_fields(config: dict[str, Any], where: str) -> tuple[dict[str, Any], 
         max_position_embeddings=get.int("max_position_embeddings", "n_positions", default=None),
         tie_word_embeddings=tie, kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim,
         sliding_window=window, sliding_window_layers=sliding,
+        qk_norm_allreduce=model_type in _QK_NORM_TP_ALLREDUCE and get.flag("use_qk_norm", True)
+        and config.get("qk_norm_type", "per_layer") == "per_layer",
     )
     if moe is not None:
         fields.update(num_experts=moe.experts, experts_per_token=moe.top_k, shared_experts=moe.shared_experts,

@@ -68,6 +68,7 @@ class ModelFacts(_Facts):
     qk_rope_head_dim: int = Field(default=0, ge=0, description="MLA: the rotary key part cached beside the latent.")
     sliding_window: int | None = Field(default=None, gt=0, description="Tokens a sliding-window layer attends to; None where no layer slides.")
     sliding_window_layers: int = Field(default=0, ge=0, description="Blocks with sliding-window attention (Gemma 2/3, gpt-oss mix them with full ones).")
+    qk_norm_allreduce: bool = Field(default=False, description="A block's q/k RMSNorm spans all heads, so at TP > 1 vLLM all-reduces each token's q and k variances over the ranks, one [tokens, 2] fp32 all-reduce a block (MiniMax-M2: layers/minimax_rms_norm/rms_norm_tp.py).")
     vision_parameters: int = Field(default=0, ge=0, description="Parameters outside the language model (vision tower, projector) of a multimodal wrapper; inside `parameters`.")
     checkpoint_quantization: CheckpointQuantization | None = Field(default=None, description="How the checkpoint's weights are quantized (quantization_config), None for 16/32-bit.")
     quantization_method: str | None = Field(default=None, description="quantization_config.quant_method as the checkpoint names it (fp8, awq, gptq, compressed-tensors, mxfp4, bitsandbytes).")

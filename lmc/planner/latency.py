@@ -279,12 +279,23 @@ def _dp_comm_ms(model: ModelFacts, hardware: HardwareFacts, efficiency: EngineEf
     width = model.hidden_size * DTYPE_BYTES[act]
     message = tokens * width
     if dp <= 1:
-        return allreduces_per_step(model) * allreduce_ms(hardware, efficiency, tp, message)
+        return (allreduces_per_step(model) * allreduce_ms(hardware, efficiency, tp, message)
+                + qk_norm_allreduce_ms(model, hardware, efficiency, tp, tokens))
     moe = moe_layer_count(model)
     reduces = model.layers + (model.layers - moe)
     total = (dp * tokens if gathered is None else gathered) * width
     block = 2 * allgather_ms(hardware, efficiency, tp * dp, total) + allgather_ms(hardware, efficiency, tp, message)
-    return reduces * allreduce_ms(hardware, efficiency, tp, message) + moe * block
+    return (reduces * allreduce_ms(hardware, efficiency, tp, message) + moe * block
+            + qk_norm_allreduce_ms(model, hardware, efficiency, tp, tokens))
+
+
+def qk_norm_allreduce_ms(model: ModelFacts, hardware: HardwareFacts, efficiency: EngineEfficiency, tp: int,
+                         tokens: int) -> float:
+    """The q/k norm's all-reduce of a step of `tokens` tokens where it spans all heads (ModelFacts.qk_norm_allreduce):
+    each token's q and k variances, two fp32 numbers, over the TP ranks in every block."""
+    if not model.qk_norm_allreduce or tp <= 1:
+        return 0.0
+    return model.layers * allreduce_ms(hardware, efficiency, tp, tokens * 2 * 4)
 
 
 def tpot_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int, batch: int,
@@ -360,7 +371,8 @@ def ttft_ms(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dty
         comm_ms = _dp_comm_ms(model, hardware, efficiency, tp, dp, input_tokens, act, gathered=input_tokens)
     else:
         message = input_tokens * model.hidden_size * DTYPE_BYTES[act]
-        comm_ms = 2 * blocks * allreduce_ms(hardware, efficiency, tp, message)
+        comm_ms = (2 * blocks * allreduce_ms(hardware, efficiency, tp, message)
+                   + qk_norm_allreduce_ms(model, hardware, efficiency, tp, input_tokens))
     prefill = compute_ms + memory_ms + comm_ms + fixed_ms(efficiency, blocks) + efficiency.prefill_overhead_ms
     if model.is_encoder_decoder:  # then one decoder step yields the first token
         prefill += tpot_ms(model, hardware, engine, dtype, tp, 1, input_tokens, 1)

@@ -218,6 +218,7 @@ class MeasuredSteps:
     shared_ffn: tuple = ()  # the shared experts aiconfigurator's family leaves out (added_shared_experts)
     systems: str | None = None  # its systems folder with graph-timed fp8_block GEMMs (graph_timed_systems), or its own
     fp8_block_gemms: str = ""  # where those come from ("sglang 0.5.14"), or "!" and why its vLLM table's answer
+    qk_norm_ranks: int = 0  # TP ranks of the q/k norm's all-reduce its model leaves out (ModelFacts.qk_norm_allreduce)
     # query key → ms; "error" → why it cannot answer; "transfer" → its transfer tiers for unmeasured shapes
     _answers: dict = field(default_factory=dict)
     _handle: object | None = None
@@ -236,7 +237,9 @@ class MeasuredSteps:
                 + (f"; block-fp8 GEMMs from its {self.fp8_block_gemms} table (its vLLM one is timed without CUDA "
                    "graphs)" if self.fp8_block_gemms and not self.fp8_block_gemms.startswith("!") else "")
                 + (f"; block-fp8 GEMMs from its vLLM table, timed without CUDA graphs ({self.fp8_block_gemms[1:]})"
-                   if self.fp8_block_gemms.startswith("!") else ""))
+                   if self.fp8_block_gemms.startswith("!") else "")
+                + ("; the q/k norm's all-reduce its model leaves out: from its all-reduce data" if self.qk_norm_ranks
+                   else ""))
 
     @property
     def transferred(self) -> bool:
@@ -254,7 +257,8 @@ class MeasuredSteps:
             step = self._ask(f"p{tokens}/{groups}", lambda h: one_group_prefill_ms(h, tokens, groups))
         else:
             step = self._ask(f"p{tokens}", lambda h: h.predict_prefill_latency(1, tokens))
-        return step + self._shared_extra(tokens, lambda h: routed_moe_ms(one_group_prefill_ops(h, tokens, groups)))
+        return (step + self._shared_extra(tokens, lambda h: routed_moe_ms(one_group_prefill_ops(h, tokens, groups)))
+                + self._qk_norm_extra(tokens))
 
     def decode_ms(self, batch: int, context: int) -> float:
         # aiconfigurator's decode step reads the KV cache at isl + osl // 2 + 1 tokens: osl 1 → context + 1.
@@ -263,7 +267,14 @@ class MeasuredSteps:
         def routed(handle) -> float:
             return routed_moe_ms(handle.decode_step_per_op(batch, ctx, 1))
 
-        return step + self._shared_extra(batch, routed, f"d{batch},{ctx}")
+        return step + self._shared_extra(batch, routed, f"d{batch},{ctx}") + self._qk_norm_extra(batch)
+
+    def _qk_norm_extra(self, tokens: int) -> float:
+        """The all-reduce of a step's q and k variances in every block where the model's q/k norm spans all heads
+        (ModelFacts.qk_norm_allreduce), from its custom all-reduce data (qk_norm_allreduce_ms)."""
+        if not self.qk_norm_ranks:
+            return 0.0
+        return self._ask(f"q{tokens}", lambda h: qk_norm_allreduce_ms(h, self.layers, self.qk_norm_ranks, tokens))
 
     def _shared_extra(self, tokens: int, routed, at: str = "") -> float:
         """What the shared experts aiconfigurator's family leaves out add to a step of `tokens` tokens: their
@@ -298,7 +309,8 @@ class MeasuredSteps:
         key = f"m{chunk},{batch},{isl},{osl}"
         step = self._ask(key, lambda h: h.mixed_step_latency(chunk, batch, isl, osl))
         return step + self._shared_extra(
-            chunk + batch, lambda h: routed_moe_ms(h.mixed_step_breakdown_per_op(chunk, batch, isl, osl)[0]), key)
+            chunk + batch, lambda h: routed_moe_ms(h.mixed_step_breakdown_per_op(chunk, batch, isl, osl)[0]),
+            key) + self._qk_norm_extra(chunk + batch)
 
     def unavailable(self) -> str | None:
         """Why aiconfigurator cannot model this layout (it raised on a one-sequence decode step), remembered
@@ -414,6 +426,23 @@ def shared_experts_ms(handle, shared_ffn: tuple, tokens: int) -> float:
     return sum(op[1] for op in answer)
 
 
+# aiconfigurator's custom all-reduce tables start at 128 elements (vLLM's graph-timed one: 4.7 µs at 8 H100s);
+# a smaller message costs what that one does, the kernel's floor, where its lookup would scale down to nothing.
+ALLREDUCE_MIN_ELEMENTS = 128
+
+
+def qk_norm_allreduce_ms(handle, layers: int, ranks: int, tokens: int) -> float:
+    """vLLM's all-reduce of a step's q and k variances in each of `layers` blocks (two fp32 numbers a token, as
+    four 16-bit elements), on aiconfigurator's custom all-reduce data for `ranks` ranks (`evaluate_ops_json`)."""
+    import aiconfigurator_core.sdk.operations as ops
+    from aiconfigurator_core.sdk.engine import build_ops_json
+
+    width = max(4, -(-ALLREDUCE_MIN_ELEMENTS // max(tokens, 1)))  # elements a token, the message at its floor
+    op = [ops.CustomAllReduce("generation_qk_norm_ar", layers, width, ranks)]
+    answer = handle.evaluate_ops_json(build_ops_json(op), is_context=False, batch_size=tokens, s=1, x=tokens)
+    return sum(entry[1] for entry in answer)
+
+
 def step_times(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, layout: StepLayout, *,
                fits: bool = True) -> StepTimes:
     """The step-time source for this (hardware, engine, model): aiconfigurator's measured data where it has
@@ -491,7 +520,9 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     key = json.dumps({"aic": AIC_VERSION, "system": system, "backend": backend, "config": config, "args": args,
                       "database": [AIC_DATABASE_MODE, AIC_TRANSFERS],
                       **({"shared_ffn": list(shared)} if shared else {}),
-                      **({"fp8_block_gemms": donor} if systems else {})}, sort_keys=True)
+                      **({"fp8_block_gemms": donor} if systems else {}),
+                      **({"qk_norm_ranks": layout.tp} if model.qk_norm_allreduce and layout.tp > 1 else {})},
+                     sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     folder = _cache_root()
     # Always a folder of lmc's own: aiconfigurator reads any other model path from the Hub.
@@ -506,7 +537,8 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     if (digest, named) not in _MEASURED:
         cache_file = folder / f"{system}--{backend}" / f"{digest}.json"
         _MEASURED[digest, named] = MeasuredSteps(system, backend, ref, args, cache_file, model.layers, named, shared,
-                                                 systems, donor)
+                                                 systems, donor,
+                                                 layout.tp if model.qk_norm_allreduce and layout.tp > 1 else 0)
     return _MEASURED[digest, named]
 
 
