@@ -44,11 +44,12 @@ def _median_ratio(band, column: str) -> str:
 def main() -> int:
     import pandas as pd
 
-    spec = importlib.util.find_spec("aiconfigurator_core")
-    if spec is None or spec.origin is None:
+    if importlib.util.find_spec("aiconfigurator_core") is None:
         print("fp8_block_gemms: aiconfigurator-core is not installed", file=sys.stderr)
         return 2
-    data = Path(spec.origin).parent / "systems" / "data"
+    from lmc.planner.steps import aic_systems_folder
+
+    data = aic_systems_folder() / "data"
     print(f"{'GPU':<14} {'m':>12} {'shapes':>7} {'vLLM/SGLang':>12} {'TRT-LLM/SGLang':>15} {'vLLM fp8/SGLang':>16}")
     for gpu in sorted(path.name for path in data.iterdir()):
         gemm = data / gpu / "gemm"

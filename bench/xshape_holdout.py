@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import shutil
 import statistics
 import sys
 import tempfile
@@ -55,17 +54,13 @@ def held_out_copy(root: Path, shape: tuple[int, int, int, int], system: str = SY
     for `system` without `shape`'s rows."""
     import pandas as pd
 
-    spec = importlib.util.find_spec("aiconfigurator_core")
-    assert spec is not None and spec.origin is not None
+    from lmc.planner.steps import copy_systems
+
     # A folder per GPU and shape: aiconfigurator caches a database per systems folder.
-    source, systems = Path(spec.origin).parent / "systems", root / system / "-".join(map(str, shape)) / "systems"
+    systems = root / system / "-".join(map(str, shape)) / "systems"
     if systems.exists():
         return str(systems)
-    systems.mkdir(parents=True)
-    for path in source.iterdir():  # its yaml files, and the one GPU's data
-        if path.is_file():
-            shutil.copy(path, systems / path.name)
-    shutil.copytree(source / "data" / system, systems / "data" / system)
+    copy_systems(system, systems)
     # Every engine version's table: its database fills a shape the current one lacks from an older one's rows.
     experts, hidden, width, top_k = shape
     for table in (systems / "data" / system / "moe" / BACKEND).glob("*/moe_perf.parquet"):

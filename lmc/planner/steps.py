@@ -517,12 +517,12 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
                     else {"moe_tp_size": layout.tp, "moe_ep_size": 1})
     shared = added_shared_experts(model, layout, args)
     systems, donor = graph_timed_systems(system) if block_fp8_gemms(config, args) and backend == "vllm" else (None, "")
+    qk_norm_ranks = layout.tp if model.qk_norm_allreduce and layout.tp > 1 else 0
     key = json.dumps({"aic": AIC_VERSION, "system": system, "backend": backend, "config": config, "args": args,
                       "database": [AIC_DATABASE_MODE, AIC_TRANSFERS],
                       **({"shared_ffn": list(shared)} if shared else {}),
                       **({"fp8_block_gemms": donor} if systems else {}),
-                      **({"qk_norm_ranks": layout.tp} if model.qk_norm_allreduce and layout.tp > 1 else {})},
-                     sort_keys=True)
+                      **({"qk_norm_ranks": qk_norm_ranks} if qk_norm_ranks else {})}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     folder = _cache_root()
     # Always a folder of lmc's own: aiconfigurator reads any other model path from the Hub.
@@ -537,8 +537,7 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     if (digest, named) not in _MEASURED:
         cache_file = folder / f"{system}--{backend}" / f"{digest}.json"
         _MEASURED[digest, named] = MeasuredSteps(system, backend, ref, args, cache_file, model.layers, named, shared,
-                                                 systems, donor,
-                                                 layout.tp if model.qk_norm_allreduce and layout.tp > 1 else 0)
+                                                 systems, donor, qk_norm_ranks)
     return _MEASURED[digest, named]
 
 
@@ -713,9 +712,7 @@ def build_graph_timed(system: str, target: str) -> None:
 
     import pandas as pd
 
-    spec = importlib.util.find_spec("aiconfigurator_core")
-    assert spec is not None and spec.origin is not None
-    source, final = Path(spec.origin).parent / "systems", Path(target)
+    source, final = aic_systems_folder(), Path(target)
     gemm = source / "data" / system / "gemm"
 
     def block_rows(table: Path):
@@ -725,22 +722,19 @@ def build_graph_timed(system: str, target: str) -> None:
     donor = next(((f"{engine} {version}", rows) for engine in GRAPH_TIMED_FP8_BLOCK
                   for version in _versions_newest_first(gemm / engine)
                   if (rows := block_rows(gemm / engine / version / "gemm_perf.parquet")) is not None), None)
-    eager = [table for table in (gemm / "vllm").glob("*/gemm_perf.parquet") if block_rows(table) is not None]
+    eager = {table: frame for table in (gemm / "vllm").glob("*/gemm_perf.parquet")
+             if (frame := block_rows(table)) is not None}
     staging = final.with_name(f".{final.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         if donor is not None and eager:
-            for path in source.iterdir():  # its yaml files, and the one GPU's data
-                if path.is_file():
-                    shutil.copy(path, staging / path.name)
-            shutil.copytree(source / "data" / system, staging / "data" / system)
+            copy_systems(system, staging)
             rows = donor[1][donor[1].gemm_dtype == "fp8_block"]
-            for table in eager:
-                copy = staging / table.relative_to(source)
-                frame = pd.read_parquet(copy)
+            for table, frame in eager.items():
                 rows = rows.assign(framework=frame.framework.iloc[0], version=frame.version.iloc[0])
-                pd.concat([frame[frame.gemm_dtype != "fp8_block"], rows], ignore_index=True).to_parquet(copy)
+                pd.concat([frame[frame.gemm_dtype != "fp8_block"], rows], ignore_index=True).to_parquet(
+                    staging / table.relative_to(source))
         label = donor[0] if donor is not None and eager else ""
         (staging / GRAPH_TIMED_MARKER).write_text(json.dumps({"fp8_block_gemms": label}))
         try:
@@ -750,6 +744,26 @@ def build_graph_timed(system: str, target: str) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def aic_systems_folder() -> Path:
+    """The installed aiconfigurator-core's systems folder: its GPUs' yaml files and their measured data."""
+    spec = importlib.util.find_spec("aiconfigurator_core")
+    assert spec is not None and spec.origin is not None  # measured_unavailable checked
+    return Path(spec.origin).parent / "systems"
+
+
+def copy_systems(system: str, destination: Path) -> None:
+    """A systems folder aiconfigurator reads `system` from, at `destination`: its yaml files and that GPU's data
+    (graph_timed_systems; bench/xshape_holdout.py's held-out copies)."""
+    import shutil
+
+    source = aic_systems_folder()
+    destination.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file():
+            shutil.copy(path, destination / path.name)
+    shutil.copytree(source / "data" / system, destination / "data" / system)
 
 
 def _versions_newest_first(folder: Path) -> list[str]:
@@ -771,9 +785,7 @@ def _backend_version(system: str, backend: str) -> str:
     slot, systems/query_versions.yaml): part of the cache key and of the figures' name."""
     import yaml
 
-    spec = importlib.util.find_spec("aiconfigurator_core")
-    assert spec is not None and spec.origin is not None  # measured_unavailable checked
-    slots = yaml.safe_load((Path(spec.origin).parent / "systems" / "query_versions.yaml").read_text())
+    slots = yaml.safe_load((aic_systems_folder() / "query_versions.yaml").read_text())
     chosen = (slots.get("overrides") or {}).get(system, {}).get(backend) or slots["defaults"][backend]
     return str(chosen["current"])
 
