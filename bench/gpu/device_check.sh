@@ -4,7 +4,7 @@
 # The machine's image has torch, transformers and nvcc but none of lmc's other needs: they travel as
 # wheels in .whl (docs/measurements.md, "GPU checks"). vLLM's GPU wheel is too large to travel.
 #
-#   here:   see docs/measurements.md, "GPU checks", for the wheel download
+#   here:   bash bench/gpu/fetch_wheels.sh   (builds .whl from this checkout's .venv)
 #   device: run(command="bash bench/gpu/device_check.sh", carry=[".whl"], timeout_s=560)
 # On a cold machine `lmc calibrate --device cuda` took 104-120+ s (2026-11-27): it gets 150 s, and the
 # DeepSpeed loop reuses the profile the hf loop measured.
