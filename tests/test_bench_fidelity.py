@@ -222,3 +222,23 @@ def test_cached_prompts_are_the_earlier_runs_prompts_the_seeded_client_rebuilt(r
     earlier = [other for other in ROWS if other["source_url"] == row["source_url"] and other["id"] < row["id"]
                and f"--random-input-len {nominal} " in other["notes"]]
     assert int(row["cached_prompts"]) == (fidelity.row_prompts(earlier[-1]) if earlier else 1)
+
+
+TRT_PERF_SANITY = [row for row in ROWS if "perf-sanity lane for these recipes" in row["notes"]]
+
+
+@pytest.mark.parametrize("row", TRT_PERF_SANITY, ids=[row["id"] for row in TRT_PERF_SANITY])
+def test_a_tensorrt_llm_recipe_row_runs_its_perf_sanity_clients_prompts(row):
+    """The GLM-4.7 PR states no client. Its rows take TensorRT-LLM's perf-sanity lane for the same recipes:
+    concurrency x iterations (10) prompts at fixed lengths with no warm-up request, and so the run they are
+    compared with is that many prompts, not the plan's steady state."""
+    assert row["engine"] == "trtllm" and row["concurrency"] > 0
+    assert f"--max-concurrency {row['concurrency']} " in row["notes"]
+    assert fidelity.row_prompts(row) == 10 * row["concurrency"]
+    assert not row["output_len_min"] and not row["output_len_max"]  # range ratio 0: fixed lengths
+    assert "prompts" in fidelity.lmc_predict(row)
+
+
+def test_the_glm_rows_all_carry_the_perf_sanity_client():
+    glm = [row for row in ROWS if row["id"].startswith("trtglm47h100-")]
+    assert len(glm) == 13 and all(row in TRT_PERF_SANITY for row in glm)
