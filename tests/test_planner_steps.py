@@ -570,8 +570,9 @@ def test_a_block_fp8_checkpoint_is_read_as_aiconfigurator_reads_it():
 def test_block_fp8_gemms_come_from_a_graph_timed_table_of_the_same_gpu(step_cache, monkeypatch):
     pd = pytest.importorskip("pandas")
     monkeypatch.setattr(steps, "_cache_root", lambda: step_cache / "lmc" / "step_times")
-    folder, donor = steps.graph_timed_systems("h100_sxm")  # remembered per folder: this HF_HOME's own
-    assert donor.startswith("sglang ") and folder.startswith(str(step_cache))
+    timed = steps.graph_timed_systems("h100_sxm")  # remembered per folder: this HF_HOME's own
+    folder, donor = timed.folder, timed.donor
+    assert donor.startswith("sglang ") and folder.startswith(str(step_cache)) and not timed.refused
     version = donor.split()[1]
     source = Path(importlib.util.find_spec("aiconfigurator_core").origin).parent / "systems" / "data" / "h100_sxm"
     before = pd.read_parquet(next((source / "gemm" / "vllm").glob("*/gemm_perf.parquet")))
@@ -608,8 +609,9 @@ def test_where_the_graph_timed_copy_cannot_be_made_the_plan_says_which_table_it_
     monkeypatch.setattr(steps, "_cache_root", lambda: step_cache / "lmc" / "step_times")
     (step_cache / "lmc").mkdir(parents=True)
     (step_cache / "lmc" / "aic_systems").write_text("not a folder")  # nothing can be written under it
-    folder, donor = steps.graph_timed_systems("h100_sxm")
-    assert folder is None and donor.startswith("!its graph-timed copy could not be made under ")
+    timed = steps.graph_timed_systems("h100_sxm")
+    assert timed.folder is None and not timed.donor
+    assert timed.refused.startswith("its graph-timed copy could not be made under ")
     minimax = catalog.model_facts("MiniMaxAI/MiniMax-M2.5")
     eager = step_times(minimax, H100, VLLM, StepLayout("vllm", "fp8", "bf16", 8, ep=True))
     assert isinstance(eager, MeasuredSteps) and eager.systems is None

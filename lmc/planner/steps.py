@@ -217,7 +217,8 @@ class MeasuredSteps:
     read_as: str = ""  # "<architecture> read as <aiconfigurator's>" where lmc named the layout for it (LLAMA_LAYOUT)
     shared_ffn: tuple = ()  # the shared experts aiconfigurator's family leaves out (added_shared_experts)
     systems: str | None = None  # its systems folder with graph-timed fp8_block GEMMs (graph_timed_systems), or its own
-    fp8_block_gemms: str = ""  # where those come from ("sglang 0.5.14"), or "!" and why its vLLM table's answer
+    fp8_block_gemms: str = ""  # where those come from ("sglang 0.5.14")
+    fp8_block_refused: str = ""  # why no graph-timed copy could be read: its vLLM table's eager figures then answer
     qk_norm_ranks: int = 0  # TP ranks of the q/k norm's all-reduce its model leaves out (ModelFacts.qk_norm_allreduce)
     # query key → ms; "error" → why it cannot answer; "transfer" → its transfer tiers for unmeasured shapes
     _answers: dict = field(default_factory=dict)
@@ -235,9 +236,9 @@ class MeasuredSteps:
         return (data + ("; a prompt's prefill: one DP group's, from its per-operation times" if self.groups > 1 else "")
                 + ("; the shared experts its model leaves out: from its GEMM data" if self.shared_ffn else "")
                 + (f"; block-fp8 GEMMs from its {self.fp8_block_gemms} table (its vLLM one is timed without CUDA "
-                   "graphs)" if self.fp8_block_gemms and not self.fp8_block_gemms.startswith("!") else "")
-                + (f"; block-fp8 GEMMs from its vLLM table, timed without CUDA graphs ({self.fp8_block_gemms[1:]})"
-                   if self.fp8_block_gemms.startswith("!") else "")
+                   "graphs)" if self.fp8_block_gemms else "")
+                + (f"; block-fp8 GEMMs from its vLLM table, timed without CUDA graphs ({self.fp8_block_refused})"
+                   if self.fp8_block_refused else "")
                 + ("; the q/k norm's all-reduce its model leaves out: from its all-reduce data" if self.qk_norm_ranks
                    else ""))
 
@@ -516,12 +517,12 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
         args.update({"moe_tp_size": 1, "moe_ep_size": layout.tp * layout.dp} if layout.ep or layout.dp > 1
                     else {"moe_tp_size": layout.tp, "moe_ep_size": 1})
     shared = added_shared_experts(model, layout, args)
-    systems, donor = graph_timed_systems(system) if block_fp8_gemms(config, args) and backend == "vllm" else (None, "")
+    timed = graph_timed_systems(system) if block_fp8_gemms(config, args) and backend == "vllm" else GraphTimed()
     qk_norm_ranks = layout.tp if model.qk_norm_allreduce and layout.tp > 1 else 0
     key = json.dumps({"aic": AIC_VERSION, "system": system, "backend": backend, "config": config, "args": args,
                       "database": [AIC_DATABASE_MODE, AIC_TRANSFERS],
                       **({"shared_ffn": list(shared)} if shared else {}),
-                      **({"fp8_block_gemms": donor} if systems else {}),
+                      **({"fp8_block_gemms": timed.donor} if timed.folder else {}),
                       **({"qk_norm_ranks": qk_norm_ranks} if qk_norm_ranks else {})}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     folder = _cache_root()
@@ -537,7 +538,7 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     if (digest, named) not in _MEASURED:
         cache_file = folder / f"{system}--{backend}" / f"{digest}.json"
         _MEASURED[digest, named] = MeasuredSteps(system, backend, ref, args, cache_file, model.layers, named, shared,
-                                                 systems, donor, qk_norm_ranks)
+                                                 timed.folder, timed.donor, timed.refused, qk_norm_ranks)
     return _MEASURED[digest, named]
 
 
@@ -669,18 +670,26 @@ def block_fp8_gemms(config: dict, args: dict) -> bool:
                and (group.get("weights") or {}).get("type") == "float" for group in groups.values())
 
 
-def graph_timed_systems(system: str) -> tuple[str | None, str]:
+@dataclass(frozen=True)
+class GraphTimed:
+    """graph_timed_systems's answer. No folder: aiconfigurator's own answers, with nothing to replace (no
+    `refused`) or because the copy could not be made or read (`refused` says why, and the plan repeats it)."""
+
+    folder: str | None = None  # the copy's systems folder
+    donor: str = ""  # the table its vLLM fp8_block rows came from ("sglang 0.5.14")
+    refused: str = ""
+
+
+def graph_timed_systems(system: str) -> GraphTimed:
     """A copy of aiconfigurator's systems folder (its yaml files and `system`'s data) whose vLLM GEMM tables take
     their fp8_block rows from the newest table of the first engine in GRAPH_TIMED_FP8_BLOCK that has them for the
-    same GPU, and that table's name ("sglang 0.5.14"); (None, "") where there is nothing to replace, and
-    (None, "!<why>") where the copy cannot be made: aiconfigurator's own folder then answers, and the plan says
-    which table it read. Made once under $HF_HOME/lmc/aic_systems, by a child process: rewriting the tables takes
-    pandas, which `lmc plan` never imports."""
+    same GPU, with that table's name. Made once under $HF_HOME/lmc/aic_systems, by a child process: rewriting the
+    tables takes pandas, which `lmc plan` never imports."""
     return _graph_timed_systems(system, _cache_root().parent / "aic_systems" / AIC_VERSION / system / "systems")
 
 
 @functools.cache
-def _graph_timed_systems(system: str, target: Path) -> tuple[str | None, str]:
+def _graph_timed_systems(system: str, target: Path) -> GraphTimed:
     marker = target / GRAPH_TIMED_MARKER
     if not marker.is_file():
         import subprocess
@@ -692,14 +701,15 @@ def _graph_timed_systems(system: str, target: Path) -> tuple[str | None, str]:
                            text=True, timeout=300)
         except subprocess.CalledProcessError as exc:
             last = (exc.stderr or "").strip().splitlines()
-            return None, f"!its graph-timed copy could not be made under {target.parent}: {last[-1] if last else exc}"
+            return GraphTimed(refused=f"its graph-timed copy could not be made under {target.parent}: "
+                                      f"{last[-1] if last else exc}")
         except (OSError, subprocess.SubprocessError) as exc:
-            return None, f"!its graph-timed copy could not be made under {target.parent}: {exc}"
+            return GraphTimed(refused=f"its graph-timed copy could not be made under {target.parent}: {exc}")
     try:
         donor = json.loads(marker.read_text()).get("fp8_block_gemms") or ""
     except (OSError, ValueError) as exc:
-        return None, f"!its graph-timed copy's marker is unreadable: {exc}"
-    return (str(target), donor) if donor else (None, "")
+        return GraphTimed(refused=f"its graph-timed copy's marker is unreadable: {exc}")
+    return GraphTimed(str(target), donor) if donor else GraphTimed()
 
 
 GRAPH_TIMED_MARKER = "lmc-graph-timed.json"  # in graph_timed_systems's folder: where its fp8_block rows came from
