@@ -14,7 +14,11 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 NAMES="pydantic pydantic-core annotated-types typing-inspection starlette uvicorn openai jiter sniffio
 hjson syrupy httpx2 httpcore2 truststore idna"
+ds=$("$PY" -c "import importlib.metadata as m; print(m.version('deepspeed'))")
 mkdir -p .whl
+# .whl is this script's: two versions of one package stop the install there, so only this run's wheels stay
+# (the deepspeed wheel of the same version is kept: it takes a minute to build)
+find .whl -maxdepth 1 -type f -name '*.whl' ! -name "deepspeed-$ds-*" -delete
 pins=()
 for name in $NAMES; do
     pins+=("$name==$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")")
@@ -22,7 +26,6 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "${pins[@]}"
-ds=$("$PY" -c "import importlib.metadata as m; print(m.version('deepspeed'))")
 ls .whl/deepspeed-"$ds"-*.whl >/dev/null 2>&1 \
     || DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation "deepspeed==$ds" -w .whl
 ls .whl
