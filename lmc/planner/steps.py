@@ -204,6 +204,16 @@ def chunked_prompt_attention_ms(steps: StepTimes, prompt: int, chunk: int) -> fl
     return total
 
 
+@dataclass(frozen=True)
+class GraphTimed:
+    """graph_timed_systems's answer. No folder: aiconfigurator's own answers, with nothing to replace (no
+    `refused`) or because the copy could not be made or read (`refused` says why, and the plan repeats it)."""
+
+    folder: str | None = None  # the copy's systems folder
+    donor: str = ""  # the table its vLLM fp8_block rows came from ("sglang 0.5.14")
+    refused: str = ""
+
+
 @dataclass
 class MeasuredSteps:
     """aiconfigurator-core's step times for one (GPU, engine version, model, layout), cached on disk."""
@@ -216,15 +226,18 @@ class MeasuredSteps:
     layers: int = 0  # the model's decoder layers (aiconfigurator's per-request dispatch overhead scales with them)
     read_as: str = ""  # "<architecture> read as <aiconfigurator's>" where lmc named the layout for it (LLAMA_LAYOUT)
     shared_ffn: tuple = ()  # the shared experts aiconfigurator's family leaves out (added_shared_experts)
-    systems: str | None = None  # its systems folder with graph-timed fp8_block GEMMs (graph_timed_systems), or its own
-    fp8_block_gemms: str = ""  # where those come from ("sglang 0.5.14")
-    fp8_block_refused: str = ""  # why no graph-timed copy could be read: its vLLM table's eager figures then answer
+    graph_timed: GraphTimed = GraphTimed()  # where a block-fp8 checkpoint's GEMMs come from (graph_timed_systems)
     qk_norm_ranks: int = 0  # TP ranks of the q/k norm's all-reduce its model leaves out (ModelFacts.qk_norm_allreduce)
     # query key → ms; "error" → why it cannot answer; "transfer" → its transfer tiers for unmeasured shapes
     _answers: dict = field(default_factory=dict)
     _handle: object | None = None
     _loaded: bool = False
     _dirty: bool = False
+
+    @property
+    def systems(self) -> str | None:
+        """The systems folder aiconfigurator reads: the graph-timed copy, or its own (None)."""
+        return self.graph_timed.folder
 
     @property
     def source(self) -> str:
@@ -235,10 +248,10 @@ class MeasuredSteps:
             data += f"; shapes it has not measured from its nearest measured ones ({transfer})"
         return (data + ("; a prompt's prefill: one DP group's, from its per-operation times" if self.groups > 1 else "")
                 + ("; the shared experts its model leaves out: from its GEMM data" if self.shared_ffn else "")
-                + (f"; block-fp8 GEMMs from its {self.fp8_block_gemms} table (its vLLM one is timed without CUDA "
-                   "graphs)" if self.fp8_block_gemms else "")
-                + (f"; block-fp8 GEMMs from its vLLM table, timed without CUDA graphs ({self.fp8_block_refused})"
-                   if self.fp8_block_refused else "")
+                + (f"; block-fp8 GEMMs from its {self.graph_timed.donor} table (its vLLM one is timed without "
+                   "CUDA graphs)" if self.graph_timed.donor else "")
+                + (f"; block-fp8 GEMMs from its vLLM table, timed without CUDA graphs ({self.graph_timed.refused})"
+                   if self.graph_timed.refused else "")
                 + ("; the q/k norm's all-reduce its model leaves out: from its all-reduce data" if self.qk_norm_ranks
                    else ""))
 
@@ -538,7 +551,7 @@ def _measured(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts,
     if (digest, named) not in _MEASURED:
         cache_file = folder / f"{system}--{backend}" / f"{digest}.json"
         _MEASURED[digest, named] = MeasuredSteps(system, backend, ref, args, cache_file, model.layers, named, shared,
-                                                 timed.folder, timed.donor, timed.refused, qk_norm_ranks)
+                                                 timed, qk_norm_ranks)
     return _MEASURED[digest, named]
 
 
@@ -668,16 +681,6 @@ def block_fp8_gemms(config: dict, args: dict) -> bool:
     groups = quant.get("config_groups") or {}
     return any(isinstance(group, dict) and (group.get("weights") or {}).get("strategy") == "block"
                and (group.get("weights") or {}).get("type") == "float" for group in groups.values())
-
-
-@dataclass(frozen=True)
-class GraphTimed:
-    """graph_timed_systems's answer. No folder: aiconfigurator's own answers, with nothing to replace (no
-    `refused`) or because the copy could not be made or read (`refused` says why, and the plan repeats it)."""
-
-    folder: str | None = None  # the copy's systems folder
-    donor: str = ""  # the table its vLLM fp8_block rows came from ("sglang 0.5.14")
-    refused: str = ""
 
 
 def graph_timed_systems(system: str) -> GraphTimed:
