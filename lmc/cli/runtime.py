@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     # below: the default action would leave workers waiting at the gate and an extracted archive behind.
     default_sigterm = signal.signal(signal.SIGTERM, _terminate)
     try:
+        # Before start-up's imports (a second and more): a SIGTERM among them is still said in the log.
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return _run(args)
     except _Terminated:
         logging.getLogger("lmc.runtime").info("SIGTERM during start-up: stopped before serving")
@@ -96,7 +98,6 @@ def _run(args: argparse.Namespace) -> int:
     from lmc.runtime.startup import open_artifact, resolve_port
     from lmc.runtime.workers import start_process_server
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = _artifact_path(args)
     port = resolve_port(args.port)
     timeout = _positive("--request-timeout", args.request_timeout) or _float_env("LMC_REQUEST_TIMEOUT_S")
