@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     for gpu in sorted(path.name for path in data.iterdir() if not args.gpu or path.name == args.gpu):
         folder = data / gpu / "moe" / "vllm"
         found = versions(folder) if folder.is_dir() else []
+        newer = latencies(pd.read_parquet(folder / found[0] / "moe_perf.parquet")) if len(found) > 1 else None
         for old in found[1:]:
-            newer = latencies(pd.read_parquet(folder / found[0] / "moe_perf.parquet"))
             older = latencies(pd.read_parquet(folder / old / "moe_perf.parquet"))
             pairs.append((gpu, old, found[0], older, newer))
             for dtype, band, keys, ratio in band_ratios(older, newer):
