@@ -142,6 +142,35 @@ def test_tpot_is_the_mean_step_and_throughput_pays_the_prefills():
     assert timing.ttft_ms > alone
 
 
+def test_cuda_graph_sizes_are_vllms_defaults():
+    from lmc.planner.vllm import cuda_graph_sizes
+
+    # vllm/config/vllm.py: [1, 2, 4] + range(8, 256, 8) + range(256, max_graph_size + 1, 16), max_graph_size =
+    # min(2 * max_num_seqs, 512) within max_num_batched_tokens, with max_num_seqs itself where it fits
+    assert cuda_graph_sizes(256, 8192) == (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
+    assert cuda_graph_sizes(10, 2048) == (1, 2, 4, 8, 10, 16)
+    assert cuda_graph_sizes(256, 200) == (1, 2, 4, *range(8, 200, 8), 200)  # the token budget caps the graphs
+    assert cuda_graph_sizes(1024, 8192, "b200")[-1] == 1024 and cuda_graph_sizes(1024, 8192, "h100")[-1] == 512
+
+
+def test_a_decode_batch_between_graph_sizes_pays_for_the_padded_rows_but_not_their_attention():
+    from lmc.planner.steps import RooflineSteps, StepLayout
+    from lmc.planner.vllm import GraphPaddedSteps, layout_steps
+
+    steps = RooflineSteps(LLAMA8, G6E, VLLM, StepLayout("vllm", "bf16", "bf16", 1))
+    padded = GraphPaddedSteps(steps, (1, 2, 4, 8, 16))
+    assert padded.decode_ms(8, 4096) == steps.decode_ms(8, 4096)  # a captured size runs as it is
+    extra = steps.decode_ms(16, 1) - steps.decode_ms(10, 1)
+    assert extra > 0 and padded.decode_ms(10, 4096) == pytest.approx(steps.decode_ms(10, 4096) + extra)
+    assert padded.decode_ms(20, 4096) == steps.decode_ms(20, 4096)  # past the largest graph: no graph, no padding
+    assert padded.prefill_ms(512) == steps.prefill_ms(512) and padded.source == steps.source
+    # GPU plans' step times are padded to the layout's graphs; CPU ones (vLLM runs eager there) are not
+    _, layout = vllm_memory(LLAMA8, G6E, VLLM, VLLM.efficiency["gpu"], "bf16", 1, 16, 1024, 256, 0.9, None)
+    gpu = layout_steps(LLAMA8, G6E, VLLM, "bf16", 1, layout)
+    assert isinstance(gpu, GraphPaddedSteps) and gpu.padded(10) == 16 and gpu.padded(16) == 16
+    assert not isinstance(layout_steps(LLAMA8, LOCAL, VLLM, "bf16", 1, layout), GraphPaddedSteps)
+
+
 def test_max_num_seqs_is_what_the_pool_runs_on_demand_when_that_is_short_of_the_concurrency():
     """vLLM allocates a sequence's blocks as it grows: the pool runs as many sequences as fit at the workload's
     mean length (2048 + 512/2 = 2304 tokens, 144 blocks of 16), more than the 15 of 2560 tokens it could hold

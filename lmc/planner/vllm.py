@@ -252,10 +252,95 @@ def running_sequences(max_num_seqs: int, replicas: int, concurrency: int) -> int
 
 def layout_steps(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts, dtype: str, tp: int,
                  layout: VllmLayout) -> StepTimes:
-    """The layout's step times (planner/steps.py chooses the source)."""
-    return step_times(model, hardware, engine,
-                      StepLayout(engine.name, dtype, layout.kv_dtype, tp, layout.data_parallel_size,
-                                 layout.expert_parallel))
+    """The layout's step times (planner/steps.py chooses the source), on a GPU with its decode steps run as
+    vLLM's CUDA graphs run them (GraphPaddedSteps)."""
+    steps = step_times(model, hardware, engine,
+                       StepLayout(engine.name, dtype, layout.kv_dtype, tp, layout.data_parallel_size,
+                                  layout.expert_parallel))
+    if hardware.kind != "gpu":
+        return steps
+    return GraphPaddedSteps(steps, cuda_graph_sizes(layout.max_num_seqs, layout.max_num_batched_tokens,
+                                                    hardware.accelerator))
+
+
+# The largest decode batch vLLM captures as a CUDA graph by default, and the GPUs where it is 1024
+# (vllm/config/vllm.py, `_set_cudagraph_sizes`: Blackwell data-centre parts, compute capability 10.x).
+GRAPH_CEILING, BLACKWELL_GRAPH_CEILING = 512, 1024
+BLACKWELL_DATACENTER = ("b200", "gb200", "b300", "gb300")
+
+
+def cuda_graph_sizes(max_num_seqs: int, max_num_batched_tokens: int, accelerator: str = "") -> tuple[int, ...]:
+    """The decode batch sizes vLLM captures CUDA graphs for by default (vllm/config/vllm.py,
+    `_set_cudagraph_sizes`, as vLLM 0.32 has it): 1, 2, 4, every 8 to 248 and every 16 from 256, up to
+    min(2 · max_num_seqs, 512 (1024 on Blackwell), max_num_batched_tokens), and max_num_seqs and
+    max_num_batched_tokens themselves where they are within that."""
+    top = BLACKWELL_GRAPH_CEILING if accelerator.lower().startswith(BLACKWELL_DATACENTER) else GRAPH_CEILING
+    ceiling = max(min(2 * max_num_seqs, top, max_num_batched_tokens), 1)
+    sizes = {size for size in (1, 2, 4) if size <= ceiling}
+    sizes.update(range(8, min(ceiling + 1, 256), 8))
+    sizes.update(range(256, ceiling + 1, 16))
+    sizes.update(size for size in (max_num_seqs, max_num_batched_tokens) if size <= ceiling)
+    return tuple(sorted(sizes))
+
+
+def graph_batch(sizes: tuple[int, ...], batch: int) -> int:
+    """The captured size a decode step of `batch` sequences runs as: the smallest of `sizes` at or above it
+    (itself above the largest)."""
+    return next((size for size in sizes if size >= batch), batch)
+
+
+def _graph_padding(layout: VllmLayout, hardware: HardwareFacts, running: int) -> str:
+    """The batch_size reason's note where a decode step of `running` runs as a larger CUDA graph."""
+    if hardware.kind != "gpu":
+        return ""
+    sizes = cuda_graph_sizes(layout.max_num_seqs, layout.max_num_batched_tokens, hardware.accelerator)
+    padded = graph_batch(sizes, running)
+    return (f"; a decode step of {running} runs as vLLM's CUDA graph of {padded} sequences, and its GEMMs, experts "
+            "and collectives cost that many" if padded > running else "")
+
+
+@dataclass(frozen=True)
+class GraphPaddedSteps:
+    """A GPU layout's step times with vLLM's CUDA-graph padding. vLLM replays a decode step of `batch`
+    sequences as the graph of the smallest captured size at or above it (`cuda_graph_sizes`), the rows
+    beyond the batch padding (vllm/v1/worker/gpu_model_runner.py, `_determine_batch_execution_and_padding`):
+    every GEMM, MoE block and collective runs at the padded size, while the padded rows have no KV cache for
+    attention to read. So a step of `batch` costs the step at `batch` plus what the padded rows add at one
+    token of context: decode(padded, 1) − decode(batch, 1). Larger batches than the largest graph run without
+    one, unpadded. Mixed steps (a prompt's chunk beside decodes) are padded by tokens to a multiple of 8 or
+    16 of their hundreds or thousands: not counted. Everything else is the wrapped step times'."""
+
+    steps: StepTimes
+    sizes: tuple[int, ...]
+
+    def __getattr__(self, name: str):  # the wrapped source's own attributes (MeasuredSteps.save, ...)
+        if name.startswith("__") or name == "steps":  # copy and pickle probe before `steps` is set
+            raise AttributeError(name)
+        return getattr(self.steps, name)
+
+    @property
+    def source(self) -> str:
+        return self.steps.source
+
+    def padded(self, batch: int) -> int:
+        """The captured size a decode step of `batch` sequences runs as (itself above the largest)."""
+        return graph_batch(self.sizes, batch)
+
+    def decode_ms(self, batch: int, context: int) -> float:
+        step = self.steps.decode_ms(batch, context)
+        padded = self.padded(max(batch, 1))
+        if padded <= batch:
+            return step
+        return step + max(self.steps.decode_ms(padded, 1) - self.steps.decode_ms(batch, 1), 0.0)
+
+    def prefill_ms(self, tokens: int) -> float:
+        return self.steps.prefill_ms(tokens)
+
+    def mixed_ms(self, chunk: int, batch: int, prompt: int, context: int) -> float:
+        return self.steps.mixed_ms(chunk, batch, prompt, context)
+
+    def server_ms(self, efficiency: EngineEfficiency, prompt: int) -> float:
+        return self.steps.server_ms(efficiency, prompt)
 
 
 def decode_context(input_tokens: int, output_tokens: int) -> int:
@@ -495,7 +580,8 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
                       f"{layout.max_model_len} tokens at once); {running} run at once at concurrency {load.concurrency} "
                       f"over {replicas} replica(s)" + (f" of {layout.data_parallel_size} data-parallel groups each "
                                                          "(max_num_seqs is per group)"
-                                                         if layout.data_parallel_size > 1 else ""),
+                                                         if layout.data_parallel_size > 1 else "")
+                      + _graph_padding(layout, hardware, running),
         "max_batch_delay_ms": "continuous batching: a request joins the running batch at the next step, no wait",
         "kv_cache": f"{pool}; {layout.blocks} blocks of {layout.block_size} tokens × {per_token / 1024:.1f} KiB per "
                     f"token per rank = {layout.blocks * layout.block_size} tokens; {layout.max_concurrent_sequences} "
