@@ -307,8 +307,9 @@ class GraphPaddedSteps:
     every GEMM, MoE block and collective runs at the padded size, while the padded rows have no KV cache for
     attention to read. So a step of `batch` costs the step at `batch` plus what the padded rows add at one
     token of context: decode(padded, 1) − decode(batch, 1). Larger batches than the largest graph run without
-    one, unpadded. Mixed steps (a prompt's chunk beside decodes) are padded by tokens to a multiple of 8 or
-    16 of their hundreds or thousands: not counted. Everything else is the wrapped step times'."""
+    one, unpadded. A mixed step (a prompt's chunk beside the decodes) is padded on its hundreds or thousands of
+    tokens to the next multiple of 8 or 16, which is not counted: it stays the wrapped step times', as does
+    everything else."""
 
     steps: StepTimes
     sizes: tuple[int, ...]
