@@ -71,11 +71,7 @@ def serving(artifact: Path, log_path: Path):
     deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
-            exited = proc.poll()
-            if exited is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
-            tail = _tail(log)  # before stop() closes the log
+            exited, tail = proc.poll(), _tail(log)  # before stop() closes the log
             stop(proc, log)
             raise AssertionError(f"lmc runtime exited ({exited}) or was not ready in 300 s\n" + tail)
         try:

@@ -257,10 +257,8 @@ def layout_steps(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     steps = step_times(model, hardware, engine,
                        StepLayout(engine.name, dtype, layout.kv_dtype, tp, layout.data_parallel_size,
                                   layout.expert_parallel))
-    if hardware.kind != "gpu":
-        return steps
-    return GraphPaddedSteps(steps, cuda_graph_sizes(layout.max_num_seqs, layout.max_num_batched_tokens,
-                                                    hardware.accelerator))
+    sizes = graph_sizes(layout, hardware)
+    return GraphPaddedSteps(steps, sizes) if sizes else steps
 
 
 # The largest decode batch vLLM captures as a CUDA graph by default, and the GPUs where it is 1024
@@ -283,6 +281,14 @@ def cuda_graph_sizes(max_num_seqs: int, max_num_batched_tokens: int, accelerator
     return tuple(sorted(sizes))
 
 
+def graph_sizes(layout: VllmLayout, hardware: HardwareFacts) -> tuple[int, ...]:
+    """The decode batches the layout's vLLM captures as CUDA graphs: cuda_graph_sizes on a GPU, none on CPU
+    (vLLM runs eager there)."""
+    if hardware.kind != "gpu":
+        return ()
+    return cuda_graph_sizes(layout.max_num_seqs, layout.max_num_batched_tokens, hardware.accelerator)
+
+
 def graph_batch(sizes: tuple[int, ...], batch: int) -> int:
     """The captured size a decode step of `batch` sequences runs as: the smallest of `sizes` at or above it
     (itself above the largest)."""
@@ -291,10 +297,7 @@ def graph_batch(sizes: tuple[int, ...], batch: int) -> int:
 
 def _graph_padding(layout: VllmLayout, hardware: HardwareFacts, running: int) -> str:
     """The batch_size reason's note where a decode step of `running` runs as a larger CUDA graph."""
-    if hardware.kind != "gpu":
-        return ""
-    sizes = cuda_graph_sizes(layout.max_num_seqs, layout.max_num_batched_tokens, hardware.accelerator)
-    padded = graph_batch(sizes, running)
+    padded = graph_batch(graph_sizes(layout, hardware), running)
     return (f"; a decode step of {running} runs as vLLM's CUDA graph of {padded} sequences, and its GEMMs, experts "
             "and collectives cost that many" if padded > running else "")
 
@@ -313,11 +316,6 @@ class GraphPaddedSteps:
 
     steps: StepTimes
     sizes: tuple[int, ...]
-
-    def __getattr__(self, name: str):  # the wrapped source's own attributes (MeasuredSteps.save, ...)
-        if name.startswith("__") or name == "steps":  # copy and pickle probe before `steps` is set
-            raise AttributeError(name)
-        return getattr(self.steps, name)
 
     @property
     def source(self) -> str:
