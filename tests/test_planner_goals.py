@@ -63,7 +63,8 @@ def test_one_job_queue_size_in_the_report_the_plan_and_serving_properties(planne
         assert re.findall(r"^job_queue_size=(\d+)$", properties, re.M) == [str(plan.job_queue_size)], stem
         assert plan.decision("job_queue_size").value == plan.job_queue_size, stem
         if plan.vllm is not None:  # vLLM's bound: every running sequence of a replica + the same waiting ones
-            running = plan.vllm.max_num_seqs * plan.vllm.data_parallel_size * plan.deployment.pipeline_parallel_degree
+            # (max_num_seqs per data-parallel group; a pipeline's stages share theirs, vllm_pipeline_predict)
+            running = plan.vllm.max_num_seqs * plan.vllm.data_parallel_size
             assert plan.vllm.max_num_queued_reqs == running + plan.job_queue_size, stem
 
 
@@ -218,7 +219,12 @@ def test_admission_frees_a_slot_per_request_when_continuous_and_a_batch_at_once_
     assert dynamic.queued_ttft_ms(8 + 9) == pytest.approx(1300.0)
     free = admission(None, 100.0, 10.0, 50, running=8, share=5, continuous=True)
     assert free.waiting == 32 and "no TTFT goal" in free.reason  # max(2 × 5, 4 × 8)
-    assert admission(120.0, 100.0, 10.0, 50, running=8, share=8, continuous=True).waiting == 1  # at least one
+    floored = admission(120.0, 100.0, 10.0, 50, running=8, share=8, continuous=True)
+    assert floored.waiting == 1  # at least one
+    # and it does not claim that one keeps the goal: 100 ms of TTFT leave 20 ms, a slot frees every 75 ms
+    assert "keep a waiting request's wait + TTFT within" not in floored.reason
+    assert "even one waiting request may miss the 120 ms TTFT goal (up to 75 ms for a slot" in floored.reason
+    assert "keep a waiting request's wait + TTFT within the 1000 ms TTFT goal" in continuous.reason
 
 
 def test_a_request_waits_only_once_every_slot_is_taken_so_its_turns_are_timed_there():
@@ -262,3 +268,62 @@ def test_the_goal_counts_queueing_and_admission():
     two = goal_check(20.0, 1000.0, 10.0, concurrency=24, replicas=2, admitted=admitted)
     assert two.met and two.admitted == 40  # 12 per replica: 4 wait
     assert math.isclose(goal_check(5.0, None, 10.0, 8, 1, admitted).gap, 2.0)  # TPOT 10 ms against 5
+
+
+def test_where_the_rate_keeps_more_in_flight_the_reasons_count_those(planned):
+    """llama-3-1-8b-g5-2xlarge-autoscaling: concurrency 8, but 2 requests/s need 4 replicas, and its figures are
+    predicted with every replica's max_num_seqs running (32). The batch reason said "2 run at once at
+    concurrency 8", beside a throughput of 32 running sequences."""
+    plan, spec = planned["llama-3-1-8b-g5-2xlarge-autoscaling"]
+    seqs, replicas = plan.vllm.max_num_seqs, plan.replicas
+    assert spec.workload.concurrency < seqs * replicas and replicas > 1
+    batch = plan.decision("batch_size").reason
+    assert f"; {seqs} run at once in each of {replicas} replica(s)" in batch
+    assert f"max_num_seqs ({seqs * replicas})" in batch
+    assert f"{spec.workload.requests_per_second:g} requests/s of the workload" in plan.decision("replicas").reason
+    # and where the concurrency alone decides, the reasons say that
+    plan, spec = planned["qwen3-8b-g5-2xlarge"]
+    assert f"at concurrency {spec.workload.concurrency} over" in plan.decision("batch_size").reason
+
+
+def test_the_kv_dtype_reason_says_whose_share_of_the_concurrency_a_pool_runs(planned):
+    """gpt-oss-120b on p5 runs 64 requests over 2 replicas: each pool runs 32, which the reason called "the 32
+    the concurrency asks"."""
+    plan, spec = planned["gpt-oss-120b-p5-48xlarge"]
+    reason = plan.decision("kv_cache_dtype").reason
+    share = -(-spec.workload.concurrency // plan.replicas)
+    assert plan.replicas == 2 and plan.vllm.data_parallel_size == 1
+    assert f"enough for the {share} it runs (concurrency {spec.workload.concurrency} over 2 replicas)" in reason
+
+
+def test_the_reasons_print_the_predicted_throughput_as_the_report_does(planned):
+    """The instances reason rounded the unrounded figure (1120.9) where the report printed the plan's (1120.85
+    as 1120.8)."""
+    for stem, (plan, spec) in planned.items():
+        shown = f"{plan.predicted.throughput_tokens_per_s:.1f}"
+        assert f"(throughput {shown} tokens/s / " in plan.decision("instances").reason, stem
+        assert shown in render_plan(plan, spec).split("throughput", 1)[1].split("\n", 1)[0], stem
+
+
+def test_lmcs_continuous_pool_is_the_kv_line_plus_what_stays_free(planned):
+    """The scheduling reason of a continuous hf/deepspeed plan called its pool "the memory left" beside a kv cache
+    line a third of it and that memory again as free: it now says which blocks the running sequences hold."""
+    checked = 0
+    for stem, (plan, spec) in planned.items():
+        if plan.scheduling != "continuous" or plan.vllm is not None:
+            continue
+        kv, memory = plan.kv_cache, plan.memory_per_device
+        per_block = kv.block_size * plan.model.kv_bytes_per_token
+        held = int(re.search(r"running sequences hold at most (\d+) of them", plan.decision("scheduling").reason)[1])
+        assert held == min(kv.blocks, min(plan.batch_size, kv.max_concurrent_sequences)
+                           * -(-plan.max_sequence_length // kv.block_size)), stem
+        if plan.batch_size <= kv.max_concurrent_sequences:  # the kv line is what the batch holds, to a block a row
+            assert 0 <= held * per_block - memory.kv_cache < plan.batch_size * per_block, stem
+        # the pool is the kv line and the headroom, in whole blocks
+        assert 0 <= memory.kv_cache + memory.headroom - kv.blocks * per_block < per_block, stem
+        # the batch delay is DJL's (dynamic batches of model.py in an LMI container); lmc runtime's continuous
+        # queue hands a request on at once (lmc.runtime.scheduler: BatchQueue(..., 0.0))
+        if plan.max_batch_delay_ms > 0:
+            assert "lmc runtime's continuous batching waits for none" in plan.decision("max_batch_delay_ms").reason
+        checked += 1
+    assert checked >= 5

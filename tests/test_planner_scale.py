@@ -173,7 +173,7 @@ def test_one_stage_keeps_the_engines_own_prediction():
 def test_vllm_across_instances_keeps_a_micro_batch_per_stage_in_flight():
     # vLLM's pipeline: pp micro-batches in flight, so a token's time is the whole model's step for its
     # micro-batch plus the hand-overs, and throughput is every micro-batch's sequences over it; lmc's hf
-    # pipeline passes one batch through the stages in turn.
+    # pipeline passed one batch through the stages in turn.
     from lmc.planner.vllm import vllm_predict
 
     s = spec(target={"instance": "ml.p4d.24xlarge", "instances": 4}, workload={"concurrency": 32},
@@ -181,8 +181,13 @@ def test_vllm_across_instances_keeps_a_micro_batch_per_stage_in_flight():
     p = plan(s, LLAMA_405B, P4D)
     pp, tp = p.deployment.pipeline_parallel_degree, p.tensor_parallel_degree
     assert (pp, tp, p.engine) == (4, 8, "vllm")
-    running = min(p.vllm.max_num_seqs * pp, 32)
+    # max_num_seqs caps vLLM's running requests over all the micro-batches together (its scheduler keeps one
+    # running list), and the admission bound counts those, not max_num_seqs per stage
+    running = min(p.vllm.max_num_seqs, 32)
     micro = -(-running // pp)
+    admission = p.decision("admission").reason
+    assert f"{running} running + " in admission and f"{running * pp} running" not in admission
+    assert p.vllm.max_num_queued_reqs == running + p.job_queue_size
     engine = engine_facts()["vllm"]
     from lmc.planner.search import vllm_memory  # the layout the plan chose
     from lmc.planner.scale import stage_model

@@ -224,6 +224,19 @@ def test_fp8_kv_cache_is_planned_where_the_pool_decides_the_concurrency():
         "kv_cache_dtype").reason
 
 
+def test_an_fp8_plan_names_one_kv_cache_dtype_in_every_decision():
+    """The quantization decision said "the KV cache in bf16" beside kv_cache_dtype = fp8 (GLM-4.7's fidelity
+    rows): it names the cache the plan has."""
+    body = {"target": {"instance": "ml.p5.48xlarge"}, "pin": {"engine": "vllm", "tensor_parallel_degree": 8,
+                                                              "dtype": "fp8"},
+            "workload": {"max_input_tokens": 1024, "max_output_tokens": 1024, "concurrency": 16}}
+    for kv in ("fp8", "auto"):
+        p = plan({**body, "pin": {**body["pin"], "kv_cache_dtype": kv}}, LLAMA70, H100)
+        reason = p.decision("quantization").reason
+        assert "activations quantized to fp8" in reason
+        assert reason.endswith("the KV cache in " + ("fp8" if kv == "fp8" else "bf16")), reason
+
+
 def test_an_fp8_kv_pin_on_a_gpu_without_fp8_is_refused_with_the_fix():
     with pytest.raises(SpecValueError) as err:
         plan({"target": {"instance": "ml.g5.12xlarge"}, "pin": {"kv_cache_dtype": "fp8"}}, QWEN8, A10G)

@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waitin
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 acc80320a42a40dae9208e6d89131405fd98fb8c0ce86148adb41959f9aa2740
-plan sha256 bca9084de373c5ee27aa4d4a5d52f2ad8f94a026872bad06691662dbe0dfe9f6
+plan sha256 d1e357ab0ece45c440a09f6d7f3ad1b3f85f4c46aa4e7059287fbd486e9b41a9
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

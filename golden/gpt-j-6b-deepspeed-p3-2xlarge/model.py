@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 2 requests waiting
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 fbc3062f057d163150428e0b0908f5a0146ed33f8bc4d713345c357df84b9cc4
-plan sha256 ec7f44daec7a7c60b702d68b72753b68ec2cd9fb119c0b1a06c50dd3a3007e2a
+plan sha256 441130034661d4818cf25e77efdf66a8444718614b5852a3f8a6d7edacf50b09
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

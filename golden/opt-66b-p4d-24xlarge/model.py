@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waitin
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 87a07523eb97a624a3e378b595439804bd0d333d5a8753e60d9ceddf07302a91
-plan sha256 b4742068634f91883d39b32fc33adef43d4c4fab7c4998c54b88c1422bed4233
+plan sha256 7da0f1b8cb9499568e7ce078ca1ae60abbe0c9d813175eb7487ba4b5628be089
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

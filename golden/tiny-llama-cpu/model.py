@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 96 tokens, on cpu.
 
 spec sha256 c25d18e9d329b4d8a0e27c05e41178b17e0bdc45bf5f8773c975e1b6a0cdf299
-plan sha256 3f69f7f2f6bc54404b4a3036dd60c0292abd5c3341cf4048658eb6ee8462feaf
+plan sha256 59215671e7c6175b1c9b753ff1763972d6c0a4196dd839617bdc661bfc3f1855
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -91,12 +91,14 @@ def admission(ttft_goal_ms: float | None, ttft_ms: float, tpot_ms: float, output
                          f"Retry-After {retry} s")
     turns = max(math.floor((ttft_goal_ms - ttft_ms) / turn_ms), 0)
     waiting = turns * per_turn
-    floor_note = ""
+    kept = f"{waiting} waiting keep a waiting request's wait + TTFT within the {ttft_goal_ms:g} ms TTFT goal"
     if waiting < 1:  # a queue of none would refuse every request while a batch runs
-        waiting, floor_note = 1, " (the queue holds at least 1)"
+        waiting = 1
+        kept = (f"even one waiting request may miss the {ttft_goal_ms:g} ms TTFT goal (up to {turn_ms:.0f} ms for a "
+                f"slot, then its TTFT {ttft_ms:.0f} ms); the queue holds 1 all the same, so a request that finds every "
+                f"slot taken waits for one instead of being refused")
     return Admission(running, waiting, turn_ms, per_turn, own_ttft_ms, retry,
-                     f"{frees}: {waiting} waiting{floor_note} keep a waiting request's wait + TTFT within the "
-                     f"{ttft_goal_ms:g} ms TTFT goal; {running} running + {waiting} waiting = {running + waiting} "
+                     f"{frees}: {kept}; {running} running + {waiting} waiting = {running + waiting} "
                      f"admitted per replica, one more is answered 503 with Retry-After {retry} s")
 
 
@@ -109,6 +111,7 @@ class GoalCheck:
     queued_ttft_ms: float  # TTFT of the last concurrent request to start, its queueing included
     admitted: int  # requests the plan admits at once (every replica)
     reason: str
+    missed: str = ""  # the parts of `reason` that miss, for an alternative rejected by the goal
 
 
 def goal_check(tpot_goal_ms: float | None, ttft_goal_ms: float | None, tpot_ms: float, concurrency: int,
@@ -117,24 +120,29 @@ def goal_check(tpot_goal_ms: float | None, ttft_goal_ms: float | None, tpot_ms: 
     share = math.ceil(concurrency / replicas)
     queued = admitted.queued_ttft_ms(share)
     total = admitted.bound * replicas
-    gaps, parts = [0.0], []
+    gaps, parts, missed = [0.0], [], []
     if tpot_goal_ms is not None:
         gaps.append(tpot_ms / tpot_goal_ms)
         parts.append(f"TPOT {tpot_ms:.2f} ms {'≤' if tpot_ms <= tpot_goal_ms else '>'} {tpot_goal_ms:g} ms")
+        missed += parts[-1:] if tpot_ms > tpot_goal_ms else []
     if ttft_goal_ms is not None:
         gaps.append(queued / ttft_goal_ms)
         waited = (f" (TTFT {admitted.ttft_ms:.2f} ms + the queue: {share - admitted.running} of {share} per replica "
                   "wait for a slot)" if share > admitted.running else "")
         parts.append(f"TTFT {queued:.2f} ms{waited} {'≤' if queued <= ttft_goal_ms else '>'} {ttft_goal_ms:g} ms")
+        missed += ([f"TTFT {queued:.0f} ms{' with the queue' if waited else ''} > {ttft_goal_ms:g} ms"]
+                   if queued > ttft_goal_ms else [])
     if share > admitted.bound:
         gaps.append(share / admitted.bound)
         parts.append(f"concurrency {concurrency} NOT admitted: {total} admitted ({replicas} replica(s) × "
                      f"({admitted.running} running + {admitted.waiting} waiting)); the rest are answered 503")
+        missed.append(f"concurrency {concurrency} NOT admitted: {total} admitted")
     else:
         parts.append(f"concurrency {concurrency} admitted ({total} at once: {replicas} replica(s) × "
                      f"({admitted.running} running + {admitted.waiting} waiting))")
     gap = max(gaps)
-    return GoalCheck(gap=gap, met=gap <= 1.0, queued_ttft_ms=queued, admitted=total, reason="; ".join(parts))
+    return GoalCheck(gap=gap, met=gap <= 1.0, queued_ttft_ms=queued, admitted=total, reason="; ".join(parts),
+                     missed="; ".join(missed))
 
 
 def goal_missed_line(plan) -> str:

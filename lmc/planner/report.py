@@ -49,7 +49,7 @@ def _served_lines(plan: Plan) -> list[str]:
                        f"{lora.slot_bytes_per_device / GIB:.2f} GiB per device (in weights)", "  ")
     if plan.speculative is not None:
         spec = plan.speculative
-        state = (f"on: {spec.tpot_ms_with:g} ms a token, {spec.tpot_ms_without:g} without" if spec.enabled
+        state = (f"on: {spec.tpot_ms_with:g} ms a decode step's token, {spec.tpot_ms_without:g} without" if spec.enabled
                  else f"off: it does not pay at batch {spec.batch}")
         lines += _wrap(f"speculative {spec.method} · {spec.num_tokens} token(s) a step · acceptance "
                        f"{spec.acceptance_rate:g} · {state}", "  ")

@@ -21,13 +21,17 @@ def choose_scheduling(engine: EngineFacts, dtype: str, tp: int, batch: int, conc
     if why_not:
         return "dynamic", None, why_not
     pool = kv_pool(dtype, tp, sequence_tokens, model, hardware, memory)
+    running = min(batch, pool.max_concurrent_sequences)
+    grown = min(pool.blocks, running * -(-sequence_tokens // BLOCK_SIZE))
     return "continuous", pool, (
         f"{concurrency} concurrent requests: with dynamic batching a request that arrives while a batch decodes "
         f"waits for its longest answer; continuous batching lets it join at the next decode step (its prompt "
         f"prefilled between steps) and lets each finished request leave at once, up to {batch} running "
-        f"sequences; the KV pool of {pool.blocks} blocks of {pool.block_size} tokens (the memory left after "
-        f"weights, activations and runtime overhead) holds {pool.max_concurrent_sequences} sequences of "
-        f"{sequence_tokens} tokens")
+        f"sequences; the memory left after weights, activations and runtime overhead holds "
+        f"{pool.blocks} blocks of {pool.block_size} tokens, {pool.max_concurrent_sequences} sequences of "
+        f"{sequence_tokens} tokens (a request joins only with blocks for its prompt and max_new_tokens); the "
+        f"{running} running sequences hold at most {grown} of them (the kv cache line of memory per device; "
+        f"the paged cache doubles as rows join, its spare blocks in the runtime line), the rest stays free")
 
 
 def schedules_continuously(engine: EngineFacts, tp: int, model: ModelFacts, hardware: HardwareFacts,

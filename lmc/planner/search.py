@@ -99,6 +99,7 @@ class Config:
     peak_instances: int = 1  # instances the peak rate needs (the autoscaling upper bound)
     superseded: str | None = None  # why this layout is not offered although it fits (retire_lmc_pipeline)
     dp: int = 1  # vLLM: data-parallel groups of `tp` ranks per replica (MoE: attention; experts parallel over all)
+    in_flight: int = 0  # the requests its figures are predicted at: the concurrency, or more where the rate needs it
 
     @property
     def goal_gap(self) -> float:
@@ -662,9 +663,9 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
                                        budget.memory_fraction, budget.memory_per_device)
         fits = memory.headroom >= 0
         scaled = _scaled(spec, model, hardware, engine, dtype, tp, pp, replicas, batch, layout, fits=fits)
-        # Requests one replica runs at once: its batch in each data-parallel group (and, vLLM across
-        # instances, in each stage's micro-batch).
-        running = batch * dp * (pp if layout is not None else 1)
+        # Requests one replica runs at once: its batch in each data-parallel group (vLLM across instances:
+        # max_num_seqs over all the stages' micro-batches together, vllm_pipeline_predict).
+        running = batch * dp
         in_flight = load.concurrency  # the requests `scaled` is predicted at
         over_rate = False
         if load.requests_per_second is not None:
@@ -689,7 +690,7 @@ def _stage_configs(spec, model: ModelFacts, hardware: HardwareFacts, engine: Eng
                      and timing.cost_per_hour > budget.max_cost_per_hour)
         out.append(Config(engine.name, dtype, tp, replicas, batch, memory, timing, checked, admitted, over_cost,
                           vllm=layout, pp=pp, over_rate=over_rate, requests_per_second=scaled.requests_per_second,
-                          peak_instances=scaled.peak_instances, dp=dp))
+                          peak_instances=scaled.peak_instances, dp=dp, in_flight=in_flight))
     return out
 
 
@@ -812,17 +813,19 @@ def quantization_reason(model: ModelFacts, chosen: Config, hardware: HardwareFac
     """What the planned quantization does with weights, activations and the KV cache, as the engine runs it
     (the same as plan_quantization says: vLLM's online fp8 on an fp8 GPU quantizes activations too)."""
     act = compute_dtype(chosen.dtype, model, hardware)
+    kv = chosen.vllm.kv_dtype if chosen.vllm is not None else act  # the decision kv_cache_dtype says why
+    held = f"activations and KV in {act}" if kv == act else f"activations in {act}, the KV cache in {kv}"
     if model.checkpoint_quantization is not None:
         return "quantization_config of the checkpoint: vLLM reads it and picks the kernels"
     if chosen.dtype not in WEIGHT_ONLY:
         return "none: weights served in their planned dtype"
     if chosen.vllm is not None and chosen.dtype == "fp8" and "fp8" in hardware.dtypes:
         return (f"vLLM's online fp8: 1 byte per weight with one scale per tensor, activations quantized to fp8 at "
-                f"each step (fp8 matmuls on {hardware.accelerator}); the KV cache in {act}")
+                f"each step (fp8 matmuls on {hardware.accelerator}); the KV cache in {kv}")
     if chosen.vllm is not None and chosen.dtype == "fp8":
         return (f"weight-only: 1 byte per weight (vLLM's Marlin fp8 kernels, {hardware.accelerator} has no fp8 "
-                f"compute); activations and KV in {act}")
-    return f"weight-only: 1 byte per weight + fp16 per-channel scales; activations and KV in {act}"
+                f"compute); {held}")
+    return f"weight-only: 1 byte per weight + fp16 per-channel scales; {held}"
 
 
 def batch_delay_ms(spec, batch: int) -> int:
@@ -987,18 +990,26 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
                         + f"{chosen.replicas} × {f'{chosen.dp} DP groups × ' if chosen.dp > 1 else ''}batch {chosen.batch} = "
                         f"{chosen.replicas * chosen.dp * chosen.batch} concurrent "
                         f"sequences for concurrency {load.concurrency}"
+                        + (f" and the {load.requests_per_second:g} requests/s of the workload (decision instances)"
+                           if chosen.in_flight > load.concurrency else "")
                         + (" (SHORT: more would not fit or would miss the goal; the other requests wait in the queue)"
                            if chosen.replicas * chosen.dp * chosen.batch < load.concurrency else "")
-                        + f"; {chosen.devices} device(s) on "
-                        f"{t.instances_used} instance(s) of {hardware.devices}"))
+                        + (f"; {chosen.devices} device(s) on {t.instances_used} instance(s) of {hardware.devices}"
+                           if hardware.kind != "cpu" else
+                           f"; {chosen.devices} rank process(es) sharing the CPU of {t.instances_used} instance(s)")))
     out += scale_decisions(spec, model, hardware, chosen)
     out.append(Decision(key="batch_size", value=chosen.batch,
-                        reason=f"{t.throughput_tokens_per_s:.1f} tokens/s at TPOT {t.tpot_ms:.2f} ms "
+                        reason=f"{round(t.throughput_tokens_per_s, 2):.1f} tokens/s at TPOT {t.tpot_ms:.2f} ms "
                                f"(optimize = {goal.optimize})"))
+    rolling = chosen.vllm is None and schedules_continuously(engine, chosen.tp, model, hardware, load.concurrency,
+                                                             chosen.pp)
     out.append(Decision(key="max_batch_delay_ms", value=batch_delay_ms(spec, chosen.batch),
                         reason="no batching at batch 1" if chosen.batch == 1 else
                         f"{'short wait for latency' if goal.optimize == 'latency' else 'fuller batches'}"
-                        + (f", ≤ 10% of the {goal.ttft_ms:g} ms TTFT goal" if goal.ttft_ms else "")))
+                        + (f", ≤ 10% of the {goal.ttft_ms:g} ms TTFT goal" if goal.ttft_ms else "")
+                        + ("; the wait of DJL's dynamic batches of model.py in an LMI container (serving.properties): "
+                           "lmc runtime's continuous batching waits for none, a request joins at the next decode step"
+                           if rolling and chosen.batch > 1 else "")))
     groups = math.ceil(chosen.replicas / t.instances_used)
     out.append(Decision(key="job_queue_size", value=job_queue_size(chosen),
                         reason=chosen.admitted.reason + (f"; {groups} worker groups per instance share one queue"
@@ -1024,7 +1035,7 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
     out.append(Decision(key="goal", value=goal_met, reason=summary))
     if chosen.vllm is not None:
         out = vllm_decisions(out, spec, model, hardware, chosen.vllm, chosen.memory, chosen.replicas,
-                             chosen.admitted, chosen.tp)
+                             chosen.admitted, chosen.tp, chosen.in_flight)
     return out
 
 
@@ -1054,7 +1065,7 @@ def scale_decisions(spec, model: ModelFacts, hardware: HardwareFacts, chosen: Co
         hop = f"; each stage hands its hidden states to the next over {network.name}" if network and pp > 1 else ""
         if chosen.engine == "vllm" and pp > 1:
             hop += (f"; vLLM's multi-node mode keeps {pp} micro-batches in flight, one per stage, so the stages "
-                    "work at once (lmc's hf pipeline passes one batch through them in turn)")
+                    f"work at once; its max_num_seqs {chosen.batch} running requests are shared among them")
         out.append(Decision(key="pipeline_parallel_degree", value=pp,
                             reason=f"{why}: {pp} stage(s) of up to {stage_layers(model, pp)} of {model.layers} "
                                    f"layers, one instance each, TP {chosen.tp} within it{hop}"))
@@ -1062,8 +1073,9 @@ def scale_decisions(spec, model: ModelFacts, hardware: HardwareFacts, chosen: Co
     span = copy_instances(hardware, chosen.tp * chosen.dp)
     placed = (f"{span} instances per replica (its {chosen.tp * chosen.dp} ranks, {parallel_layout(chosen.tp, chosen.dp)})"
               if span > 1 else f"{per_instance} replica(s) per instance")
+    # throughput as the plan's predicted figure has it (2 places), so the report prints one number for it
     reason = (f"{chosen.replicas} replica(s) × {pp} stage(s), {placed}; they carry "
-              f"{_rate_text(chosen.requests_per_second)} requests/s (throughput {t.throughput_tokens_per_s:.1f} tokens/s / "
+              f"{_rate_text(chosen.requests_per_second)} requests/s (throughput {round(t.throughput_tokens_per_s, 2):.1f} tokens/s / "
               f"{output_tokens_per_request(load)} output tokens a request)")
     if load.requests_per_second is not None:
         reason += f" for the {load.requests_per_second:g} requests/s of the workload"
@@ -1085,7 +1097,9 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
     for c in feasible:
         verdict, reason = "feasible", _describe(spec, model, hardware, c) + _other_predictor(chosen, c)
         if c.goal_gap > 1.0 and goal_met:
-            verdict, reason = "rejected", "goal missed: " + reason
+            verdict, reason = "rejected", f"goal missed ({c.goal.missed}): " + reason
+        elif c.goal_gap > 1.0:  # no configuration meets the goal: these fit, and say by how much they miss it too
+            reason += f"; misses the goal too ({c.goal.missed})"
         out.append(Alternative(engine=c.engine, dtype=c.dtype, tensor_parallel_degree=c.tp, data_parallel_degree=c.dp,
                                replicas=c.replicas, verdict=verdict, reason=reason))
     # lmc's retired pipeline (retire_lmc_pipeline): the best per group, with its figures, for comparison.

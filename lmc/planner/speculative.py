@@ -179,9 +179,10 @@ def speculative_reason(section: dict) -> str:
     method = section["method"]
     head = (f"{method} proposing {section['num_tokens']} token(s) a step, acceptance {section['acceptance_rate']:g} "
             f"({section['acceptance_source']}): {section['tokens_per_step']:.2f} tokens per target step "
-            f"(Leviathan et al. eq. 1); at the planned batch of {section['batch']} a token takes "
-            f"{section['tpot_ms_with']:.2f} ms with it, {section['tpot_ms_without']:.2f} ms without (verify: the "
-            f"step plus the GEMMs of the proposed tokens; draft: {_draft_words(method)})")
+            f"(Leviathan et al. eq. 1); at the planned batch of {section['batch']} a plain decode step gives a "
+            f"token every {section['tpot_ms_with']:.2f} ms with it, {section['tpot_ms_without']:.2f} ms without "
+            f"(verify: the step plus the GEMMs of the proposed tokens; draft: {_draft_words(method)}; the plan's "
+            f"TPOT adds the prompts' chunks that share the steps)")
     stops = section["stops_paying_at_batch"]
     where = (f"; it stops paying at a batch of {stops} sequences per replica" if stops is not None
              else f"; it pays at every batch up to {BREAK_EVEN_SCAN}")

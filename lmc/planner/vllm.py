@@ -437,14 +437,16 @@ def vllm_pipeline_predict(model: ModelFacts, hardware: HardwareFacts, engine: En
                           pp: int, replicas: int, layout: VllmLayout, input_tokens: int, output_tokens: int,
                           concurrency: int) -> Timing:
     """vLLM across `pp` instances (docs/planner.md, "Across instances"): the stages hold 1/pp of the layers
-    each and vLLM keeps `pp` micro-batches in flight (one per stage, up to max_num_seqs sequences each),
-    so the stages work at once instead of in turn. A micro-batch's token passes every stage: its TPOT is
-    the whole model's step for the micro-batch plus (pp − 1) hand-overs, and a replica's throughput is its
-    running sequences (all micro-batches) over that. Each instance loads only its stage."""
+    each and vLLM keeps `pp` micro-batches in flight (one per stage), so the stages work at once instead of
+    in turn. max_num_seqs caps the requests its scheduler runs, all micro-batches together (vLLM's V1
+    scheduler keeps one running list, `len(self.running) <= max_num_running_reqs`), so they share it. A
+    micro-batch's token passes every stage: its TPOT is the whole model's step for the micro-batch plus
+    (pp − 1) hand-overs, and a replica's throughput is its running sequences (all micro-batches) over that.
+    Each instance loads only its stage."""
     from lmc.planner.scale import hop_ms, instances_for, stage_model
 
     assert hardware.network is not None  # pipeline_unsupported said so
-    running = max(1, min(layout.max_num_seqs * pp, -(-concurrency // replicas)))
+    running = max(1, min(layout.max_num_seqs, -(-concurrency // replicas)))
     micro = -(-running // pp)
     whole = vllm_predict(model, hardware, engine, dtype, tp, 1, layout, input_tokens, output_tokens, micro)
     width = model.hidden_size * DTYPE_BYTES[compute_dtype(dtype, model, hardware)]
@@ -537,8 +539,10 @@ def weights_format(hardware: HardwareFacts, remote: bool = False, quantized: str
                              "packs the checkpoint in the planned dtype instead (the build says so)")
 
 
-def kv_dtype_decision(layout: VllmLayout, hardware: HardwareFacts, spec, running: int) -> Decision:
-    """What the KV cache's dtype buys: with fp8, the sequences the pool holds against a compute-dtype pool's."""
+def kv_dtype_decision(layout: VllmLayout, hardware: HardwareFacts, spec, running: int, share: str = "") -> Decision:
+    """What the KV cache's dtype buys: with fp8, the sequences the pool holds against a compute-dtype pool's.
+    `running` is what one pool (a replica's, a data-parallel group's) runs at once, `share` how that comes from the
+    workload (running_sequences)."""
     holds = layout.sequences_on_demand
     if layout.kv_dtype == "fp8":
         why = ("pinned by the spec" if spec.pin.kv_cache_dtype == "fp8" else
@@ -554,17 +558,28 @@ def kv_dtype_decision(layout: VllmLayout, hardware: HardwareFacts, spec, running
         return Decision(key="kv_cache_dtype", value="auto",
                         reason=f"the compute dtype: {hardware.accelerator} has no fp8 for an fp8 KV cache")
     return Decision(key="kv_cache_dtype", value="auto", reason=(
-        f"the compute dtype: the pool runs {holds} sequences at once, enough for the {running} the concurrency "
-        "asks; an fp8 cache (pin.kv_cache_dtype = \"fp8\") would hold about twice as many"))
+        f"the compute dtype: the pool runs {holds} sequences at once, enough for the {running} it runs{share}; an "
+        "fp8 cache (pin.kv_cache_dtype = \"fp8\") would hold about twice as many"))
 
 
 def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: HardwareFacts, layout: VllmLayout,
-                   memory: MemoryPerDevice, replicas: int, admitted: Admission, tp: int) -> list[Decision]:
-    """The decisions of a vLLM plan: its own reasons for batch, delay and KV cache, and its engine arguments."""
+                   memory: MemoryPerDevice, replicas: int, admitted: Admission, tp: int,
+                   in_flight: int = 0) -> list[Decision]:
+    """The decisions of a vLLM plan: its own reasons for batch, delay and KV cache, and its engine arguments.
+    `in_flight`: the requests the plan's figures are predicted at, where the request rate keeps more in flight
+    than the stated concurrency (else the concurrency)."""
     load = spec.workload
     per_token = layout.bytes_per_block // layout.block_size
     groups = replicas * layout.data_parallel_size
-    running = running_sequences(layout.max_num_seqs, groups, load.concurrency)
+    in_flight = max(in_flight, load.concurrency)
+    pools = "data-parallel groups" if layout.data_parallel_size > 1 else "replicas"
+    running = running_sequences(layout.max_num_seqs, groups, in_flight)
+    where = f"{replicas} replica(s)" + (f" of {layout.data_parallel_size} data-parallel groups each (max_num_seqs "
+                                        "is per group)" if layout.data_parallel_size > 1 else "")
+    at = (f"at concurrency {load.concurrency} over {where}" if in_flight == load.concurrency else
+          f"in each of {where}: {load.requests_per_second:g} requests/s keep more in flight than the stated "
+          f"concurrency {load.concurrency}, all of them at max_num_seqs ({in_flight}), and the plan's figures are "
+          "theirs")
     if hardware.kind == "cpu":
         pool = (f"VLLM_CPU_KVCACHE_SPACE = {layout.cpu_kvcache_space_gib} GiB per rank: the whole GiB of the "
                 f"{memory.capacity / GIB:.2f} GiB budget per rank after weights, activations and runtime")
@@ -576,10 +591,7 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
         "batch_size": f"max_num_seqs {layout.max_num_seqs}: the pool runs {layout.sequences_on_demand} sequences "
                       f"at the workload's mean length of {decode_context(load.max_input_tokens, load.max_output_tokens)}"
                       f" tokens (vLLM allocates blocks as sequences grow; {layout.max_concurrent_sequences} of "
-                      f"{layout.max_model_len} tokens at once); {running} run at once at concurrency {load.concurrency} "
-                      f"over {replicas} replica(s)" + (f" of {layout.data_parallel_size} data-parallel groups each "
-                                                         "(max_num_seqs is per group)"
-                                                         if layout.data_parallel_size > 1 else "")
+                      f"{layout.max_model_len} tokens at once); {running} run at once {at}"
                       + _graph_padding(layout, hardware, running),
         "max_batch_delay_ms": "continuous batching: a request joins the running batch at the next step, no wait",
         "kv_cache": f"{pool}; {layout.blocks} blocks of {layout.block_size} tokens × {per_token / 1024:.1f} KiB per "
@@ -606,7 +618,8 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
         Decision(key="gpu_memory_utilization", value=layout.gpu_memory_utilization,
                  reason="the budget as a share of device memory" if hardware.kind != "cpu" else
                  "the budget's share (vLLM on CPU sizes its KV pool from VLLM_CPU_KVCACHE_SPACE instead)"),
-        kv_dtype_decision(layout, hardware, spec, running),
+        kv_dtype_decision(layout, hardware, spec, running, share=f" (concurrency {in_flight} over {groups} {pools})"
+                          if groups > 1 else ""),
         Decision(key="weights", value=fmt, reason=why),
         Decision(key="admission", value=admitted.bound, reason=admitted.reason),
     ]
