@@ -327,3 +327,30 @@ def test_lmcs_continuous_pool_is_the_kv_line_plus_what_stays_free(planned):
             assert "lmc runtime's continuous batching waits for none" in plan.decision("max_batch_delay_ms").reason
         checked += 1
     assert checked >= 5
+
+
+def test_a_sliding_window_pool_says_why_its_sequences_outnumber_its_tokens(planned):
+    """gemma-3-27b: 38 sequences of 9216 tokens beside a pool of 224928 tokens read as a contradiction; the
+    tokens are every layer's, and the sliding-window layers keep only their window of each sequence."""
+    plan, spec = planned["gemma-3-27b-it-g6e-12xlarge"]
+    kv, model = plan.kv_cache, plan.model
+    assert kv.max_concurrent_sequences * plan.max_sequence_length > kv.blocks * kv.block_size
+    assert model.sliding_window_layers and model.sliding_window
+    line = next(x for x in render_plan(plan, spec).splitlines() if " batching · KV " in x)
+    assert line.endswith(f"({model.sliding_window_layers} sliding layers keep {model.sliding_window} of each)")
+    assert (f"{kv.blocks * kv.block_size} tokens at every layer's bytes; a sequence's {model.sliding_window_layers} "
+            f"sliding-window layers keep only its last {model.sliding_window} tokens") in plan.decision("kv_cache").reason
+    # a model without sliding layers says nothing of them
+    plan, spec = planned["qwen3-8b-g5-2xlarge"]
+    assert "sliding" not in plan.decision("kv_cache").reason
+
+
+def test_a_plan_short_of_its_concurrency_says_why_the_next_batch_is_not_planned(planned):
+    """gpt-j on one V100 runs batch 2 of concurrency 4; "SHORT: more would not fit or would miss the goal"
+    beside a pool of 8 sequences did not say which: batch 4's memory is over the capacity."""
+    plan, spec = planned["gpt-j-6b-deepspeed-p3-2xlarge"]
+    assert plan.batch_size * plan.replicas < spec.workload.concurrency
+    reason = plan.decision("replicas").reason
+    assert re.search(r"\(SHORT: batch (\d+) would not fit: it needs ([\d.]+) GiB of ([\d.]+) GiB per device;", reason)
+    needed, capacity = map(float, re.search(r"it needs ([\d.]+) GiB of ([\d.]+) GiB", reason).groups())
+    assert needed > capacity

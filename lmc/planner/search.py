@@ -992,7 +992,7 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
                         f"sequences for concurrency {load.concurrency}"
                         + (f" and the {load.requests_per_second:g} requests/s of the workload (decision instances)"
                            if chosen.in_flight > load.concurrency else "")
-                        + (" (SHORT: more would not fit or would miss the goal; the other requests wait in the queue)"
+                        + (f" (SHORT: {_why_no_larger_batch(chosen, configs)}; the other requests wait in the queue)"
                            if chosen.replicas * chosen.dp * chosen.batch < load.concurrency else "")
                         + (f"; {chosen.devices} device(s) on {t.instances_used} instance(s) of {hardware.devices}"
                            if hardware.kind != "cpu" else
@@ -1137,6 +1137,22 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
         out.append(Alternative(engine=r.engine, dtype=r.dtype, tensor_parallel_degree=r.tp, replicas=r.replicas,
                                verdict="rejected", reason=r.reason))
     return out[:ALTERNATIVES]
+
+
+def _why_no_larger_batch(chosen: Config, configs: list[Config]) -> str:
+    """Why a plan that runs fewer sequences than the concurrency does not run more: the next larger batch of its
+    layout, and what it misses."""
+    larger = sorted((c for c in configs if (c.engine, c.dtype, c.tp, c.dp, c.pp) ==
+                     (chosen.engine, chosen.dtype, chosen.tp, chosen.dp, chosen.pp) and c.batch > chosen.batch),
+                    key=lambda c: c.batch)
+    if not larger:
+        return f"no larger batch is a candidate for {chosen.engine} {chosen.dtype} TP {chosen.tp}"
+    c = larger[0]
+    if not c.fits:
+        return f"batch {c.batch} would not fit: it needs {_gib(c.memory.total)} of {_gib(c.memory.capacity)} per device"
+    if c.goal_gap > 1.0:
+        return f"batch {c.batch} would miss the goal ({c.goal.missed})"
+    return f"batch {c.batch} ranks lower for optimize: TPOT {c.timing.tpot_ms:.2f} ms"
 
 
 def _other_predictor(chosen: Config, c: Config) -> str:

@@ -581,8 +581,8 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
           f"concurrency {load.concurrency}, all of them at max_num_seqs ({in_flight}), and the plan's figures are "
           "theirs")
     if hardware.kind == "cpu":
-        pool = (f"VLLM_CPU_KVCACHE_SPACE = {layout.cpu_kvcache_space_gib} GiB per rank: the whole GiB of the "
-                f"{memory.capacity / GIB:.2f} GiB budget per rank after weights, activations and runtime")
+        pool = (f"VLLM_CPU_KVCACHE_SPACE = {layout.cpu_kvcache_space_gib} GiB per rank: what weights, activations "
+                f"and runtime leave of the {memory.capacity / GIB:.2f} GiB budget per rank, in whole GiB")
     else:
         pool = (f"{layout.gpu_memory_utilization:g} × {hardware.device_memory_bytes / GIB:.1f} GiB − weights "
                 f"{memory.weights / GIB:.2f} GiB − activations {memory.activations / GIB:.2f} GiB − runtime and "
@@ -595,8 +595,11 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
                       + _graph_padding(layout, hardware, running),
         "max_batch_delay_ms": "continuous batching: a request joins the running batch at the next step, no wait",
         "kv_cache": f"{pool}; {layout.blocks} blocks of {layout.block_size} tokens × {per_token / 1024:.1f} KiB per "
-                    f"token per rank = {layout.blocks * layout.block_size} tokens; {layout.max_concurrent_sequences} "
-                    f"sequences of {layout.max_model_len} tokens (vLLM logs the pool as their "
+                    f"token per rank = {layout.blocks * layout.block_size} tokens"
+                    + (f" at every layer's bytes; a sequence's {model.sliding_window_layers} sliding-window layers keep "
+                       f"only its last {model.sliding_window} tokens (and a block), so more of its tokens fit"
+                       if model.sliding_window_layers and model.sliding_window else "")
+                    + f"; {layout.max_concurrent_sequences} sequences of {layout.max_model_len} tokens (vLLM logs the pool as their "
                     f"{layout.max_concurrent_sequences * layout.max_model_len} tokens: its maximum concurrency × "
                     f"max_model_len); on demand it runs {layout.sequences_on_demand} at the workload's mean length, "
                     "preempting the newest when a step finds no free block",
