@@ -354,3 +354,19 @@ def test_a_plan_short_of_its_concurrency_says_why_the_next_batch_is_not_planned(
     assert re.search(r"\(SHORT: batch (\d+) would not fit: it needs ([\d.]+) GiB of ([\d.]+) GiB per device;", reason)
     needed, capacity = map(float, re.search(r"it needs ([\d.]+) GiB of ([\d.]+) GiB", reason).groups())
     assert needed > capacity
+
+
+def test_the_dtype_decision_says_where_a_coarser_dtype_would_win_the_objective(planned):
+    """Precision ranks before the objective: llama-2-13b (optimize = cost) keeps fp16 at $7.20/M where fp8 meets
+    the goal at $6.38/M. The alternatives showed it; the dtype decision now says so, and how to take it."""
+    plan, spec = planned["llama-2-13b-g5-12xlarge"]
+    assert spec.goal.optimize == "cost" and plan.dtype == "fp16" and plan.goal_met
+    cheaper = [a for a in plan.alternatives if a.verdict == "feasible" and a.dtype == "fp8"]
+    assert cheaper
+    reason = plan.decision("dtype").reason
+    figure = float(re.search(r"\(\$([\d.]+)/M tokens against \$([\d.]+)\)", reason)[1])
+    assert figure < plan.predicted.cost_per_million_tokens
+    assert 'pin.dtype = "fp8" takes it' in reason
+    for stem, (plan, spec) in planned.items():  # never where the dtype is pinned or the goal missed
+        if spec.pin.dtype or not plan.goal_met:
+            assert "would do better for optimize" not in plan.decision("dtype").reason, stem

@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
 spec sha256 018278a074e4a6bf0219ceea3cdb4fecba36ad443c0ae738c1164a003fbb01b4
-plan sha256 188c5bee20dedeaa2e688dedac18b2745808977e0c3b78bf635115dd388dc734
+plan sha256 91eda8a5079ece3ee3701748931cdd62d89353017041f56df3782546118edd35
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

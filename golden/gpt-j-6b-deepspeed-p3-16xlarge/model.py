@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waitin
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 acc80320a42a40dae9208e6d89131405fd98fb8c0ce86148adb41959f9aa2740
-plan sha256 d1e357ab0ece45c440a09f6d7f3ad1b3f85f4c46aa4e7059287fbd486e9b41a9
+plan sha256 24118eb5cb3043efdc02814c95093e54a49081ec728a5c25391fbfbab3a3485d
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

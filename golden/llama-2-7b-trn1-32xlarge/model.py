@@ -6,7 +6,7 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
 spec sha256 f3446da5653964c5ad3d5b0c0ec8dffa399cf9c93ddacaed04919ad9f46a77ed
-plan sha256 951dd31dddc760a05386ca1f31bca86a63ca6f358128000e7d6532767c7ccd4d
+plan sha256 c460f209a38668ef56d8f3c311a0d9e7af9c3e948265a083216e2ec27cf6f3c4
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

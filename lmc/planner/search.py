@@ -964,6 +964,8 @@ def decisions(spec, model: ModelFacts, hardware: HardwareFacts, engines: dict[st
         dwhy = f"no quantization needed; {model.torch_dtype} checkpoint"
         if chosen.dtype == "bf16" and "bf16" in hardware.dtypes:
             dwhy += f", bf16 native on {hardware.accelerator}"
+    if not spec.pin.dtype and model.checkpoint_quantization is None:
+        dwhy += _coarser_would_do_better(spec, hardware, chosen, groups.values(), goal_met)
     out.append(Decision(key="dtype", value=chosen.dtype,
                         reason=f"{dwhy}; {weights_total / 1e9:.1f} GB of weights in {chosen.dtype}"))
     out.append(Decision(key="quantization", value=plan_quantization(model, chosen, hardware),
@@ -1137,6 +1139,29 @@ def alternatives(spec, model, hardware, chosen: Config, configs: list[Config],
         out.append(Alternative(engine=r.engine, dtype=r.dtype, tensor_parallel_degree=r.tp, replicas=r.replicas,
                                verdict="rejected", reason=r.reason))
     return out[:ALTERNATIVES]
+
+
+def _coarser_would_do_better(spec, hardware: HardwareFacts, chosen: Config, candidates, goal_met: bool) -> str:
+    """Precision comes before the objective (sort_key): where a coarser dtype that also meets the goal would do
+    better on the objective, the dtype decision says so, and how to choose it."""
+    optimize = spec.goal.optimize
+    if not goal_met:  # then the closest to the goal comes first, whatever its precision
+        return ""
+    better = [c for c in candidates if c.goal_gap <= 1.0
+              and precision_tier(c.dtype, hardware) > precision_tier(chosen.dtype, hardware)
+              and objective(optimize, c) < objective(optimize, chosen)]
+    if not better:
+        return ""
+    c = min(better, key=lambda c: objective(optimize, c))
+    t, mine = c.timing, chosen.timing
+    if optimize == "cost" and t.cost_per_million_tokens is not None and mine.cost_per_million_tokens is not None:
+        figure = f"${t.cost_per_million_tokens:.2f}/M tokens against ${mine.cost_per_million_tokens:.2f}"
+    elif optimize == "throughput":
+        figure = f"{t.throughput_tokens_per_s:.0f} tokens/s against {mine.throughput_tokens_per_s:.0f}"
+    else:
+        figure = f"TPOT {t.tpot_ms:.2f} ms against {mine.tpot_ms:.2f}"
+    return (f"; {c.engine} {c.dtype} {_layout(c.tp, c.dp)} would do better for optimize = {optimize} ({figure}), "
+            f"but lmc keeps the finer precision while it meets the goal (pin.dtype = \"{c.dtype}\" takes it)")
 
 
 def _why_no_larger_batch(chosen: Config, configs: list[Config]) -> str:
