@@ -197,3 +197,15 @@ def test_in_the_steady_state_a_chunked_prompt_adds_its_whole_prefill_to_the_step
     # a prompt of two 8192-token chunks adds what its whole prefill costs beyond a one-token pass
     assert (timing.tpot_ms - 20.0) / joins == pytest.approx(steps.prefill_ms(16384) - steps.prefill_ms(1))
     assert (timing.tpot_ms - 20.0) / joins > 2 * (steps.prefill_ms(8192) - steps.prefill_ms(1)) + 60.0
+
+
+def test_fewer_clients_than_data_parallel_groups_leave_groups_empty():
+    """4 clients, 8 prompts on 8 DP groups: 4 groups run one request at a time, twice; the run lasts two
+    requests, not one (each of 8 groups was given one prompt of the 8, so the run's throughput was twice)."""
+    steps = FlatSteps()
+    dp8 = replace(LAYOUT, data_parallel_size=8)
+    one = vllm_benchmark_run(QWEN8, H100, VLLM, "bf16", 1, 1, LAYOUT, 4096, 11, 1, 1, steps)
+    run = vllm_benchmark_run(QWEN8, H100, VLLM, "bf16", 1, 1, dp8, 4096, 11, 4, 8, steps)
+    # the same flat steps: each busy group serves its two requests one after the other
+    assert run.duration_s == pytest.approx(2 * one.duration_s, rel=0.05)
+    assert run.throughput_tokens_per_s == pytest.approx(8 * 11 / run.duration_s)

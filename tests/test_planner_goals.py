@@ -225,6 +225,10 @@ def test_admission_frees_a_slot_per_request_when_continuous_and_a_batch_at_once_
     assert "keep a waiting request's wait + TTFT within" not in floored.reason
     assert "even one waiting request may miss the 120 ms TTFT goal (up to 75 ms for a slot" in floored.reason
     assert "keep a waiting request's wait + TTFT within the 1000 ms TTFT goal" in continuous.reason
+    # where the share queues, the request time counts the TTFT once a request runs (the predicted TTFT has the wait)
+    assert "(TTFT 100.0 + 50 × TPOT 10.00 = 600 ms a request)" in continuous.reason
+    queued = admission(1000.0, 100.0, 10.0, 50, running=8, share=16, continuous=True)
+    assert "(TTFT once it runs 100.0 + 50 × TPOT 10.00 = 600 ms a request)" in queued.reason
 
 
 def test_a_request_waits_only_once_every_slot_is_taken_so_its_turns_are_timed_there():
@@ -337,9 +341,10 @@ def test_a_sliding_window_pool_says_why_its_sequences_outnumber_its_tokens(plann
     assert kv.max_concurrent_sequences * plan.max_sequence_length > kv.blocks * kv.block_size
     assert model.sliding_window_layers and model.sliding_window
     line = next(x for x in render_plan(plan, spec).splitlines() if " batching · KV " in x)
-    assert line.endswith(f"({model.sliding_window_layers} sliding layers keep {model.sliding_window} of each)")
+    assert line.endswith(f"({model.sliding_window_layers} layers slide over {model.sliding_window})")
     assert (f"{kv.blocks * kv.block_size} tokens at every layer's bytes; a sequence's {model.sliding_window_layers} "
-            f"sliding-window layers keep only its last {model.sliding_window} tokens") in plan.decision("kv_cache").reason
+            f"sliding-window layers hold its last {model.sliding_window} tokens and a step's tokens in flight "
+            f"(vLLM's maximum counts up to {plan.vllm.max_num_batched_tokens} of them") in plan.decision("kv_cache").reason
     # a model without sliding layers says nothing of them
     plan, spec = planned["qwen3-8b-g5-2xlarge"]
     assert "sliding" not in plan.decision("kv_cache").reason

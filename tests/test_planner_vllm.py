@@ -257,3 +257,33 @@ def test_serving_parsers_are_vllms_and_make_the_plan_a_vllm_one():
         plan(spec(serving={"tool_call_parser": "hermez"}))
     with pytest.raises(SpecValueError, match="the engines left cannot run them"):
         plan(spec(serving={"reasoning_parser": "qwen3"}, pin={"engine": "hf"}))
+
+
+def test_fewer_requests_than_data_parallel_groups_serve_only_those_requests():
+    """DeepSeek-R1 as 8 DP groups at 4 requests: each group's batch is at least 1, so the throughput counted 8
+    sequences (twice what 4 requests over their request time give: 0.4 requests/s where 0.2 hold)."""
+    r1, p5e = catalog.model_facts("deepseek-ai/DeepSeek-R1"), catalog.hardware_facts("ml.p5e.48xlarge")
+    s = spec("ml.p5e.48xlarge", workload={"max_input_tokens": 3200, "max_output_tokens": 800, "concurrency": 4},
+             pin={"engine": "vllm", "tensor_parallel_degree": 1, "data_parallel_degree": 8, "replicas": 1,
+                  "expert_parallel": True})
+    p = plan(s, r1, p5e)
+    assert p.vllm.data_parallel_size == 8
+    cycle_s = (p.predicted.ttft_ms + 799 * p.predicted.tpot_ms) / 1e3
+    assert p.predicted.throughput_tokens_per_s == pytest.approx(4 * 800 / cycle_s, rel=0.01)
+    # with a request for every group the same figures hold per group
+    eight = plan(s.model_copy(update={"workload": s.workload.model_copy(update={"concurrency": 8})}), r1, p5e)
+    cycle_s = (eight.predicted.ttft_ms + 799 * eight.predicted.tpot_ms) / 1e3
+    assert eight.predicted.throughput_tokens_per_s == pytest.approx(8 * 800 / cycle_s, rel=0.01)
+
+
+def test_the_reasons_of_a_one_gpu_plan_on_an_eight_gpu_instance_say_what_it_uses():
+    """One pinned replica on a p5 said "8 replica(s) per instance"; a bf16 KV cache of an fp8 plan was "the
+    compute dtype" beside "fp8 compute"; a dense model's graph padding named experts."""
+    s = spec("ml.p5.48xlarge", workload={"max_input_tokens": 2048, "max_output_tokens": 1024, "concurrency": 10},
+             pin={"engine": "vllm", "tensor_parallel_degree": 1, "replicas": 1, "dtype": "fp8",
+                  "kv_cache_dtype": "auto"})
+    p = plan(s, LLAMA8, P5)
+    assert "1 replica(s) per instance (room for 8)" in p.decision("instances").reason
+    assert p.decision("kv_cache_dtype").reason == "pinned by the spec: the activations' dtype (bf16)"
+    batch = p.decision("batch_size").reason
+    assert "runs as vLLM's CUDA graph of 16 sequences, and its GEMMs and collectives cost that many" in batch

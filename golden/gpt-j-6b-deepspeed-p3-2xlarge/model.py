@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 2 requests waiting
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 fbc3062f057d163150428e0b0908f5a0146ed33f8bc4d713345c357df84b9cc4
-plan sha256 4d5123393b8fd5eecdd0b8f8cd9240cf4a3ef55595397b34a800aba6070b2b87
+plan sha256 05586ebd1c328c2db23f26c2d7a11a3fba0dd7657824d279215b23ed6a157aef
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -126,15 +126,18 @@ def vllm_benchmark_run(model: ModelFacts, hardware: HardwareFacts, engine: Engin
         steps = layout_steps(model, hardware, engine, dtype, tp, layout)
     steady = vllm_predict(model, hardware, engine, dtype, tp, replicas, layout, input_tokens, output_tokens,
                           concurrency, steps)
-    clients = max(1, min(-(-concurrency // groups), -(-prompts // groups)))  # per group (requests spread evenly)
-    per_group = prompts / groups
+    # Requests spread evenly over the groups that have any: fewer clients than groups leave the rest empty, and
+    # the run's prompts go to the busy ones.
+    busy = max(1, min(groups, concurrency))
+    clients = max(1, min(-(-concurrency // busy), -(-prompts // busy)))  # per busy group
+    per_group = prompts / busy
     running = running_sequences(layout.max_num_seqs, 1, clients)
     efficiency = engine.efficiency[hardware.kind]
     server = steps.server_ms(efficiency, input_tokens)
     context = decode_context(input_tokens, output_tokens)
     gaps = output_tokens - 1
 
-    cached_per_group = cached / groups
+    cached_per_group = cached / busy
     wave = burst(steps, running, input_tokens, layout.max_num_batched_tokens, math.floor(cached_per_group))
     # After the burst: decodes of the whole burst until its first request leaves (step first_step[0] + gaps),
     # then the steady state's mean step.

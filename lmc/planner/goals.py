@@ -81,7 +81,9 @@ def admission(ttft_goal_ms: float | None, ttft_ms: float, tpot_ms: float, output
     retry = max(1, math.ceil(turn_ms / 1000))
     frees = (f"one of {running} running requests ends every {turn_ms:.1f} ms" if continuous else
              f"a batch of {running} ends every {turn_ms:.0f} ms (dynamic batching: it runs to its longest request)")
-    frees += (f" (TTFT {ttft_ms:.1f} + {output_tokens} × TPOT {tpot_ms:.2f} = {request_ms:.0f} ms a request"
+    # Where the share queues, the predicted TTFT includes that wait; a slot's turn counts the TTFT once it runs.
+    first = "TTFT" if share <= running else "TTFT once it runs"
+    frees += (f" ({first} {ttft_ms:.1f} + {output_tokens} × TPOT {tpot_ms:.2f} = {request_ms:.0f} ms a request"
               + (f" with all {running} slots taken)" if busy is not None else ")"))
     if ttft_goal_ms is None:
         waiting = max(2 * share, 4 * running)

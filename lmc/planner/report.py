@@ -83,7 +83,7 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
                  f"max_sequence_length {plan.max_sequence_length}")
     if plan.kv_cache is not None:
         kv = plan.kv_cache
-        sliding = (f" ({plan.model.sliding_window_layers} sliding layers keep {plan.model.sliding_window} of each)" if plan.model.sliding_window_layers and plan.model.sliding_window else "")
+        sliding = (f" ({plan.model.sliding_window_layers} layers slide over {plan.model.sliding_window})" if plan.model.sliding_window_layers and plan.model.sliding_window else "")
         lines.append(f"  {plan.scheduling} batching · KV {kv.blocks} blocks × {kv.block_size} tokens = "
                      f"{kv.blocks * kv.block_size} tokens, {kv.max_concurrent_sequences} full-length sequences{sliding}")
     if plan.vllm is not None:

@@ -1074,7 +1074,8 @@ def scale_decisions(spec, model: ModelFacts, hardware: HardwareFacts, chosen: Co
     per_instance = max(hardware.devices // (chosen.tp * chosen.dp), 1)
     span = copy_instances(hardware, chosen.tp * chosen.dp)
     placed = (f"{span} instances per replica (its {chosen.tp * chosen.dp} ranks, {parallel_layout(chosen.tp, chosen.dp)})"
-              if span > 1 else f"{per_instance} replica(s) per instance")
+              if span > 1 else f"{min(per_instance, chosen.replicas)} replica(s) per instance"
+              + (f" (room for {per_instance})" if chosen.replicas < per_instance else ""))
     # throughput as the plan's predicted figure has it (2 places), so the report prints one number for it
     reason = (f"{chosen.replicas} replica(s) × {pp} stage(s), {placed}; they carry "
               f"{_rate_text(chosen.requests_per_second)} requests/s (throughput {round(t.throughput_tokens_per_s, 2):.1f} tokens/s / "

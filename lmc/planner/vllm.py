@@ -295,11 +295,12 @@ def graph_batch(sizes: tuple[int, ...], batch: int) -> int:
     return next((size for size in sizes if size >= batch), batch)
 
 
-def _graph_padding(layout: VllmLayout, hardware: HardwareFacts, running: int) -> str:
+def _graph_padding(layout: VllmLayout, hardware: HardwareFacts, running: int, moe: bool) -> str:
     """The batch_size reason's note where a decode step of `running` runs as a larger CUDA graph."""
     padded = graph_batch(graph_sizes(layout, hardware), running)
-    return (f"; a decode step of {running} runs as vLLM's CUDA graph of {padded} sequences, and its GEMMs, experts "
-            "and collectives cost that many" if padded > running else "")
+    ops = "GEMMs, experts and collectives" if moe else "GEMMs and collectives"
+    return (f"; a decode step of {running} runs as vLLM's CUDA graph of {padded} sequences, and its {ops} cost "
+            "that many" if padded > running else "")
 
 
 @dataclass(frozen=True)
@@ -367,6 +368,9 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     dp = layout.data_parallel_size
     groups = replicas * dp
     running = running_sequences(layout.max_num_seqs, groups, concurrency)
+    # Fewer requests than groups: `running` is 1 where a group has one, and the others step empty (an MoE
+    # model's idle DP groups run dummy batches in lockstep), so the replica serves the requests it has.
+    served = min(groups * running, concurrency)
     if steps is None:
         steps = layout_steps(model, hardware, engine, dtype, tp, layout)
     # Instances, load and price per hour as for any engine; the step times are the layout's.
@@ -381,7 +385,7 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     # prompt joining any group holds up all of them.
     budget = max(layout.max_num_batched_tokens - running, 1)
     chunk = min(input_tokens, budget)
-    joins = running * (dp if model.num_experts > 1 else 1) / output_tokens  # prompts per step
+    joins = (served / replicas if model.num_experts > 1 else running) / output_tokens  # prompts per step
     per_prompt_token = max(steps.mixed_ms(chunk, running, input_tokens, context) - decode, 0.0) / chunk
     # A prompt longer than the budget is read in chunks, each attending to the chunks before it.
     prefix = chunked_prompt_attention_ms(steps, input_tokens, chunk)
@@ -394,7 +398,7 @@ def vllm_predict(model: ModelFacts, hardware: HardwareFacts, engine: EngineFacts
     # A slot serves one request per TTFT + (output − 1) steps: its output over that is the throughput (what a
     # benchmark measures: completed tokens over the run), so requests/s = throughput / output tokens.
     cycle = ttft + (output_tokens - 1) * step
-    throughput = groups * running * output_tokens / cycle * 1e3
+    throughput = served * output_tokens / cycle * 1e3
     slot_ttft = ttft
     waiting = -(-concurrency // groups) - running  # requests per group beyond its running slots
     if waiting > 0:
@@ -553,12 +557,13 @@ def kv_dtype_decision(layout: VllmLayout, hardware: HardwareFacts, spec, running
             f"{holds} sequences instead of {layout.auto_kv_sequences} and {running} run at once; K and V are "
             "rounded to fp8 as they are stored, a small accuracy cost (vLLM docs, \"Quantized KV Cache\")"))
     if spec.pin.kv_cache_dtype == "auto":
-        return Decision(key="kv_cache_dtype", value="auto", reason="pinned by the spec: the compute dtype")
+        return Decision(key="kv_cache_dtype", value="auto", reason=f"pinned by the spec: the activations' dtype ({layout.kv_dtype})")
     if hardware.kind != "gpu" or "fp8" not in hardware.dtypes:
         return Decision(key="kv_cache_dtype", value="auto",
-                        reason=f"the compute dtype: {hardware.accelerator} has no fp8 for an fp8 KV cache")
+                        reason=f"the activations' dtype ({layout.kv_dtype}): {hardware.accelerator} has no fp8 for an fp8 KV "
+                               "cache")
     return Decision(key="kv_cache_dtype", value="auto", reason=(
-        f"the compute dtype: the pool runs {holds} sequences at once, enough for the {running} it runs{share}; an "
+        f"the activations' dtype ({layout.kv_dtype}): the pool runs {holds} sequences at once, enough for the {running} it runs{share}; an "
         "fp8 cache (pin.kv_cache_dtype = \"fp8\") would hold about twice as many"))
 
 
@@ -592,12 +597,13 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
                       f"at the workload's mean length of {decode_context(load.max_input_tokens, load.max_output_tokens)}"
                       f" tokens (vLLM allocates blocks as sequences grow; {layout.max_concurrent_sequences} of "
                       f"{layout.max_model_len} tokens at once); {running} run at once {at}"
-                      + _graph_padding(layout, hardware, running),
+                      + _graph_padding(layout, hardware, running, model.num_experts > 1),
         "max_batch_delay_ms": "continuous batching: a request joins the running batch at the next step, no wait",
         "kv_cache": f"{pool}; {layout.blocks} blocks of {layout.block_size} tokens × {per_token / 1024:.1f} KiB per "
                     f"token per rank = {layout.blocks * layout.block_size} tokens"
-                    + (f" at every layer's bytes; a sequence's {model.sliding_window_layers} sliding-window layers keep "
-                       f"only its last {model.sliding_window} tokens (and a block), so more of its tokens fit"
+                    + (f" at every layer's bytes; a sequence's {model.sliding_window_layers} sliding-window layers hold "
+                       f"its last {model.sliding_window} tokens and a step's tokens in flight (vLLM's maximum counts "
+                       f"up to {layout.max_num_batched_tokens} of them, the on-demand figure a block)"
                        if model.sliding_window_layers and model.sliding_window else "")
                     + f"; {layout.max_concurrent_sequences} sequences of {layout.max_model_len} tokens (vLLM logs the pool as their "
                     f"{layout.max_concurrent_sequences * layout.max_model_len} tokens: its maximum concurrency × "
