@@ -243,22 +243,27 @@ def test_a_request_waits_only_once_every_slot_is_taken_so_its_turns_are_timed_th
 
 
 def test_the_admission_bound_does_not_depend_on_how_few_requests_the_workload_sends():
-    # DeepSeek-V3 as 16 DP groups of 32 slots: its admission was timed at 32 requests' figures (TPOT 56 ms) while
-    # a queue forms only with all 512 running (TPOT 333 ms), so it admitted 550 where 517 keep the TTFT goal.
+    # DeepSeek-V3 as 16 DP groups: at 20 requests each group still gets max_num_seqs 2 (32 slots, the 20 spread
+    # over them); its admission is timed with all 32 slots taken, so it is the same bound as at 32 requests.
+    # (Until 2026-11-28 it was timed at the workload's figures and admitted 550 where 517 kept the TTFT goal,
+    # with the 512 slots the plan had then: 32 per group, the concurrency, before max_num_seqs was counted per
+    # group in "serves the concurrency", 2026-12-08.)
     from lmc.planner import catalog, plan_deployment
     from lmc.schema.spec import Spec
 
     model, hardware = catalog.model_facts("deepseek-ai/DeepSeek-V3"), catalog.hardware_facts("ml.p5.48xlarge")
     bounds = {}
-    for concurrency in (32, 512):
+    for concurrency in (20, 32, 512):
         body = {"model": {"id": model.id}, "target": {"instance": "ml.p5.48xlarge", "instances": 2},
                 "goal": {"ttft_ms": 5000},
                 "workload": {"max_input_tokens": 4096, "max_output_tokens": 1024, "concurrency": concurrency},
                 "pin": {"data_parallel_degree": 16}}
         plan = plan_deployment(Spec.model_validate(body), model, hardware, spec_sha256="0" * 64, lmc_version="test")
-        assert plan.vllm.max_num_seqs * plan.vllm.data_parallel_size == 512 and plan.goal_met
-        bounds[concurrency] = plan.vllm.max_num_queued_reqs
-    assert bounds[32] == bounds[512] < 550, bounds
+        assert plan.goal_met and plan.vllm.data_parallel_size == 16
+        bounds[concurrency] = (plan.vllm.max_num_seqs, plan.vllm.max_num_queued_reqs)
+    # max_num_seqs per group: the concurrency's share, not the whole concurrency in every group
+    assert bounds[20][0] == bounds[32][0] == 2 and bounds[512][0] == 32
+    assert bounds[20] == bounds[32] and bounds[512][1] >= 512
 
 
 def test_the_goal_counts_queueing_and_admission():

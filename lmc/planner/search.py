@@ -768,7 +768,7 @@ def objective(optimize: str, config: Config) -> tuple:
 
 
 def sort_key(spec, model: ModelFacts, hardware: HardwareFacts, config: Config, goal_met: bool) -> tuple:
-    held = config.replicas * config.batch
+    held = config.replicas * config.dp * config.batch  # max_num_seqs is per data-parallel group
     serves = held >= spec.workload.concurrency
     # When nothing holds the concurrency, the plan that holds the most comes first, not the smallest batch.
     head = (not serves, 0 if serves else -held)
