@@ -207,9 +207,10 @@ def test_a_vllm_plan_at_16_with_a_400_ms_ttft_goal_writes_one_queue_size(tmp_pat
 
 
 def test_admission_frees_a_slot_per_request_when_continuous_and_a_batch_at_once_when_dynamic():
-    continuous = admission(1000.0, 100.0, 10.0, 50, running=8, share=8, continuous=True)
-    dynamic = admission(1000.0, 100.0, 10.0, 50, running=8, share=8, continuous=False)
-    # A request: TTFT 100 + 50 × 10 = 600 ms. Continuous: a slot every 75 ms; 900 ms of room = 12 turns.
+    continuous = admission(1000.0, 100.0, 10.0, 51, running=8, share=8, continuous=True)
+    dynamic = admission(1000.0, 100.0, 10.0, 51, running=8, share=8, continuous=False)
+    # A request of 51 tokens: TTFT 100 (its first token) + 50 × 10 = 600 ms. Continuous: a slot every 75 ms;
+    # 900 ms of room = 12 turns.
     assert (continuous.turn_ms, continuous.waiting, continuous.bound) == (75.0, 12, 20)
     # Dynamic: the whole batch of 8 ends every 600 ms; 900 ms of room = 1 turn = 8 waiting.
     assert (dynamic.turn_ms, dynamic.waiting) == (600.0, 8)
@@ -217,9 +218,9 @@ def test_admission_frees_a_slot_per_request_when_continuous_and_a_batch_at_once_
     assert continuous.queued_ttft_ms(8 + 12) == pytest.approx(1000.0)
     assert dynamic.queued_ttft_ms(8 + 8) == pytest.approx(700.0)
     assert dynamic.queued_ttft_ms(8 + 9) == pytest.approx(1300.0)
-    free = admission(None, 100.0, 10.0, 50, running=8, share=5, continuous=True)
+    free = admission(None, 100.0, 10.0, 51, running=8, share=5, continuous=True)
     assert free.waiting == 32 and "no TTFT goal" in free.reason  # max(2 × 5, 4 × 8)
-    floored = admission(120.0, 100.0, 10.0, 50, running=8, share=8, continuous=True)
+    floored = admission(120.0, 100.0, 10.0, 51, running=8, share=8, continuous=True)
     assert floored.waiting == 1  # at least one
     # and it does not claim that one keeps the goal: 100 ms of TTFT leave 20 ms, a slot frees every 75 ms
     assert "keep a waiting request's wait + TTFT within" not in floored.reason
@@ -227,19 +228,19 @@ def test_admission_frees_a_slot_per_request_when_continuous_and_a_batch_at_once_
     assert "keep a waiting request's wait + TTFT within the 1000 ms TTFT goal" in continuous.reason
     # where the share queues, the request time counts the TTFT once a request runs (the predicted TTFT has the wait)
     assert "(TTFT 100.0 + 50 × TPOT 10.00 = 600 ms a request)" in continuous.reason
-    queued = admission(1000.0, 100.0, 10.0, 50, running=8, share=16, continuous=True)
+    queued = admission(1000.0, 100.0, 10.0, 51, running=8, share=16, continuous=True)
     assert "(TTFT once it runs 100.0 + 50 × TPOT 10.00 = 600 ms a request)" in queued.reason
 
 
 def test_a_request_waits_only_once_every_slot_is_taken_so_its_turns_are_timed_there():
     # 8 slots, 2 requests: the workload's TTFT 100 and TPOT 10; with all 8 taken, 150 and 20. A request that waits
     # does so behind 8 running ones: 150 + 50 x 20 = 1150 ms a request, a slot every 143.75 ms; 850 ms of room.
-    busy = admission(1000.0, 100.0, 10.0, 50, running=8, share=2, continuous=True, busy=(150.0, 20.0))
+    busy = admission(1000.0, 100.0, 10.0, 51, running=8, share=2, continuous=True, busy=(150.0, 20.0))
     assert (busy.turn_ms, busy.waiting) == (143.75, 5) and "with all 8 slots taken" in busy.reason
     assert busy.queued_ttft_ms(2) == 100.0  # the workload's own requests find free slots: its TTFT
     # Timed at the workload's figures, the same queue would have been 12 (75 ms turns): a 13th waiting
     # request would see its first token at 150 + 13 x 143.75 ms, far past the goal.
-    assert admission(1000.0, 100.0, 10.0, 50, running=8, share=2, continuous=True).waiting == 12
+    assert admission(1000.0, 100.0, 10.0, 51, running=8, share=2, continuous=True).waiting == 12
 
 
 def test_the_admission_bound_does_not_depend_on_how_few_requests_the_workload_sends():
@@ -267,7 +268,7 @@ def test_the_admission_bound_does_not_depend_on_how_few_requests_the_workload_se
 
 
 def test_the_goal_counts_queueing_and_admission():
-    admitted = admission(1000.0, 100.0, 10.0, 50, running=8, share=16, continuous=True)
+    admitted = admission(1000.0, 100.0, 10.0, 51, running=8, share=16, continuous=True)
     met = goal_check(20.0, 1000.0, 10.0, concurrency=16, replicas=1, admitted=admitted)
     assert met.met and met.queued_ttft_ms == pytest.approx(100 + 8 * 75) and met.admitted == 20
     over = goal_check(20.0, 1000.0, 10.0, concurrency=24, replicas=1, admitted=admitted)

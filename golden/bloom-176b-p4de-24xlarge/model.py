@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 5914b205c2ef41e9cff30d387397b27829bb8e1b247dc83da6dcafd62f58552a
-plan sha256 6e2351fd43a140bf51782d9d39568e67453802939a7eb5823f9521562f4866f6
+plan sha256 60b7b6c66c05bda3a6d1dcd09fb9dc946d84e9ace4f6a9105cfdf1a373829699
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -5,7 +5,7 @@ tensor parallel degree 4, dynamic batches of up to 8 requests
 (waiting at most 10 ms), sequences of up to 640 tokens, on cuda.
 
 spec sha256 018278a074e4a6bf0219ceea3cdb4fecba36ad443c0ae738c1164a003fbb01b4
-plan sha256 91eda8a5079ece3ee3701748931cdd62d89353017041f56df3782546118edd35
+plan sha256 e29b90a750d515e562363709ad4a9329e511b7f1d172debe15c4b7b7a04d14bf
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 640 tokens, on cuda.
 
 spec sha256 5bd4a02c51b5dbffe58bd0a689396704b8b7ce58454301db4c60f76325ee9a0b
-plan sha256 d0313e9a9fd0a3090e4e13099f498eb5dc356efecdc415e486d74f557019d708
+plan sha256 b2f944898711be554d2179d5f2434a67c86ac791830cfbb403b1654b9d59b1b3
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

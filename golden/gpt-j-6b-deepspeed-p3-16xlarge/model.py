@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 32 requests waitin
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 acc80320a42a40dae9208e6d89131405fd98fb8c0ce86148adb41959f9aa2740
-plan sha256 24118eb5cb3043efdc02814c95093e54a49081ec728a5c25391fbfbab3a3485d
+plan sha256 20ed7d00be2d1b82c71850cd59f2c06d7d9b777bdc60b8850c23dd114034845e
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

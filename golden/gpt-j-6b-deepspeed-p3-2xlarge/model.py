@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 2 requests waiting
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 fbc3062f057d163150428e0b0908f5a0146ed33f8bc4d713345c357df84b9cc4
-plan sha256 05586ebd1c328c2db23f26c2d7a11a3fba0dd7657824d279215b23ed6a157aef
+plan sha256 4dac639de3a237d857c3fb86f06dbe16ca6ff25e1dcd4bfb0ebb6293fe51b6bd
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

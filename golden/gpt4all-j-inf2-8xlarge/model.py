@@ -7,7 +7,7 @@ No compiled Neuron graphs are packed: transformers-neuronx cannot serialize comp
 (predicted load time including the compile: 378.9 s).
 
 spec sha256 e40d889a1c529b3c6390120e5bd15e40e4163793568f446a93572fdce50f2788
-plan sha256 90074f852de1a842eab0c76d5f88a8ae5686405f87e2ff5cb3a1eb87aaab7bf5
+plan sha256 0eab7f59eb75961fdc7a572537c66605aedf6836efd4ed39afeec8d6bf8757cc
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

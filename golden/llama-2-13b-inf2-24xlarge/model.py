@@ -6,7 +6,7 @@ tensor parallel degree 8, dynamic batches of up to 8 requests
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
 spec sha256 6609a1e8ef0c88c63b617a2530a29ac85e7e1e3e25392954ff3549803e79fee1
-plan sha256 eb1af0ff5e2b45463fd73a94eaf5b8fc6656005b29e7eeff612f842936951ec5
+plan sha256 363f4034486cbc7ed1d602bb2c56aab60bf6dfa9e665d59e66d521c32c3655f2
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

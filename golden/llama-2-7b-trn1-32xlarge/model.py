@@ -6,7 +6,7 @@ tensor parallel degree 32, dynamic batches of up to 64 requests
 The Neuron graphs were compiled at build time: neuron/compiled/ (see neuron/compile.json).
 
 spec sha256 f3446da5653964c5ad3d5b0c0ec8dffa399cf9c93ddacaed04919ad9f46a77ed
-plan sha256 c460f209a38668ef56d8f3c311a0d9e7af9c3e948265a083216e2ec27cf6f3c4
+plan sha256 40597a1fc2c65d584aa9efb6397199c5be326f7acb099704959483bc50dc9fa7
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

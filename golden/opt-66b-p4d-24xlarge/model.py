@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 16 requests waitin
 sequences of up to 1280 tokens, on cuda.
 
 spec sha256 87a07523eb97a624a3e378b595439804bd0d333d5a8753e60d9ceddf07302a91
-plan sha256 7da0f1b8cb9499568e7ce078ca1ae60abbe0c9d813175eb7487ba4b5628be089
+plan sha256 0c7a665be9b08f8b2779b8df2840830a95d9802b36470a835706e6c4e05cec3a
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

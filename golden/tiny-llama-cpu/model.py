@@ -6,7 +6,7 @@ in `lmc runtime` (under DJL Serving, dynamic batches of up to 8 requests waiting
 sequences of up to 96 tokens, on cpu.
 
 spec sha256 c25d18e9d329b4d8a0e27c05e41178b17e0bdc45bf5f8773c975e1b6a0cdf299
-plan sha256 59215671e7c6175b1c9b753ff1763972d6c0a4196dd839617bdc661bfc3f1855
+plan sha256 8807023dd44db108fba9a445131bb1910f25e46f9e6d97a64cf13fcae435b3ae
 
 The lmc runtime's workers import this module and call create_engine(); DJL Serving's Python
 engine calls handle(inputs). Nothing heavy (torch, the engine) is imported until then.

@@ -8,8 +8,9 @@ throughput. Pure math over the predictions (latency.py, vllm.py) and the spec; d
   micro-batches, or one of lmc's worker groups): `running` requests decode at once; a waiting request
   starts when running ones end. A replica frees one of its `running` slots every request time / running
   (continuous batching) or all of them every request time (dynamic batching: a batch runs to its longest
-  request), a request time being TTFT + output tokens × TPOT. A request behind `w` waiting ones sees its
-  first token after the turns that free its slot, plus its own TTFT: the replica holds as many waiting
+  request), a request time being TTFT + (output tokens − 1) × TPOT (its first token comes with the TTFT). A
+  request behind `w` waiting ones sees its first token after the turns that free its slot, plus its own
+  TTFT: the replica holds as many waiting
   as keep that within the TTFT goal (vLLM's max_num_queued_reqs − running; job_queue_size for lmc's
   engines), and answers 503 beyond. Without a TTFT goal: a queue of twice the replica's share of the
   concurrency, at least four batches.
@@ -75,7 +76,8 @@ def admission(ttft_goal_ms: float | None, ttft_ms: float, tpot_ms: float, output
     own_ttft_ms = ttft_ms
     if busy is not None:
         ttft_ms, tpot_ms = busy
-    request_ms = ttft_ms + output_tokens * tpot_ms
+    gaps = max(output_tokens - 1, 0)  # the first token comes with the TTFT, as the throughput's cycle counts it
+    request_ms = ttft_ms + gaps * tpot_ms
     per_turn = 1 if continuous else running
     turn_ms = request_ms / running if continuous else request_ms
     retry = max(1, math.ceil(turn_ms / 1000))
@@ -83,7 +85,7 @@ def admission(ttft_goal_ms: float | None, ttft_ms: float, tpot_ms: float, output
              f"a batch of {running} ends every {turn_ms:.0f} ms (dynamic batching: it runs to its longest request)")
     # Where the share queues, the predicted TTFT includes that wait; a slot's turn counts the TTFT once it runs.
     first = "TTFT" if share <= running else "TTFT once it runs"
-    frees += (f" ({first} {ttft_ms:.1f} + {output_tokens} × TPOT {tpot_ms:.2f} = {request_ms:.0f} ms a request"
+    frees += (f" ({first} {ttft_ms:.1f} + {gaps} × TPOT {tpot_ms:.2f} = {request_ms:.0f} ms a request"
               + (f" with all {running} slots taken)" if busy is not None else ")"))
     if ttft_goal_ms is None:
         waiting = max(2 * share, 4 * running)

@@ -124,7 +124,7 @@ class WorkloadSpec(_Strict):
     concurrency: int = Field(default=1, ge=1, le=100_000, examples=[16],
                              description="Requests in flight at once that the plan must hold (replicas × batch) and meet the goals at.")
     requests_per_second: float | None = Field(default=None, gt=0, le=1_000_000, examples=[2.5],
-                                              description="Steady request rate to carry; sizes the instance count (a request holds its replica for TTFT + max_output_tokens × TPOT).")
+                                              description="Steady request rate to carry; sizes the instance count (a request holds its replica for TTFT + (max_output_tokens − 1) × TPOT).")
     peak_requests_per_second: float | None = Field(default=None, gt=0, le=1_000_000, examples=[10.0],
                                                    description="Peak request rate; sizes the autoscaling upper bound (needs requests_per_second, and is at least it).")
 
