@@ -381,3 +381,21 @@ def test_the_dtype_decision_says_where_a_coarser_dtype_would_win_the_objective(p
     for stem, (plan, spec) in planned.items():  # never where the dtype is pinned or the goal missed
         if spec.pin.dtype or not plan.goal_met:
             assert "would do better for optimize" not in plan.decision("dtype").reason, stem
+
+
+def test_a_vllm_plans_request_rate_is_what_its_admission_turns_give(planned):
+    """One set of figures: where every slot is taken at the stated concurrency (the admission's turns are timed at
+    the workload's own figures), a replica frees a slot every `request time / running`, so the plan's requests/s
+    is replicas / that turn (the fidelity rows' reports differed by up to 0.85 % before 2026-12-08)."""
+    checked = 0
+    for stem, (plan, spec) in planned.items():
+        if plan.vllm is None or plan.deployment.pipeline_parallel_degree > 1:
+            continue
+        reason = plan.decision("admission").reason
+        turn = re.search(r"one of (\d+) running requests ends every ([\d.]+) ms", reason)
+        if turn is None or "slots taken" in reason:  # fewer requests than slots: timed with every slot busy
+            continue
+        rate = plan.replicas * 1000 / float(turn[2])
+        assert rate == pytest.approx(plan.deployment.requests_per_second, rel=0.005, abs=0.002), stem
+        checked += 1
+    assert checked >= 15
