@@ -83,9 +83,11 @@ def render_plan(plan: Plan, spec, explain: bool = False) -> str:
                  f"max_sequence_length {plan.max_sequence_length}")
     if plan.kv_cache is not None:
         kv = plan.kv_cache
-        sliding = (f" ({plan.model.sliding_window_layers} layers slide over {plan.model.sliding_window})" if plan.model.sliding_window_layers and plan.model.sliding_window else "")
+        sliding = (f" ({plan.model.sliding_window_layers} layers slide over {plan.model.sliding_window})"
+                   if plan.model.sliding_window_layers and plan.model.sliding_window else "")
         lines.append(f"  {plan.scheduling} batching · KV {kv.blocks} blocks × {kv.block_size} tokens = "
-                     f"{kv.blocks * kv.block_size} tokens, {kv.max_concurrent_sequences} full-length sequences{sliding}")
+                     f"{kv.blocks * kv.block_size} tokens, {kv.max_concurrent_sequences} full-length "
+                     f"sequences{sliding}")
     if plan.vllm is not None:
         v = plan.vllm
         space = f" · VLLM_CPU_KVCACHE_SPACE {v.cpu_kvcache_space_gib}" if v.cpu_kvcache_space_gib else ""

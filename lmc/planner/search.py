@@ -1078,7 +1078,8 @@ def scale_decisions(spec, model: ModelFacts, hardware: HardwareFacts, chosen: Co
               + (f" (room for {per_instance})" if chosen.replicas < per_instance else ""))
     # throughput as the plan's predicted figure has it (2 places), so the report prints one number for it
     reason = (f"{chosen.replicas} replica(s) × {pp} stage(s), {placed}; they carry "
-              f"{_rate_text(chosen.requests_per_second)} requests/s (throughput {round(t.throughput_tokens_per_s, 2):.1f} tokens/s / "
+              f"{_rate_text(chosen.requests_per_second)} requests/s "
+              f"(throughput {round(t.throughput_tokens_per_s, 2):.1f} tokens/s / "
               f"{output_tokens_per_request(load)} output tokens a request)")
     if load.requests_per_second is not None:
         reason += f" for the {load.requests_per_second:g} requests/s of the workload"

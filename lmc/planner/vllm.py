@@ -450,7 +450,7 @@ def vllm_pipeline_predict(model: ModelFacts, hardware: HardwareFacts, engine: En
     from lmc.planner.scale import hop_ms, instances_for, stage_model
 
     assert hardware.network is not None  # pipeline_unsupported said so
-    running = max(1, min(layout.max_num_seqs, -(-concurrency // replicas)))
+    running = running_sequences(layout.max_num_seqs, replicas, concurrency)
     micro = -(-running // pp)
     whole = vllm_predict(model, hardware, engine, dtype, tp, 1, layout, input_tokens, output_tokens, micro)
     width = model.hidden_size * DTYPE_BYTES[compute_dtype(dtype, model, hardware)]
@@ -557,14 +557,15 @@ def kv_dtype_decision(layout: VllmLayout, hardware: HardwareFacts, spec, running
             f"{holds} sequences instead of {layout.auto_kv_sequences} and {running} run at once; K and V are "
             "rounded to fp8 as they are stored, a small accuracy cost (vLLM docs, \"Quantized KV Cache\")"))
     if spec.pin.kv_cache_dtype == "auto":
-        return Decision(key="kv_cache_dtype", value="auto", reason=f"pinned by the spec: the activations' dtype ({layout.kv_dtype})")
+        return Decision(key="kv_cache_dtype", value="auto",
+                        reason=f"pinned by the spec: the activations' dtype ({layout.kv_dtype})")
     if hardware.kind != "gpu" or "fp8" not in hardware.dtypes:
         return Decision(key="kv_cache_dtype", value="auto",
-                        reason=f"the activations' dtype ({layout.kv_dtype}): {hardware.accelerator} has no fp8 for an fp8 KV "
-                               "cache")
+                        reason=f"the activations' dtype ({layout.kv_dtype}): {hardware.accelerator} has no fp8 "
+                               "for an fp8 KV cache")
     return Decision(key="kv_cache_dtype", value="auto", reason=(
-        f"the activations' dtype ({layout.kv_dtype}): the pool runs {holds} sequences at once, enough for the {running} it runs{share}; an "
-        "fp8 cache (pin.kv_cache_dtype = \"fp8\") would hold about twice as many"))
+        f"the activations' dtype ({layout.kv_dtype}): the pool runs {holds} sequences at once, enough for the "
+        f"{running} it runs{share}; an fp8 cache (pin.kv_cache_dtype = \"fp8\") would hold about twice as many"))
 
 
 def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: HardwareFacts, layout: VllmLayout,
@@ -601,11 +602,12 @@ def vllm_decisions(out: list[Decision], spec, model: ModelFacts, hardware: Hardw
         "max_batch_delay_ms": "continuous batching: a request joins the running batch at the next step, no wait",
         "kv_cache": f"{pool}; {layout.blocks} blocks of {layout.block_size} tokens × {per_token / 1024:.1f} KiB per "
                     f"token per rank = {layout.blocks * layout.block_size} tokens"
-                    + (f" at every layer's bytes; a sequence's {model.sliding_window_layers} sliding-window layers hold "
-                       f"its last {model.sliding_window} tokens and a step's tokens in flight (vLLM's maximum counts "
-                       f"up to {layout.max_num_batched_tokens} of them, the on-demand figure a block)"
+                    + (f" at every layer's bytes; a sequence's {model.sliding_window_layers} sliding-window layers "
+                       f"hold its last {model.sliding_window} tokens and a step's tokens in flight (vLLM's maximum "
+                       f"counts up to {layout.max_num_batched_tokens} of them, the on-demand figure a block)"
                        if model.sliding_window_layers and model.sliding_window else "")
-                    + f"; {layout.max_concurrent_sequences} sequences of {layout.max_model_len} tokens (vLLM logs the pool as their "
+                    + f"; {layout.max_concurrent_sequences} sequences of {layout.max_model_len} tokens (vLLM logs the "
+                    "pool as their "
                     f"{layout.max_concurrent_sequences * layout.max_model_len} tokens: its maximum concurrency × "
                     f"max_model_len); on demand it runs {layout.sequences_on_demand} at the workload's mean length, "
                     "preempting the newest when a step finds no free block",
